@@ -1,0 +1,91 @@
+"""The small async interface every shard backend implements (HTTP, file, later S3/AIStore)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class SourceError(Exception):
+    """A problem with a shard source, phrased for the user (the message names the URL)."""
+
+
+class NotFound(SourceError):
+    """The shard (or index file) does not exist at the source."""
+
+
+class RangeNotSupported(SourceError):
+    """The server ignores Range requests, so members cannot be read without whole downloads."""
+
+
+class ShardChanged(SourceError):
+    """The shard's size/ETag/Last-Modified differ from the identity recorded at mount time."""
+
+
+class Unreachable(SourceError):
+    """No progress for longer than the deadline (network down, server stalled or failing)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShardInfo:
+    """What a source says about one shard: enough to key caches and detect changes."""
+
+    url: str
+    size: int
+    etag: str | None = None
+    last_modified: str | None = None
+
+    @property
+    def identity(self) -> str:
+        """Stable text naming this exact version of the shard (URL + size + validators)."""
+        return "\0".join((self.url, str(self.size), self.etag or "", self.last_modified or ""))
+
+
+@dataclass(slots=True)
+class SourceSettings:
+    """Network behaviour shared by all sources."""
+
+    timeout: float = 10.0  # seconds: connect / read-stall limit of one request
+    deadline: float = 60.0  # seconds without progress before a read fails with Unreachable
+    max_connections: int = 32
+    backoff_initial: float = 0.1  # seconds; doubles per retry up to backoff_max
+    backoff_max: float = 5.0
+    chunk_size: int = 1 << 20  # preferred size of yielded chunks (HTTP may yield smaller)
+
+
+@dataclass(slots=True)
+class SourceStats:
+    """Counters a source keeps; read by `shardfs stats` and the tests."""
+
+    requests: int = 0
+    bytes_received: int = 0
+    retries: int = 0
+    errors: int = 0
+    by_status: dict[int, int] = field(default_factory=dict)
+
+
+class Source(Protocol):
+    """One backend. All methods run on the trio event loop and must not block it."""
+
+    stats: SourceStats
+
+    async def stat(self, url: str) -> ShardInfo:
+        """Size and validators of a shard; checks the source can serve byte ranges.
+
+        Raises NotFound, RangeNotSupported, Unreachable, SourceError."""
+        ...
+
+    def stream(self, shard: ShardInfo, start: int, end: int) -> AsyncIterator[bytes]:
+        """Yield the bytes [start, end) of `shard`, in order, in chunks.
+
+        Resumes from the last byte yielded after a dropped connection, retries with backoff
+        on 5xx and network errors, raises Unreachable after `deadline` seconds without
+        progress, and ShardChanged if the source now serves a different version."""
+        ...
+
+    async def fetch_optional(self, url: str) -> bytes | None:
+        """A small whole object (e.g. an index file next to a shard); None if it does not exist."""
+        ...
+
+    async def aclose(self) -> None: ...
