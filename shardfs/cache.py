@@ -1,0 +1,228 @@
+"""Shard bytes on local disk: what has arrived, the byte budget, LRU eviction, crash safety.
+
+Layout under the cache dir:
+    lock                 flock()ed by the one daemon using this cache dir
+    shards/KEY           a complete shard (KEY = hash of the shard's identity: URL+size+ETag)
+    shards/KEY.part      a shard being fetched; never taken for complete (removed at start-up)
+    index/KEY.idx        a shard's member index
+    trees/KEY.tree       the merged namespace for one list of shards
+
+A shard only gets its final name after all its bytes were written and fdatasync()ed, so a
+crash or kill -9 at any point leaves at most a `.part` file, which the next start deletes.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+log = logging.getLogger(__name__)
+
+
+class CacheError(Exception):
+    """The cache dir cannot be used (not writable, or in use by another daemon)."""
+
+
+def shard_key(identity: str) -> str:
+    return hashlib.sha256(identity.encode("utf-8", "surrogateescape")).hexdigest()[:40]
+
+
+@dataclass(slots=True)
+class CachedShard:
+    key: str
+    size: int
+    fd: int | None = None  # opened lazily for pread, closed on eviction
+
+
+@dataclass(slots=True)
+class PartFile:
+    """A shard being written. Bytes [0, written) are on disk and may be read with pread."""
+
+    key: str
+    size: int
+    fd: int
+    path: Path
+
+
+class ShardCache:
+    def __init__(self, root: Path, budget: int) -> None:
+        self.root = root
+        self.budget = budget
+        self.shards_dir = root / "shards"
+        self.index_dir = root / "index"
+        self.trees_dir = root / "trees"
+        self._complete: OrderedDict[str, CachedShard] = OrderedDict()  # LRU order, oldest first
+        self._reserved: dict[str, int] = {}  # in-progress fetches: key -> bytes reserved
+        self._pins: dict[str, int] = {}  # key -> readers waiting on it; never evicted meanwhile
+        self._lock_fd: int | None = None
+        self.evictions = 0
+        self.evicted_bytes = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def open(self) -> None:
+        """Create the layout, take the lock, drop crash leftovers, adopt complete shards."""
+        try:
+            for d in (self.root, self.shards_dir, self.index_dir, self.trees_dir):
+                d.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise CacheError(f"cache dir {self.root} is not usable: {exc.strerror}") from None
+        if not os.access(self.root, os.W_OK):
+            raise CacheError(f"cache dir {self.root} is not writable")
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                raise
+            holder = os.pread(self._lock_fd, 32, 0).decode(errors="replace").strip()
+            raise CacheError(
+                f"cache dir {self.root} is in use by another shardfs daemon (pid {holder or '?'});"
+                " give each mount its own --cache-dir"
+            ) from None
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, str(os.getpid()).encode(), 0)
+        self._adopt_existing()
+
+    def _adopt_existing(self) -> None:
+        found = []
+        for entry in os.scandir(self.shards_dir):
+            if entry.name.endswith(".part") or ".tmp" in entry.name:
+                os.unlink(entry.path)  # a fetch interrupted by a crash: never trusted
+                log.info("removed partial shard left by an earlier run: %s", entry.name)
+                continue
+            st = entry.stat()
+            found.append((st.st_atime_ns, entry.name, st.st_size))
+        for _, key, size in sorted(found):  # oldest access first = LRU order
+            self._complete[key] = CachedShard(key, size)
+        self.evict_to_fit(0)  # the budget may have shrunk since the last run
+
+    def close(self) -> None:
+        for shard in self._complete.values():
+            if shard.fd is not None:
+                os.close(shard.fd)
+                shard.fd = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # -- accounting ------------------------------------------------------------------------
+    @property
+    def used(self) -> int:
+        return sum(s.size for s in self._complete.values()) + sum(self._reserved.values())
+
+    @property
+    def complete_count(self) -> int:
+        return len(self._complete)
+
+    def has(self, key: str) -> bool:
+        return key in self._complete
+
+    def evict_to_fit(self, need: int) -> bool:
+        """Evict least recently used unpinned shards until `need` more bytes fit."""
+        used = self.used
+        for key in list(self._complete):
+            if used + need <= self.budget:
+                break
+            shard = self._complete[key]
+            if self._pins.get(key):
+                continue
+            self._evict(shard)
+            used -= shard.size
+        return used + need <= self.budget
+
+    def _evict(self, shard: CachedShard) -> None:
+        del self._complete[shard.key]
+        if shard.fd is not None:
+            os.close(shard.fd)
+        (self.shards_dir / shard.key).unlink(missing_ok=True)
+        self.evictions += 1
+        self.evicted_bytes += shard.size
+        log.info("evicted shard %s (%d bytes) to stay within budget", shard.key, shard.size)
+
+    def pin(self, key: str) -> None:
+        self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, key: str) -> None:
+        left = self._pins[key] - 1
+        if left:
+            self._pins[key] = left
+        else:
+            del self._pins[key]
+
+    # -- complete shards -------------------------------------------------------------------
+    def get(self, key: str) -> CachedShard | None:
+        """A complete shard with an open fd, marked most recently used; None if not cached."""
+        shard = self._complete.get(key)
+        if shard is None:
+            return None
+        self._complete.move_to_end(key)
+        if shard.fd is None:
+            try:
+                shard.fd = os.open(self.shards_dir / key, os.O_RDONLY)
+            except FileNotFoundError:  # removed behind our back: forget it
+                del self._complete[key]
+                return None
+        return shard
+
+    # -- shards being fetched --------------------------------------------------------------
+    def reserve(self, key: str, size: int, *, evict: bool = True) -> bool:
+        """Claim room for a shard about to be fetched; False if it cannot fit."""
+        if key in self._reserved or key in self._complete:
+            return False
+        if size > self.budget:
+            return False
+        ok = self.evict_to_fit(size) if evict else self.used + size <= self.budget
+        if ok:
+            self._reserved[key] = size
+        return ok
+
+    def begin(self, key: str, size: int) -> PartFile:
+        """Create the .part file for a reserved shard (sparse, full size, so pread works)."""
+        path = self.shards_dir / f"{key}.part"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, size)
+        except OSError:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        return PartFile(key, size, fd, path)
+
+    async def commit(self, part: PartFile) -> CachedShard:
+        """Make a fully written shard durable, then give it its final name."""
+        await trio.to_thread.run_sync(os.fdatasync, part.fd)
+        os.replace(part.path, self.shards_dir / part.key)
+        self._reserved.pop(part.key, None)
+        shard = CachedShard(part.key, part.size, fd=part.fd)
+        self._complete[part.key] = shard
+        return shard
+
+    def abort(self, part: PartFile | None, key: str) -> None:
+        """Drop a fetch that failed: its bytes are never used again."""
+        self._reserved.pop(key, None)
+        if part is not None:
+            os.close(part.fd)
+            part.path.unlink(missing_ok=True)
+
+    def adopt_file(self, key: str, path: Path) -> None:
+        """Move an already complete, synced file (e.g. written while indexing) into the cache."""
+        os.replace(path, self.shards_dir / key)
+        size = self._reserved.pop(key, None)
+        if size is None:
+            size = os.stat(self.shards_dir / key).st_size
+        self._complete[key] = CachedShard(key, size)
+
+    # -- index and tree files --------------------------------------------------------------
+    def index_path(self, key: str) -> Path:
+        return self.index_dir / f"{key}.idx"
+
+    def tree_path(self, key: str) -> Path:
+        return self.trees_dir / f"{key}.tree"

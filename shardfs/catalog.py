@@ -1,0 +1,286 @@
+"""The index of every shard's members: found, built or reused before the mount appears.
+
+For each shard, in order of preference:
+  1. the cached index in the cache dir, keyed by the shard's identity (URL + size + ETag);
+  2. a published index file next to the shard (`<shard>.shardfs.idx`), used when it is valid
+     for that shard (its size, its own checksum);
+  3. a scan of the shard: local files are walked header to header with seeks; remote shards
+     are streamed once (in parallel), and the streamed bytes also warm the cache when they fit.
+The merged tree is built in a child process (so the daemon never holds the per-member build
+state) and cached too, so a remount of the same shards needs only one request per shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import trio
+
+from shardfs.aioutil import first_error
+from shardfs.cache import ShardCache, shard_key
+from shardfs.shardindex import (
+    INDEX_SUFFIX,
+    IndexFormatError,
+    ShardIndex,
+    decode_index,
+    encode_index,
+)
+from shardfs.sources import ShardInfo, Source, SourceError, Sources
+from shardfs.tar import TarError, TarScanner
+from shardfs.tree import TREE_FORMAT, Tree
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str, int, int], None]  # (phase, done, total)
+_LOCAL_READ = 256 * 1024
+
+
+class CatalogError(Exception):
+    """A shard could not be listed; the message names it and says why."""
+
+
+@dataclass(slots=True)
+class Catalog:
+    shards: list[ShardInfo]
+    keys: list[str]  # cache key of each shard
+    sha256: list[str | None]  # whole-shard digest when known (verifies complete fetches)
+    tree: Tree
+    indexed_bytes: int = 0  # bytes streamed to build indexes in this run
+    warmed: int = 0  # shards cached while indexing
+
+
+def local_path(url: str) -> str | None:
+    parts = urlsplit(url)
+    return unquote(parts.path) if parts.scheme == "file" else None
+
+
+def scan_local_file(path: str) -> ShardIndex:
+    """Index a local tar by walking its headers, seeking over member data."""
+    size = os.stat(path).st_size
+    index = ShardIndex(size=size)
+    scanner = TarScanner()
+    with open(path, "rb", buffering=0) as f:
+        while not scanner.done:
+            skip = scanner.skippable
+            if skip > _LOCAL_READ:
+                f.seek(skip, os.SEEK_CUR)
+                scanner.skip(skip)
+                continue
+            chunk = f.read(_LOCAL_READ)
+            if not chunk:
+                break
+            index.extend(scanner.feed(chunk))
+    scanner.finish()
+    index.skipped = dict(scanner.skipped)
+    return index
+
+
+async def scan_stream(
+    source: Source, info: ShardInfo, warm_fd: int | None, on_bytes: Callable[[int], None]
+) -> ShardIndex:
+    """Index a remote tar by streaming it once; optionally write the bytes to `warm_fd`."""
+    index = ShardIndex(size=info.size)
+    scanner = TarScanner()
+    digest = hashlib.sha256()
+    pos = 0
+    async for chunk in source.stream(info, 0, info.size):
+        digest.update(chunk)
+        if not scanner.done:
+            index.extend(scanner.feed(chunk))
+        if warm_fd is not None:
+            os.pwrite(warm_fd, chunk, pos)
+        pos += len(chunk)
+        on_bytes(len(chunk))
+    scanner.finish()
+    index.sha256 = digest.hexdigest()
+    index.skipped = dict(scanner.skipped)
+    return index
+
+
+class _Indexer:
+    def __init__(self, sources: Sources, cache: ShardCache | None, progress: Progress | None,
+                 warm: bool) -> None:
+        self.sources = sources
+        self.cache = cache
+        self.progress = progress
+        self.warm = warm
+        self.streamed = 0
+        self.warmed = 0
+        self.done = 0
+
+    def _report(self, phase: str, done: int, total: int) -> None:
+        if self.progress is not None:
+            self.progress(phase, done, total)
+
+    def _count(self, n: int) -> None:
+        self.streamed += n
+
+    async def index(self, info: ShardInfo, key: str) -> ShardIndex:
+        """The index of one shard: cached, published or scanned, and cached afterwards."""
+        cached = self.cache.index_path(key) if self.cache else None
+        if cached is not None and cached.exists():
+            try:
+                data = await trio.Path(cached).read_bytes()
+                return decode_index(data, expect_size=info.size)
+            except IndexFormatError as exc:
+                log.warning("ignoring damaged cached index %s: %s", cached, exc)
+        index = await self._published(info)
+        if index is None:
+            index = await self._scan(info, key)
+        if cached is not None:
+            await trio.to_thread.run_sync(_write_atomic, cached, encode_index(index))
+        return index
+
+    async def _published(self, info: ShardInfo) -> ShardIndex | None:
+        url = info.url + INDEX_SUFFIX
+        data = await self.sources.for_url(url).fetch_optional(url)
+        if data is None:
+            return None
+        try:
+            return decode_index(data, expect_size=info.size)
+        except IndexFormatError as exc:
+            log.warning("ignoring index %s: %s; scanning the shard instead", url, exc)
+            return None
+
+    async def _scan(self, info: ShardInfo, key: str) -> ShardIndex:
+        path = local_path(info.url)
+        try:
+            if path is not None:
+                return await trio.to_thread.run_sync(scan_local_file, path)
+            return await self._scan_remote(info, key)
+        except TarError as exc:
+            raise CatalogError(f"{info.url}: not a usable tar shard: {exc}") from None
+
+    async def _scan_remote(self, info: ShardInfo, key: str) -> ShardIndex:
+        cache = self.cache
+        part = None
+        # Warm the cache with the bytes we must stream anyway, but only into free room.
+        if cache is not None and self.warm and cache.reserve(key, info.size, evict=False):
+            part = cache.begin(key, info.size)
+        try:
+            index = await scan_stream(self.sources.for_url(info.url), info,
+                                      part.fd if part else None, self._count)
+        except BaseException:
+            if cache is not None and part is not None:
+                cache.abort(part, key)
+            raise
+        if cache is not None and part is not None:
+            await cache.commit(part)
+            self.warmed += 1
+        return index
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+async def stat_all(urls: list[str], sources: Sources, parallel: int = 32) -> list[ShardInfo]:
+    """Size and validators of every shard, in parallel; one error message for all failures."""
+    infos: list[ShardInfo | None] = [None] * len(urls)
+    errors: list[str] = []
+    limiter = trio.CapacityLimiter(parallel)
+
+    async def one(i: int, url: str) -> None:
+        async with limiter:
+            try:
+                infos[i] = await sources.for_url(url).stat(url)
+            except SourceError as exc:
+                errors.append(str(exc))
+
+    with first_error():
+        async with trio.open_nursery() as nursery:
+            for i, url in enumerate(urls):
+                nursery.start_soon(one, i, url)
+    if errors:
+        more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+        raise CatalogError("; ".join(errors[:3]) + more)
+    return [i for i in infos if i is not None]
+
+
+async def index_all(infos: list[ShardInfo], sources: Sources, cache: ShardCache | None, *,
+                    progress: Progress | None = None, parallel: int = 8, warm: bool = True,
+                    on_index: Callable[[int, ShardIndex], None] | None = None) -> _Indexer:
+    """Make sure every shard has an index (calling on_index with each), in parallel."""
+    indexer = _Indexer(sources, cache, progress, warm)
+    limiter = trio.CapacityLimiter(parallel)
+    keys = [shard_key(info.identity) for info in infos]
+
+    async def one(i: int) -> None:
+        async with limiter:
+            index = await indexer.index(infos[i], keys[i])
+        if on_index is not None:
+            on_index(i, index)
+        indexer.done += 1
+        indexer._report("index", indexer.done, len(infos))
+
+    with first_error():
+        async with trio.open_nursery() as nursery:
+            for i in range(len(infos)):
+                nursery.start_soon(one, i)
+    return indexer
+
+
+def tree_key(infos: list[ShardInfo]) -> str:
+    text = TREE_FORMAT + "\n" + "\n".join(info.identity for info in infos)
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:40]
+
+
+async def _build_tree_file(index_paths: list[Path], out: Path) -> dict:
+    """Run the tree build in a child process; its peak memory never becomes the daemon's."""
+    with tempfile.NamedTemporaryFile("w", suffix=".list", dir=out.parent, delete=False) as f:
+        f.write("\n".join(str(p) for p in index_paths))
+        list_file = f.name
+    try:
+        result = await trio.run_process(
+            [sys.executable, "-m", "shardfs.treebuild", list_file, str(out)],
+            capture_stdout=True, capture_stderr=True, check=False,
+        )
+    finally:
+        os.unlink(list_file)
+    if result.returncode != 0:
+        raise CatalogError(f"building the tree failed: {result.stderr.decode(errors='replace')}")
+    return json.loads(result.stdout)
+
+
+def _read_sha256(path: Path) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.readline()).get("sha256")
+    except (OSError, ValueError):
+        return None
+
+
+async def open_catalog(urls: list[str], sources: Sources, cache: ShardCache, *,
+                       progress: Progress | None = None, parallel: int = 8,
+                       warm: bool = True) -> Catalog:
+    """Everything the mount needs before it appears: shard identities and the merged tree."""
+    infos = await stat_all(urls, sources)
+    keys = [shard_key(info.identity) for info in infos]
+    tree_path = cache.tree_path(tree_key(infos))
+    indexer = None
+    if not tree_path.exists():
+        indexer = await index_all(infos, sources, cache, progress=progress, parallel=parallel,
+                                  warm=warm)
+        report = await _build_tree_file([cache.index_path(k) for k in keys], tree_path)
+        log.info("tree built: %s", report)
+    try:
+        tree = await trio.to_thread.run_sync(Tree.load, tree_path)
+    except (OSError, ValueError, EOFError) as exc:
+        tree_path.unlink(missing_ok=True)
+        raise CatalogError(f"cached tree {tree_path} is damaged ({exc}); mount again") from None
+    sha = [_read_sha256(cache.index_path(k)) for k in keys]
+    return Catalog(shards=infos, keys=keys, sha256=sha, tree=tree,
+                   indexed_bytes=indexer.streamed if indexer else 0,
+                   warmed=indexer.warmed if indexer else 0)

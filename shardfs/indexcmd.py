@@ -1,0 +1,68 @@
+"""`shardfs index SOURCE... -o DIR`: write index files to publish next to the shards."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import trio
+
+from shardfs.aioutil import first_error
+from shardfs.catalog import CatalogError, scan_stream, stat_all
+from shardfs.progress import ProgressLine
+from shardfs.shardindex import INDEX_SUFFIX, encode_index
+from shardfs.sources import ShardInfo, SourceError, Sources, SourceSettings
+from shardfs.tar import TarError
+
+log = logging.getLogger(__name__)
+
+
+def index_name(url: str) -> str:
+    """`.../train-000003.tar` -> `train-000003.tar.shardfs.idx`."""
+    return unquote(urlsplit(url).path.rsplit("/", 1)[-1]) + INDEX_SUFFIX
+
+
+async def _write_all(urls: list[str], out: Path, parallel: int) -> int:
+    sources = Sources(SourceSettings())
+    progress = ProgressLine("indexing shards")
+    try:
+        infos = await stat_all(urls, sources)
+        names = [index_name(info.url) for info in infos]
+        if len(set(names)) != len(names):
+            raise CatalogError("two shards have the same file name; index them separately")
+        limiter = trio.CapacityLimiter(parallel)
+        done = 0
+
+        async def one(info: ShardInfo, name: str) -> None:
+            nonlocal done
+            async with limiter:
+                try:
+                    index = await scan_stream(sources.for_url(info.url), info, None,
+                                              lambda n: None)
+                except TarError as exc:
+                    raise CatalogError(f"{info.url}: not a usable tar shard: {exc}") from None
+            await trio.Path(out / name).write_bytes(encode_index(index))
+            done += 1
+            progress.update("index", done, len(infos))
+
+        with first_error():
+            async with trio.open_nursery() as nursery:
+                for info, name in zip(infos, names, strict=True):
+                    nursery.start_soon(one, info, name)
+        progress.close()
+        return len(infos)
+    finally:
+        await sources.aclose()
+
+
+def write_indexes(urls: list[str], out: Path, *, parallel: int = 8) -> int:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        count = trio.run(_write_all, urls, out, parallel)
+    except (CatalogError, SourceError, OSError) as exc:
+        print(f"shardfs: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {count} index files to {out}; publish each next to its shard")
+    return 0

@@ -1,0 +1,337 @@
+"""The read-ahead policy: what to fetch, when, and how much.
+
+- A member whose shard is cached is read from the cache file with no await in between.
+- Otherwise the read starts (or joins) a sequential whole-shard fetch and waits only until
+  its own bytes have arrived — when its bytes are within `wait_ahead` of the fetch frontier.
+- Reads far ahead of the frontier, reads of shards waiting for a fetch slot, and reads of
+  shards that are not worth caching whole fetch just their member (or a block of a large
+  member), so the bytes fetched stay close to the bytes read.
+
+When is a whole shard worth caching? When the dataset fits in the cache budget, always. When
+it does not, only while the *working set* — the distinct shards touched by the last
+`working_set_reads` reads — fits in the budget. A shard-aware sampler (few shards in flight)
+keeps the working set small, so whole shards stream through the cache; plain random access
+over a dataset larger than the cache touches every shard, so the reader switches to member
+reads instead of thrashing an LRU of whole shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+import logging
+import os
+import time
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
+
+import trio
+from cachetools import LRUCache
+
+from shardfs.cache import PartFile, ShardCache
+from shardfs.catalog import Catalog
+from shardfs.sources import ShardChanged, SourceError, Sources
+
+log = logging.getLogger(__name__)
+MiB = 1 << 20
+
+
+@dataclass(slots=True)
+class ReadPolicy:
+    max_fetches: int = 4  # whole-shard fetches at once
+    max_member_fetches: int = 32  # member/block fetches at once
+    wait_ahead: int = 16 * MiB  # a read this close ahead of a fetch's frontier waits for it
+    working_set_reads: int = 512  # recent reads that define the working set
+    member_block: int = 4 * MiB  # larger members are fetched in blocks of this size
+    member_cache: int = 64 * MiB  # RAM for recently fetched members/blocks
+    prefetch: str = "touched"  # "touched": shards once read; "all": warm all if they fit
+
+
+@dataclass(slots=True)
+class ReaderStats:
+    reads: int = 0
+    bytes_served: int = 0
+    cache_hits: int = 0  # reads served from a complete cached shard
+    frontier_hits: int = 0  # served from a shard still being fetched, bytes already there
+    waits: int = 0  # reads that waited for a fetch's frontier
+    member_fetches: int = 0
+    member_bytes: int = 0
+    shard_fetches_started: int = 0
+    shard_fetches_done: int = 0
+    shard_bytes: int = 0
+    fetch_errors: int = 0
+    eio: int = 0
+
+
+class ReadError(Exception):
+    """A read that must fail with EIO (source unreachable past the deadline, shard changed)."""
+
+
+class Fetch:
+    """One whole-shard download in progress; readers wait on its frontier."""
+
+    def __init__(self, shard: int, part: PartFile) -> None:
+        self.shard = shard
+        self.part = part
+        self.arrived = 0
+        self.failed: BaseException | None = None
+        self._waiters: list[tuple[int, int, trio.Event]] = []
+        self._seq = itertools.count()
+
+    def advance(self, n: int) -> None:
+        self.arrived += n
+        while self._waiters and self._waiters[0][0] <= self.arrived:
+            heapq.heappop(self._waiters)[2].set()
+
+    def fail(self, exc: BaseException) -> None:
+        self.failed = exc
+        for _, _, event in self._waiters:
+            event.set()
+        self._waiters.clear()
+
+    async def wait_for(self, end: int) -> None:
+        if self.arrived < end and self.failed is None:
+            event = trio.Event()
+            heapq.heappush(self._waiters, (end, next(self._seq), event))
+            await event.wait()
+        if self.arrived < end:
+            raise FetchFailed(self.failed)
+
+
+class FetchFailed(Exception):
+    def __init__(self, cause: BaseException | None) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+@dataclass(slots=True)
+class _PendingBlock:
+    done: trio.Event = field(default_factory=trio.Event)
+    data: bytes = b""
+    error: str | None = "fetch did not complete"  # cleared on success
+
+
+class Reader:
+    def __init__(self, catalog: Catalog, cache: ShardCache, sources: Sources,
+                 policy: ReadPolicy | None = None) -> None:
+        self.catalog = catalog
+        self.cache = cache
+        self.sources = sources
+        self.policy = policy or ReadPolicy()
+        self.stats = ReaderStats()
+        self.fetches: dict[int, Fetch] = {}
+        self._queue: OrderedDict[int, None] = OrderedDict()  # shards waiting for a fetch slot
+        self._recent: deque[int] = deque()
+        self._recent_count: Counter[int] = Counter()
+        self._working_set_bytes = 0
+        self._blocks: LRUCache = LRUCache(maxsize=self.policy.member_cache, getsizeof=len)
+        self._block_inflight: dict[tuple[int, int], _PendingBlock] = {}
+        self._member_limiter = trio.CapacityLimiter(self.policy.max_member_fetches)
+        self._nursery: trio.Nursery | None = None
+        self.dataset_bytes = sum(info.size for info in catalog.shards)
+        self.started = time.monotonic()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the background fetch tasks; runs until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            if self.policy.prefetch == "all" and self._dataset_fits():
+                for shard in range(len(self.catalog.shards)):
+                    if not self.cache.has(self.catalog.keys[shard]):
+                        self._queue[shard] = None
+                self._start_queued()
+            task_status.started()
+            await trio.sleep_forever()
+
+    def _dataset_fits(self) -> bool:
+        return self.dataset_bytes <= self.cache.budget
+
+    # -- the read path ---------------------------------------------------------------------
+    async def read(self, shard: int, member_off: int, member_size: int, off: int,
+                   size: int) -> bytes:
+        """Bytes [off, off+size) of a member (clipped to its end); ReadError -> EIO."""
+        if off >= member_size or size <= 0:
+            return b""
+        size = min(size, member_size - off)
+        start = member_off + off
+        end = start + size
+        stats = self.stats
+        stats.reads += 1
+        stats.bytes_served += size
+        self._note_access(shard)
+        key = self.catalog.keys[shard]
+        cached = self.cache.get(key)
+        if cached is not None:
+            stats.cache_hits += 1
+            return os.pread(cached.fd, size, start)  # type: ignore[arg-type]
+        fetch = self.fetches.get(shard) or self._maybe_start(shard)
+        if fetch is not None and fetch.failed is None:
+            if end <= fetch.arrived:
+                stats.frontier_hits += 1
+                return os.pread(fetch.part.fd, size, start)
+            if start - fetch.arrived <= self.policy.wait_ahead:
+                data = await self._wait_and_read(fetch, key, start, end)
+                if data is not None:
+                    return data
+        return await self._read_blocks(shard, member_off, member_size, start, end)
+
+    async def _wait_and_read(self, fetch: Fetch, key: str, start: int, end: int) -> bytes | None:
+        """Wait for a fetch's frontier to pass `end`; None if the fetch died of a local cause."""
+        self.stats.waits += 1
+        self.cache.pin(key)  # the shard may complete meanwhile; it must not be evicted under us
+        try:
+            await fetch.wait_for(end)
+            return os.pread(fetch.part.fd, end - start, start)
+        except FetchFailed as exc:
+            if isinstance(exc.cause, SourceError):
+                self.stats.eio += 1
+                raise ReadError(str(exc.cause)) from None
+            return None  # e.g. the local disk filled up: fall back to member reads
+        finally:
+            self.cache.unpin(key)
+
+    def _note_access(self, shard: int) -> None:
+        recent, count = self._recent, self._recent_count
+        recent.append(shard)
+        if count[shard] == 0:
+            self._working_set_bytes += self.catalog.shards[shard].size
+        count[shard] += 1
+        if len(recent) > self.policy.working_set_reads:
+            old = recent.popleft()
+            count[old] -= 1
+            if count[old] == 0:
+                del count[old]
+                self._working_set_bytes -= self.catalog.shards[old].size
+
+    def _whole_shard_pays(self) -> bool:
+        return self._dataset_fits() or self._working_set_bytes <= self.cache.budget
+
+    # -- whole-shard fetches ---------------------------------------------------------------
+    def _maybe_start(self, shard: int) -> Fetch | None:
+        if not self._whole_shard_pays():
+            return None
+        if len(self.fetches) >= self.policy.max_fetches:
+            self._queue[shard] = None
+            return None
+        return self._start(shard)
+
+    def _start(self, shard: int) -> Fetch | None:
+        info, key = self.catalog.shards[shard], self.catalog.keys[shard]
+        if not self.cache.reserve(key, info.size):
+            return None  # no room without evicting shards in use: member reads instead
+        try:
+            part = self.cache.begin(key, info.size)
+        except OSError as exc:
+            self.cache.abort(None, key)
+            log.warning("cannot cache %s (%s); reading its members directly", info.url, exc)
+            return None
+        fetch = Fetch(shard, part)
+        self.fetches[shard] = fetch
+        self._queue.pop(shard, None)
+        self.stats.shard_fetches_started += 1
+        assert self._nursery is not None, "Reader.run() must be started before reads"
+        self._nursery.start_soon(self._run_fetch, fetch)
+        return fetch
+
+    def _start_queued(self) -> None:
+        while self._queue and len(self.fetches) < self.policy.max_fetches:
+            shard, _ = self._queue.popitem(last=False)
+            wanted = self.policy.prefetch == "all" or self._recent_count[shard] > 0
+            if shard in self.fetches or self.cache.has(self.catalog.keys[shard]) or not wanted:
+                continue
+            if self._whole_shard_pays():
+                self._start(shard)
+
+    async def _run_fetch(self, fetch: Fetch) -> None:
+        shard = fetch.shard
+        info, key = self.catalog.shards[shard], self.catalog.keys[shard]
+        expected = self.catalog.sha256[shard]
+        digest = hashlib.sha256() if expected else None
+        began = time.monotonic()
+        try:
+            source = self.sources.for_url(info.url)
+            async for chunk in source.stream(info, 0, info.size):
+                os.pwrite(fetch.part.fd, chunk, fetch.arrived)
+                if digest is not None:
+                    digest.update(chunk)
+                self.stats.shard_bytes += len(chunk)
+                fetch.advance(len(chunk))
+            if digest is not None and digest.hexdigest() != expected:
+                raise ShardChanged(f"{info.url}: content differs from its index (sha256)")
+            await self.cache.commit(fetch.part)
+            self.stats.shard_fetches_done += 1
+            took = time.monotonic() - began
+            log.info("fetched shard %s: %d bytes in %.2f s (%.1f MB/s)", info.url, info.size,
+                     took, info.size / max(took, 1e-6) / 1e6)
+        except (SourceError, OSError) as exc:
+            self.stats.fetch_errors += 1
+            log.error("fetching shard %s failed: %s", info.url, exc)
+            fetch.fail(exc)
+            self.cache.abort(fetch.part, key)
+        except BaseException as exc:  # cancelled at shutdown: release waiters, drop the part
+            fetch.fail(exc)
+            self.cache.abort(fetch.part, key)
+            raise
+        finally:
+            del self.fetches[shard]
+            self._start_queued()
+
+    # -- member / block reads --------------------------------------------------------------
+    async def _read_blocks(self, shard: int, member_off: int, member_size: int, start: int,
+                           end: int) -> bytes:
+        pieces = []
+        pos = start
+        block = self.policy.member_block
+        member_end = member_off + member_size
+        while pos < end:
+            if member_size <= block:
+                bstart, bend = member_off, member_end
+            else:
+                bstart = member_off + (pos - member_off) // block * block
+                bend = min(bstart + block, member_end)
+            data = await self._block(shard, bstart, bend)
+            take = min(end, bend) - pos
+            pieces.append(data[pos - bstart : pos - bstart + take])
+            pos += take
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    async def _block(self, shard: int, start: int, end: int) -> bytes:
+        key = (shard, start)
+        data = self._blocks.get(key)
+        if data is not None:
+            return data
+        pending = self._block_inflight.get(key)
+        if pending is not None:  # someone is fetching it already: share the outcome
+            await pending.done.wait()
+            if pending.error is not None:
+                raise ReadError(pending.error)
+            return pending.data
+        pending = self._block_inflight[key] = _PendingBlock()
+        try:
+            pending.data = await self._fetch_range(shard, start, end)
+            pending.error = None
+            if len(pending.data) <= self._blocks.maxsize:
+                self._blocks[key] = pending.data
+            return pending.data
+        except ReadError as exc:
+            pending.error = str(exc)
+            raise
+        finally:
+            del self._block_inflight[key]
+            pending.done.set()
+
+    async def _fetch_range(self, shard: int, start: int, end: int) -> bytes:
+        info = self.catalog.shards[shard]
+        async with self._member_limiter:
+            try:
+                chunks = [c async for c in self.sources.for_url(info.url).stream(info, start, end)]
+            except SourceError as exc:
+                self.stats.fetch_errors += 1
+                self.stats.eio += 1
+                log.error("reading %s [%d, %d) failed: %s", info.url, start, end, exc)
+                raise ReadError(str(exc)) from None
+        self.stats.member_fetches += 1
+        self.stats.member_bytes += end - start
+        return b"".join(chunks)

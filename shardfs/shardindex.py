@@ -1,0 +1,148 @@
+"""One shard's member list in columnar form, and its on-disk index file format.
+
+Columns (not one object per member) keep 1.3 M members affordable in memory.
+
+Index file format (`<shard>.shardfs.idx`, also cached under the cache dir):
+    line 1: JSON header {"format": "shardfs-index/1", "size": ..., "sha256": ...|null,
+            "members": N, "body_sha256": ..., "skipped": {...}}
+    then one line per member: KIND \t OFFSET \t SIZE \t MTIME \t MODE \t PATH [\t LINKNAME]
+with backslash escapes for backslash, tab and newline inside PATH/LINKNAME (bytes, not text).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from array import array
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from shardfs.tar import Member
+
+INDEX_FORMAT = "shardfs-index/1"
+INDEX_SUFFIX = ".shardfs.idx"
+
+KIND_FILE, KIND_DIR, KIND_LINK = ord("f"), ord("d"), ord("l")
+
+
+class IndexFormatError(ValueError):
+    """An index file that is corrupt, of another format, or for another shard."""
+
+
+@dataclass(slots=True)
+class ShardIndex:
+    size: int  # size of the shard the index describes
+    sha256: str | None = None  # of the whole shard, when the indexer saw every byte
+    paths: list[bytes] = field(default_factory=list)
+    kinds: bytearray = field(default_factory=bytearray)
+    offsets: array = field(default_factory=lambda: array("Q"))
+    sizes: array = field(default_factory=lambda: array("Q"))
+    mtimes: array = field(default_factory=lambda: array("q"))
+    modes: array = field(default_factory=lambda: array("H"))
+    links: dict[int, bytes] = field(default_factory=dict)  # member position -> symlink target
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def add(self, member: Member) -> None:
+        if member.kind == "l":
+            self.links[len(self.paths)] = member.linkname
+        self.paths.append(member.path)
+        self.kinds.append(ord(member.kind))
+        self.offsets.append(member.offset)
+        self.sizes.append(member.size)
+        self.mtimes.append(member.mtime)
+        self.modes.append(member.mode)
+
+    def extend(self, members: Iterable[Member]) -> None:
+        for member in members:
+            self.add(member)
+
+    def data_end(self) -> int:
+        """Largest data end offset: a shard smaller than this cannot hold these members."""
+        return max((o + s for o, s in zip(self.offsets, self.sizes, strict=True)), default=0)
+
+
+def _escape(raw: bytes) -> bytes:
+    if b"\\" in raw or b"\t" in raw or b"\n" in raw:
+        return raw.replace(b"\\", b"\\\\").replace(b"\t", b"\\t").replace(b"\n", b"\\n")
+    return raw
+
+
+def _unescape(raw: bytes) -> bytes:
+    if b"\\" not in raw:
+        return raw
+    out = bytearray()
+    i = 0
+    while i < len(raw):
+        c = raw[i]
+        if c == 0x5C and i + 1 < len(raw):
+            nxt = raw[i + 1]
+            out.append({0x74: 0x09, 0x6E: 0x0A}.get(nxt, nxt))
+            i += 2
+        else:
+            out.append(c)
+            i += 1
+    return bytes(out)
+
+
+def encode_index(index: ShardIndex) -> bytes:
+    lines = []
+    for i, path in enumerate(index.paths):
+        line = b"%c\t%d\t%d\t%d\t%d\t%s" % (
+            index.kinds[i],
+            index.offsets[i],
+            index.sizes[i],
+            index.mtimes[i],
+            index.modes[i],
+            _escape(path),
+        )
+        if i in index.links:
+            line += b"\t" + _escape(index.links[i])
+        lines.append(line)
+    body = b"\n".join(lines)
+    header = {
+        "format": INDEX_FORMAT,
+        "size": index.size,
+        "sha256": index.sha256,
+        "members": len(index.paths),
+        "body_sha256": hashlib.sha256(body).hexdigest(),
+        "skipped": index.skipped,
+    }
+    return json.dumps(header, sort_keys=True).encode() + b"\n" + body
+
+
+def decode_index(data: bytes, *, expect_size: int | None = None) -> ShardIndex:
+    """Parse and verify an index file; IndexFormatError if it is damaged or for another shard."""
+    head, _, body = data.partition(b"\n")
+    try:
+        header = json.loads(head)
+    except ValueError as exc:
+        raise IndexFormatError(f"index header is not JSON: {exc}") from None
+    if not isinstance(header, dict) or header.get("format") != INDEX_FORMAT:
+        raise IndexFormatError(f"not a {INDEX_FORMAT} index")
+    if hashlib.sha256(body).hexdigest() != header.get("body_sha256"):
+        raise IndexFormatError("index body checksum mismatch (damaged or truncated index)")
+    size = header.get("size")
+    if not isinstance(size, int) or (expect_size is not None and size != expect_size):
+        raise IndexFormatError(f"index is for a shard of {size} bytes, the shard has {expect_size}")
+    index = ShardIndex(size=size, sha256=header.get("sha256"), skipped=header.get("skipped") or {})
+    if body:
+        for pos, line in enumerate(body.split(b"\n")):
+            fields = line.split(b"\t")
+            if len(fields) not in (6, 7) or len(fields[0]) != 1:
+                raise IndexFormatError(f"index line {pos + 2} is malformed")
+            index.paths.append(_unescape(fields[5]))
+            index.kinds.append(fields[0][0])
+            index.offsets.append(int(fields[1]))
+            index.sizes.append(int(fields[2]))
+            index.mtimes.append(int(fields[3]))
+            index.modes.append(int(fields[4]))
+            if len(fields) == 7:
+                index.links[pos] = _unescape(fields[6])
+    if len(index.paths) != header.get("members"):
+        raise IndexFormatError("index member count does not match its header")
+    if index.data_end() > size:
+        raise IndexFormatError("index names data past the end of the shard")
+    return index
