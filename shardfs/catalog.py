@@ -204,8 +204,9 @@ async def stat_all(urls: list[str], sources: Sources, parallel: int = 32) -> lis
             for i, url in enumerate(urls):
                 nursery.start_soon(one, i, url)
     if errors:
-        more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
-        raise CatalogError("; ".join(errors[:3]) + more)
+        more = f" (and {len(errors) - 1} more of {len(urls)} shards failed)" \
+            if len(errors) > 1 else ""
+        raise CatalogError(errors[0] + more)
     return [i for i in infos if i is not None]
 
 

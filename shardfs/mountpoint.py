@@ -16,9 +16,11 @@ class MountpointError(Exception):
 
 
 def is_stale(path: str) -> bool:
-    """A FUSE mount whose daemon died: every access fails with ENOTCONN."""
+    """A FUSE mount whose daemon died: every access fails with ENOTCONN.
+
+    statfs, unlike stat, is never answered from the kernel's attribute cache."""
     try:
-        os.stat(path)
+        os.statvfs(path)
     except OSError as exc:
         return exc.errno == errno.ENOTCONN
     return False

@@ -1,0 +1,160 @@
+"""Shared fixtures: real nginx, real shards, real FUSE mounts that are always unmounted."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from shardfs.devtools.datagen import make_imagefolder
+from shardfs.pack import PackResult, pack
+from tests.nginx_fixture import nginx  # noqa: F401  (re-exported fixture)
+
+SHARDFS = [sys.executable, "-m", "shardfs"]
+
+
+def _mounted(path: str) -> bool:
+    with open("/proc/mounts") as f:
+        return any(line.split()[1] == path for line in f)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for our purposes; reap it if it is our child.
+    with contextlib.suppress(ChildProcessError):
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@dataclass
+class Mount:
+    """A running `shardfs mount` (daemonized through the real CLI)."""
+
+    mountpoint: Path
+    cache_dir: Path
+    pid: int
+    stdout: str
+    stderr: str
+
+    def stats(self) -> dict:
+        return json.loads(os.getxattr(self.mountpoint, "user.shardfs.stats"))
+
+    def log(self) -> str:
+        path = self.cache_dir / "shardfs.log"
+        return path.read_text() if path.exists() else ""
+
+    def unmount(self) -> None:
+        if _mounted(str(self.mountpoint)):
+            result = subprocess.run(["fusermount3", "-u", str(self.mountpoint)],
+                                    capture_output=True, text=True)
+            if result.returncode != 0:  # busy or stale: detach lazily so nothing is left
+                subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)],
+                               capture_output=True)
+        deadline = time.monotonic() + 10
+        while _pid_alive(self.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _pid_alive(self.pid):
+            os.kill(self.pid, signal.SIGKILL)
+
+
+class Mounter:
+    """Starts mounts for a test and guarantees their teardown, also when the test fails."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.mounts: list[Mount] = []
+        self._count = 0
+
+    def paths(self) -> tuple[Path, Path]:
+        self._count += 1
+        mnt = self.tmp_path / f"mnt{self._count}"
+        mnt.mkdir()
+        return mnt, self.tmp_path / f"cache{self._count}"
+
+    def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        """Run `shardfs mount ARGS` and return the result, whatever it is."""
+        result = subprocess.run([*SHARDFS, "mount", *args], capture_output=True, text=True,
+                                timeout=timeout)
+        return result
+
+    def mount(self, sources: list[str], mountpoint: Path | None = None,
+              cache_dir: Path | None = None, *extra: str) -> Mount:
+        mnt, cache = self.paths()
+        mountpoint = mountpoint or mnt
+        cache_dir = cache_dir or cache
+        result = self.run(*sources, str(mountpoint), "--cache-dir", str(cache_dir),
+                          "--log-level", "debug", *extra)
+        if result.returncode != 0:
+            raise AssertionError(f"mount failed ({result.returncode}):\n{result.stderr}")
+        match = re.search(r"daemon pid (\d+)", result.stdout)
+        assert match, result.stdout
+        m = Mount(mountpoint, cache_dir, int(match.group(1)), result.stdout, result.stderr)
+        self.mounts.append(m)
+        return m
+
+    def cleanup(self) -> None:
+        for m in self.mounts:
+            m.unmount()
+
+
+@pytest.fixture
+def mounter(tmp_path: Path) -> Iterator[Mounter]:
+    m = Mounter(tmp_path)
+    try:
+        yield m
+    finally:
+        m.cleanup()
+
+
+@dataclass
+class Dataset:
+    root: Path  # the loose ImageFolder tree (root/train/<class>/<file>)
+    shards: PackResult
+    shard_dir: Path
+
+    def files(self) -> dict[str, bytes]:
+        out = {}
+        for path in sorted(self.root.rglob("*")):
+            if path.is_file():
+                out[path.relative_to(self.root).as_posix()] = path.read_bytes()
+        return out
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Dataset:
+    """A small ImageFolder of real JPEGs (6 classes x 20), packed into 8 shuffled shards."""
+    base = tmp_path_factory.mktemp("dataset")
+    root = base / "tree"
+    make_imagefolder(root, classes=6, per_class=20, mean_kb=8, seed=1)
+    shard_dir = base / "shards"
+    result = pack(root, shard_dir, prefix="train", shard_size=128 * 1024, shuffle=True, seed=3)
+    assert len(result.shards) >= 6, "the dataset should span several shards"
+    return Dataset(root, result, shard_dir)
+
+
+def shard_names(ds: Dataset) -> list[str]:
+    return [s.path.name for s in ds.shards.shards]
+
+
+def brace(ds: Dataset, base: str) -> str:
+    """The brace pattern naming the dataset's shards under `base` (a URL or a directory)."""
+    n = len(ds.shards.shards)
+    return f"{base}/train-{{000000..{n - 1:06d}}}.tar"

@@ -1,0 +1,222 @@
+"""Real FUSE mounts over nginx (HTTP) and file:// shards: bytes, tools, ImageFolder, DataLoader."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Dataset, Mounter, brace, shard_names
+
+
+def publish(ds: Dataset, root: Path, sub: str = "data") -> Path:
+    """Copy the shards into the web root (only the shards, not their index files)."""
+    dest = root / sub
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in shard_names(ds):
+        shutil.copy(ds.shard_dir / name, dest / name)
+    return dest
+
+
+def assert_same_bytes(ds: Dataset, mnt: Path) -> int:
+    files = ds.files()
+    for rel, data in files.items():
+        assert (mnt / rel).read_bytes() == data, rel
+    return len(files)
+
+
+def test_http_mount_serves_every_byte_with_few_requests(dataset, nginx, mounter: Mounter):
+    publish(dataset, nginx.root)
+    m = mounter.mount([brace(dataset, f"{nginx.url}/data")])
+    nginx.reset_log()  # count only what the reads cause, not indexing
+    n = assert_same_bytes(dataset, m.mountpoint)
+    records = nginx.access_log()
+    shards = len(dataset.shards.shards)
+    # Indexing streamed every shard into the cache: reading the files costs no requests.
+    assert len(records) <= shards, [r.uri for r in records]
+    stats = m.stats()
+    assert stats["files"] == n
+    assert stats["bytes_served"] == sum(len(b) for b in dataset.files().values())
+
+
+def test_http_mount_without_warm_fetches_whole_shards(dataset, nginx, mounter: Mounter):
+    publish(dataset, nginx.root)
+    m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None, "--no-warm")
+    nginx.reset_log()
+    files = list(dataset.files().items())
+    random.Random(0).shuffle(files)
+    for rel, data in files:
+        assert (m.mountpoint / rel).read_bytes() == data
+    records = [r for r in nginx.access_log() if r.uri.endswith(".tar")]
+    shards = len(dataset.shards.shards)
+    # Requests on the order of the number of shards, not of the number of files (120).
+    assert len(records) <= 4 * shards, len(records)
+    stats = m.stats()
+    assert stats["reader"]["shard_fetches_done"] >= 1
+    fetched = sum(r.bytes_sent for r in records)
+    assert fetched <= 2 * sum(s.size for s in dataset.shards.shards)
+
+
+def test_remount_reuses_index_and_cache(dataset, nginx, mounter: Mounter, tmp_path: Path):
+    publish(dataset, nginx.root)
+    source = brace(dataset, f"{nginx.url}/data")
+    cache = tmp_path / "shared-cache"
+    m1 = mounter.mount([source], None, cache)
+    assert_same_bytes(dataset, m1.mountpoint)
+    m1.unmount()
+    nginx.reset_log()
+    m2 = mounter.mount([source], None, cache)
+    assert_same_bytes(dataset, m2.mountpoint)
+    records = nginx.access_log()
+    # One ranged probe per shard (identity check), no downloads at all.
+    assert len(records) == len(dataset.shards.shards)
+    assert all(r.range == "bytes=0-0" for r in records)
+
+
+def test_published_index_files_avoid_scanning(dataset, nginx, mounter: Mounter, tmp_path):
+    dest = publish(dataset, nginx.root)
+    source = brace(dataset, f"{nginx.url}/data")
+    out = tmp_path / "idx"
+    result = subprocess.run([*mounter_cmd(), "index", source, "-o", str(out)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for idx in out.iterdir():
+        shutil.copy(idx, dest / idx.name)
+    nginx.reset_log()
+    m = mounter.mount([source], None, None, "--no-warm")
+    records = nginx.access_log()
+    tar_bodies = [r for r in records if r.uri.endswith(".tar") and r.range != "bytes=0-0"]
+    assert tar_bodies == [], "the mount must not stream shards that have an index"
+    assert sum(r.uri.endswith(".shardfs.idx") for r in records) == len(dataset.shards.shards)
+    assert_same_bytes(dataset, m.mountpoint)
+
+
+def mounter_cmd() -> list[str]:
+    from tests.conftest import SHARDFS
+
+    return SHARDFS
+
+
+def test_file_mount_posix_tools(dataset, mounter: Mounter, tmp_path: Path):
+    m = mounter.mount([brace(dataset, str(dataset.shard_dir))])
+    mnt = m.mountpoint
+    # ls -la, find, du, sha256sum, cp -r behave like on the original tree.
+    ls = subprocess.run(["ls", "-la", str(mnt / "train")], capture_output=True, text=True)
+    assert ls.returncode == 0 and "n00000000" in ls.stdout
+    found = subprocess.run(["find", str(mnt), "-type", "f"], capture_output=True, text=True)
+    assert len(found.stdout.split()) == len(dataset.files())
+    du = subprocess.run(["du", "-sb", str(mnt)], capture_output=True, text=True)
+    assert du.returncode == 0
+    some = sorted(dataset.files())[:5]
+    sums = subprocess.run(["sha256sum", *[str(mnt / r) for r in some]],
+                          capture_output=True, text=True, check=True).stdout.split("\n")
+    for rel, line in zip(some, sums, strict=False):
+        assert line.split()[0] == hashlib.sha256((dataset.root / rel).read_bytes()).hexdigest()
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(mnt), str(copy)], check=True)
+    for rel, data in dataset.files().items():
+        assert (copy / rel).read_bytes() == data
+    # stat sizes and mtimes from the headers
+    rel = some[0]
+    assert os.stat(mnt / rel).st_size == (dataset.root / rel).stat().st_size
+    assert os.stat(mnt / rel).st_mtime == 1577836800  # pack's fixed mtime
+    # reads at any offset and size
+    data = (dataset.root / rel).read_bytes()
+    fd = os.open(mnt / rel, os.O_RDONLY)
+    try:
+        rng = random.Random(1)
+        for _ in range(200):
+            off = rng.randrange(0, len(data) + 10)
+            size = rng.randrange(0, 70000)
+            assert os.pread(fd, size, off) == data[off : off + size]
+    finally:
+        os.close(fd)
+    # read-only everywhere
+    for attempt in (
+        lambda: open(mnt / "new", "wb"),
+        lambda: open(mnt / rel, "r+b"),
+        lambda: os.mkdir(mnt / "d"),
+        lambda: os.unlink(mnt / rel),
+        lambda: os.rename(mnt / rel, mnt / "x"),
+        lambda: os.chmod(mnt / rel, 0o777),
+        lambda: os.setxattr(mnt / rel, "user.x", b"1"),
+    ):
+        with pytest.raises(OSError) as info:
+            attempt()
+        assert info.value.errno == errno.EROFS
+    st = os.statvfs(mnt)
+    assert st.f_files >= len(dataset.files())
+    # xattrs name the shard holding a file
+    shard = os.getxattr(mnt / rel, "user.shardfs.shard").decode()
+    offset = int(os.getxattr(mnt / rel, "user.shardfs.offset"))
+    size = int(os.getxattr(mnt / rel, "user.shardfs.size"))
+    with open(shard.removeprefix("file://"), "rb") as f:
+        f.seek(offset)
+        assert f.read(size) == data
+    # nothing extra at the root (ImageFolder would take it for a class)
+    assert os.listdir(mnt) == ["train"]
+
+
+def test_small_cache_evicts_and_stays_within_budget(dataset, nginx, mounter: Mounter):
+    publish(dataset, nginx.root)
+    shard_size = max(s.size for s in dataset.shards.shards)
+    budget = 2 * shard_size + 1
+    m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None,
+                      "--cache-size", str(budget), "--max-fetches", "1")
+    for _ in range(2):
+        assert_same_bytes(dataset, m.mountpoint)
+    stats = m.stats()
+    assert stats["cache_used_bytes"] <= budget
+    assert stats["cache_budget_bytes"] == budget
+    cached = sum(f.stat().st_size for f in (m.cache_dir / "shards").iterdir())
+    assert cached <= budget
+
+
+def test_later_shard_wins_duplicate_paths(tmp_path: Path, mounter: Mounter):
+    import io
+    import tarfile
+
+    for i, content in enumerate([b"old", b"new"]):
+        with tarfile.open(tmp_path / f"d-{i}.tar", "w") as tf:
+            for name, data in (("same.txt", content), (f"only{i}.txt", b"x")):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    m = mounter.mount([str(tmp_path / "d-{0..1}.tar")])
+    assert (m.mountpoint / "same.txt").read_bytes() == b"new"
+    assert sorted(os.listdir(m.mountpoint)) == ["only0.txt", "only1.txt", "same.txt"]
+    assert "1 paths appear in more than one shard" in m.stderr + m.log()
+
+
+def test_foreground_mount_unmounts_on_sigterm(dataset, tmp_path: Path):
+    import signal
+    import sys
+    import time
+
+    mnt = tmp_path / "fg"
+    mnt.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "shardfs", "mount",
+                             brace(dataset, str(dataset.shard_dir)), str(mnt), "-f",
+                             "--cache-dir", str(tmp_path / "c")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.ismount(mnt) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        assert os.listdir(mnt) == ["train"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        assert not os.path.ismount(mnt)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if os.path.ismount(mnt):
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)])
