@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
+from shardfs.shardindex import INDEX_SUFFIX, ShardIndex, encode_index
 from shardfs.sizes import UNITS_HELP, format_size, parse_size
+from shardfs.tar import Member
 
 BLOCK = 512
 RECORD = tarfile.RECORDSIZE  # archives end padded to 20 blocks, like GNU tar and tarfile
@@ -239,7 +241,24 @@ def _write_shard(path: Path, samples: list[_Sample], on_file: Callable[[], None]
     except BaseException:
         os.unlink(tmp)
         raise
-    return ShardRecord(path, out.offset, out.digest.hexdigest(), len(samples), members)
+    record = ShardRecord(path, out.offset, out.digest.hexdigest(), len(samples), members)
+    _write_index(record)
+    return record
+
+
+def index_path(shard: Path) -> Path:
+    return shard.with_name(shard.name + INDEX_SUFFIX)
+
+
+def _write_index(record: ShardRecord) -> None:
+    """The shard's index file beside it, so mounts list it without reading the shard."""
+    index = ShardIndex(size=record.size, sha256=record.sha256)
+    for name, offset, size, mtime in record.members:
+        index.add(Member(name.encode(), "f", offset, size, mtime, FILE_MODE))
+    path = index_path(record.path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(encode_index(index))
+    os.replace(tmp, path)
 
 
 def _shard_name(prefix: str, index: int) -> str:
@@ -260,6 +279,7 @@ def _prepare_out(out: Path, prefix: str, force: bool) -> None:
                         f"use --force (force=True) to replace the '{prefix}' shards")
     for name in existing:
         (out / name).unlink()
+        index_path(out / name).unlink(missing_ok=True)
 
 
 def _pattern(out: Path, prefix: str, count: int) -> str:
@@ -323,6 +343,7 @@ def pack(src: Path, out: Path, *, prefix: str = "shard", shard_size: int = 256 *
     except BaseException:
         for record in records:
             record.path.unlink(missing_ok=True)
+            index_path(record.path).unlink(missing_ok=True)
         raise
     return PackResult(records, _pattern(out, prefix, len(records)), skipped)
 

@@ -19,10 +19,12 @@ from shardfs.pack import (
     PackError,
     PackResult,
     configure_pack_parser,
+    index_path,
     pack,
     run_pack,
     split_key,
 )
+from shardfs.shardindex import decode_index
 
 SHARD_SIZE = 96 * 1024
 LONG_DIR = "extra/" + "/".join(["d" * 40] * 3)  # > 100 bytes once a file name is added
@@ -139,7 +141,15 @@ def test_shard_sizes_and_names(packed: PackResult) -> None:
         if shard.size > SHARD_SIZE:  # only a lone oversize sample may exceed the limit
             assert shard.nsamples == 1 and names == [BIG_NAME]
     out = packed.shards[0].path.parent
-    assert sorted(p.name for p in out.iterdir()) == [s.path.name for s in packed.shards]
+    names = [s.path.name for s in packed.shards]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        names + [n + ".shardfs.idx" for n in names])
+    for shard in packed.shards:  # each index file describes its shard exactly
+        index = decode_index(index_path(shard.path).read_bytes(), expect_size=shard.size)
+        assert index.sha256 == shard.sha256
+        assert [p.decode() for p in index.paths] == [m[0] for m in shard.members]
+        assert list(index.offsets) == [m[1] for m in shard.members]
+        assert list(index.sizes) == [m[2] for m in shard.members]
     n = len(packed.shards)
     assert packed.pattern == str(out / f"shard-{{000000..{n - 1:06d}}}.tar")
 
@@ -206,8 +216,10 @@ def test_refuses_to_overwrite_unless_forced(src: Path, tmp_path: Path) -> None:
     pack(src, out, prefix="fresh")  # another prefix does not conflict
     forced = pack(src, out, shard_size=2**30, force=True)
     assert len(forced.shards) == 1 < len(first.shards)
-    assert sorted(p.name for p in out.iterdir()) == [
+    assert sorted(p.name for p in out.iterdir() if p.suffix == ".tar") == [
         "fresh-000000.tar", "other-000000.tar", "shard-000000.tar"]
+    # --force also removed the replaced shards' index files
+    assert sorted(p.name for p in out.glob("shard-*.idx")) == ["shard-000000.tar.shardfs.idx"]
 
 
 def _pack_with_hook(src: Path, out: Path, hook: Callable[[], None]) -> None:

@@ -52,6 +52,7 @@ class SourceSettings:
     backoff_initial: float = 0.1  # seconds; doubles per retry up to backoff_max
     backoff_max: float = 5.0
     chunk_size: int = 1 << 20  # preferred size of yielded chunks (HTTP may yield smaller)
+    max_fetch_bytes: int = 256 << 20  # fetch_optional refuses bigger objects (indexes are small)
 
 
 @dataclass(slots=True)
@@ -63,6 +64,12 @@ class SourceStats:
     retries: int = 0
     errors: int = 0
     by_status: dict[int, int] = field(default_factory=dict)
+
+
+def check_span(shard: ShardInfo, start: int, end: int) -> None:
+    """Reject a byte span outside the shard: that is a caller bug, not a source problem."""
+    if not 0 <= start <= end <= shard.size:
+        raise ValueError(f"byte span [{start}, {end}) is outside {shard.url} (size {shard.size})")
 
 
 class Source(Protocol):

@@ -1,0 +1,98 @@
+"""Shard sources: where shard bytes come from (HTTP(S) servers, local files)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from shardfs.sources.base import (
+    NotFound,
+    RangeNotSupported,
+    ShardChanged,
+    ShardInfo,
+    Source,
+    SourceError,
+    SourceSettings,
+    SourceStats,
+    Unreachable,
+    check_span,
+)
+from shardfs.sources.file import FileSource
+from shardfs.sources.http import HttpSource
+
+__all__ = [
+    "FileSource",
+    "HttpSource",
+    "NotFound",
+    "RangeNotSupported",
+    "ShardChanged",
+    "ShardInfo",
+    "Source",
+    "SourceError",
+    "SourceSettings",
+    "SourceStats",
+    "Sources",
+    "Unreachable",
+    "check_span",
+    "to_url",
+]
+
+SUPPORTED = "http://, https://, file:// (or a local path)"
+_HAS_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def to_url(spec: str) -> str:
+    """A shard given by the user as a URL or a local path -> a URL.
+
+    Anything of the form `scheme://...` is kept as is (an unsupported scheme is reported by
+    Sources.for_url); everything else is a path, made absolute and percent-quoted."""
+    if _HAS_SCHEME.match(spec):
+        return spec
+    return Path(os.path.abspath(os.path.expanduser(spec))).as_uri()
+
+
+class Sources:
+    """One source per kind, created on first use and shared by all shards."""
+
+    def __init__(self, settings: SourceSettings | None = None) -> None:
+        self.settings = settings or SourceSettings()
+        self._http: HttpSource | None = None
+        self._file: FileSource | None = None
+
+    def for_url(self, url: str) -> Source:
+        scheme = urlsplit(url).scheme.lower()
+        if scheme in ("http", "https"):
+            if self._http is None:
+                self._http = HttpSource(self.settings)
+            return self._http
+        if scheme == "file":
+            if self._file is None:
+                self._file = FileSource(self.settings)
+            return self._file
+        named = f"scheme {scheme!r}" if scheme else "no scheme"
+        raise SourceError(f"{url}: unsupported URL ({named}); supported: {SUPPORTED}")
+
+    def stats(self) -> SourceStats:
+        """Counters of all sources, summed."""
+        total = SourceStats()
+        for source in (self._http, self._file):
+            if source is None:
+                continue
+            s = source.stats
+            total.requests += s.requests
+            total.bytes_received += s.bytes_received
+            total.retries += s.retries
+            total.errors += s.errors
+            for status, count in s.by_status.items():
+                total.by_status[status] = total.by_status.get(status, 0) + count
+        return total
+
+    async def aclose(self) -> None:
+        http, self._http = self._http, None
+        file, self._file = self._file, None
+        if http is not None:
+            await http.aclose()
+        if file is not None:
+            await file.aclose()

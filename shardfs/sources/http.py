@@ -1,0 +1,320 @@
+"""Shards over HTTP(S): byte ranges on one keep-alive client, resumable, with retries."""
+
+from __future__ import annotations
+
+import email.utils
+import re
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+import trio
+
+from shardfs import __version__
+from shardfs.sources.base import (
+    NotFound,
+    RangeNotSupported,
+    ShardChanged,
+    ShardInfo,
+    SourceError,
+    SourceSettings,
+    SourceStats,
+    Unreachable,
+    check_span,
+)
+
+GONE = frozenset({403, 404, 410})
+RETRYABLE = frozenset({408, 429})  # plus every 5xx
+_CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", re.IGNORECASE)
+_UNSATISFIED_RANGE = re.compile(r"bytes\s+\*/(\d+)\s*$", re.IGNORECASE)
+
+
+class _Retry(Exception):
+    """An attempt failed in a way that may go away: try again after a backoff."""
+
+    def __init__(self, reason: str, retry_after: float | None = None) -> None:
+        super().__init__(reason)
+        self.retry_after = retry_after
+
+
+class _Patience:
+    """Backoff and deadline bookkeeping for one operation on one URL."""
+
+    def __init__(self, url: str, settings: SourceSettings, stats: SourceStats) -> None:
+        self._url = url
+        self._settings = settings
+        self._stats = stats
+        self._last_progress = trio.current_time()
+        self._backoff = settings.backoff_initial
+
+    def progress(self) -> None:
+        self._last_progress = trio.current_time()
+        self._backoff = self._settings.backoff_initial
+
+    async def wait(self, failure: _Retry) -> None:
+        """Sleep before the next attempt, or raise Unreachable once the deadline has passed."""
+        elapsed = trio.current_time() - self._last_progress
+        remaining = self._settings.deadline - elapsed
+        if remaining <= 0:
+            raise Unreachable(
+                f"{self._url}: unreachable, no progress for {elapsed:.1f} s "
+                f"(deadline {self._settings.deadline:g} s); last error: {failure}"
+            )
+        delay = self._backoff
+        self._backoff = min(self._backoff * 2, self._settings.backoff_max)
+        if failure.retry_after is not None:
+            delay = max(delay, failure.retry_after)  # the server knows best, within the deadline
+        self._stats.retries += 1
+        await trio.sleep(min(delay, remaining))
+
+
+class HttpSource:
+    """Shards served over http:// or https:// by a server that supports Range requests."""
+
+    def __init__(self, settings: SourceSettings | None = None) -> None:
+        self.settings = settings or SourceSettings()
+        self.stats = SourceStats()
+        s = self.settings
+        self._client = httpx.AsyncClient(
+            # No pool timeout: waiting for one of our own connections is not a server failure.
+            timeout=httpx.Timeout(s.timeout, pool=None),
+            limits=httpx.Limits(
+                max_connections=s.max_connections, max_keepalive_connections=s.max_connections
+            ),
+            # Byte offsets refer to the stored bytes, so no transparent compression.
+            headers={"Accept-Encoding": "identity", "User-Agent": f"shardfs/{__version__}"},
+            follow_redirects=True,
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    # -- stat ---------------------------------------------------------------------------------
+
+    async def stat(self, url: str) -> ShardInfo:
+        patience = _Patience(url, self.settings, self.stats)
+        while True:
+            try:
+                return await self._stat_once(url)
+            except _Retry as failure:
+                await patience.wait(failure)
+
+    async def _stat_once(self, url: str) -> ShardInfo:
+        # GET of one byte rather than HEAD: it proves the server honours Range.
+        async with self._request(url, {"Range": "bytes=0-0"}) as resp:
+            status = resp.status_code
+            if status == 206:
+                size = _parse_content_range(resp, url)[2]
+            elif status == 416:
+                size = _unsatisfied_total(resp, url)
+            elif status == 200 and resp.headers.get("content-length") == "0":
+                size = 0  # an empty object: nothing to range over
+            elif status == 200:
+                raise RangeNotSupported(
+                    f"{url}: the server ignored a Range request (HTTP 200 instead of 206); "
+                    "shardfs needs a server that supports Range requests"
+                )
+            else:
+                raise self._status_error(resp, url)
+            await self._read_small(resp, url)  # let the connection be reused
+            return ShardInfo(
+                url=url,
+                size=size,
+                etag=resp.headers.get("etag"),
+                last_modified=resp.headers.get("last-modified"),
+            )
+
+    # -- stream -------------------------------------------------------------------------------
+
+    async def stream(self, shard: ShardInfo, start: int, end: int) -> AsyncIterator[bytes]:
+        check_span(shard, start, end)
+        pos = start
+        # Only bytes count as progress here: a server that answers and then drops every
+        # connection before sending anything must still run into the deadline.
+        patience = _Patience(shard.url, self.settings, self.stats)
+        chunk = self.settings.chunk_size
+        while pos < end:
+            try:
+                async with self._request(shard.url, _range_headers(shard, pos, end)) as resp:
+                    stop = self._check_partial(resp, shard, pos, end)
+                    async for data in resp.aiter_raw():
+                        self.stats.bytes_received += len(data)
+                        for i in range(0, len(data), chunk):
+                            piece = data[i : i + chunk]
+                            pos += len(piece)
+                            yield piece
+                            # After the yield: time the consumer spends is not our stall.
+                            patience.progress()
+                    if pos < stop:
+                        raise self._retry(f"response ended at byte {pos}, expected {stop}")
+            except _Retry as failure:
+                await patience.wait(failure)
+
+    def _check_partial(self, resp: httpx.Response, shard: ShardInfo, pos: int, end: int) -> int:
+        """Validate a response to a ranged GET; return where its body ends in the shard."""
+        url, status = shard.url, resp.status_code
+        if status == 206:
+            first, last, total = _parse_content_range(resp, url)
+            if total != shard.size:
+                raise ShardChanged(f"{url}: size is now {total}, was {shard.size} at mount time")
+            self._check_validators(resp, shard)
+            if first != pos or last < first:
+                raise SourceError(f"{url}: asked for bytes from {pos}, server sent {first}-{last}")
+            return min(last + 1, end)
+        if status == 412:
+            raise ShardChanged(f"{url}: changed since mount time (HTTP 412, validator mismatch)")
+        if status == 416:
+            raise ShardChanged(f"{url}: bytes {pos}-{end - 1} no longer exist (HTTP 416)")
+        if status == 200:
+            self._check_validators(resp, shard)
+            raise RangeNotSupported(
+                f"{url}: the server stopped honouring Range requests (HTTP 200 instead of 206)"
+            )
+        if status in GONE:
+            raise NotFound(f"{url}: no longer available (HTTP {status})")
+        raise self._status_error(resp, url)
+
+    @staticmethod
+    def _check_validators(resp: httpx.Response, shard: ShardInfo) -> None:
+        etag = resp.headers.get("etag")
+        if shard.etag and etag and _strip_weak(etag) != _strip_weak(shard.etag):
+            raise ShardChanged(f"{shard.url}: ETag is now {etag}, was {shard.etag} at mount time")
+        modified = resp.headers.get("last-modified")
+        if not shard.etag and shard.last_modified and modified and modified != shard.last_modified:
+            raise ShardChanged(f"{shard.url}: modified at {modified}, after mount time")
+
+    # -- fetch_optional -----------------------------------------------------------------------
+
+    async def fetch_optional(self, url: str) -> bytes | None:
+        patience = _Patience(url, self.settings, self.stats)
+        while True:
+            try:
+                return await self._fetch_once(url)
+            except _Retry as failure:
+                await patience.wait(failure)
+
+    async def _fetch_once(self, url: str) -> bytes | None:
+        async with self._request(url, {}) as resp:
+            if resp.status_code in GONE:
+                return None
+            if resp.status_code != 200:
+                raise self._status_error(resp, url)
+            return await self._read_small(resp, url)
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def _request(self, url: str, headers: dict[str, str]) -> _Attempt:
+        return _Attempt(self, url, headers)
+
+    async def _read_small(self, resp: httpx.Response, url: str) -> bytes:
+        limit = self.settings.max_fetch_bytes
+        parts: list[bytes] = []
+        size = 0
+        async for data in resp.aiter_raw():
+            self.stats.bytes_received += len(data)
+            size += len(data)
+            if size > limit:
+                raise SourceError(f"{url}: larger than {limit} bytes, refusing to load it whole")
+            parts.append(data)
+        return b"".join(parts)
+
+    def _retry(self, reason: str, retry_after: float | None = None) -> _Retry:
+        self.stats.errors += 1
+        return _Retry(reason, retry_after)
+
+    def _status_error(self, resp: httpx.Response, url: str) -> Exception:
+        status = resp.status_code
+        if status >= 500 or status in RETRYABLE:
+            retry_after = _retry_after(resp.headers.get("retry-after"))
+            return self._retry(f"HTTP {status} {resp.reason_phrase}", retry_after)
+        self.stats.errors += 1
+        if status in GONE:
+            return NotFound(f"{url}: not found (HTTP {status})")
+        return SourceError(f"{url}: unexpected HTTP {status} {resp.reason_phrase}")
+
+
+class _Attempt:
+    """One streamed request: counts it, turns transport failures into _Retry, always closes.
+
+    (httpx's own stream context manager, plus the bookkeeping every call site needs.)"""
+
+    def __init__(self, source: HttpSource, url: str, headers: dict[str, str]) -> None:
+        self._source = source
+        self._url = url
+        self._headers = headers
+        self._resp: httpx.Response | None = None
+
+    async def __aenter__(self) -> httpx.Response:
+        src = self._source
+        src.stats.requests += 1
+        try:
+            request = src._client.build_request("GET", self._url, headers=self._headers)
+            self._resp = await src._client.send(request, stream=True)
+        except (httpx.UnsupportedProtocol, httpx.InvalidURL) as e:
+            src.stats.errors += 1
+            raise SourceError(f"{self._url}: {e}") from e
+        except httpx.TransportError as e:
+            raise src._retry(_describe(e)) from e
+        by_status = src.stats.by_status
+        by_status[self._resp.status_code] = by_status.get(self._resp.status_code, 0) + 1
+        return self._resp
+
+    async def __aexit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if self._resp is not None:
+            # Closing an unfinished response drops its connection instead of reusing it.
+            await self._resp.aclose()
+        if isinstance(exc, httpx.TransportError):
+            raise self._source._retry(_describe(exc)) from exc
+
+
+def _range_headers(shard: ShardInfo, start: int, end: int) -> dict[str, str]:
+    headers = {"Range": f"bytes={start}-{end - 1}"}
+    # If-Match needs a strong ETag; a weak one would always fail with 412.
+    if shard.etag and not shard.etag.startswith("W/"):
+        headers["If-Match"] = shard.etag
+    elif shard.last_modified:
+        headers["If-Unmodified-Since"] = shard.last_modified
+    return headers
+
+
+def _parse_content_range(resp: httpx.Response, url: str) -> tuple[int, int, int]:
+    value = resp.headers.get("content-range", "")
+    m = _CONTENT_RANGE.match(value.strip())
+    if m is None or m.group(3) == "*":
+        raise SourceError(f"{url}: unusable Content-Range {value!r} in a 206 response")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3))
+
+
+def _unsatisfied_total(resp: httpx.Response, url: str) -> int:
+    """Size from a 416 answer to `bytes=0-0`: only an empty object can refuse that range."""
+    value = resp.headers.get("content-range", "")
+    m = _UNSATISFIED_RANGE.match(value.strip())
+    if m is None or int(m.group(1)) != 0:
+        raise SourceError(
+            f"{url}: the server refused bytes=0-0 (HTTP 416, Content-Range {value!r}); "
+            "cannot tell the object's size"
+        )
+    return 0
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds from a Retry-After header (delta-seconds or an HTTP date)."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def _strip_weak(etag: str) -> str:
+    return etag.removeprefix("W/")
+
+
+def _describe(e: Exception) -> str:
+    text = str(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__

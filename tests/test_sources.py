@@ -1,0 +1,542 @@
+"""Sources against a real nginx (and a fault-injecting proxy in front of it), and local files."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import http.server
+import os
+import random
+import threading
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import aclosing
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+import trio
+
+from shardfs.devtools.nginx import Nginx
+from shardfs.sources import (
+    FileSource,
+    HttpSource,
+    NotFound,
+    RangeNotSupported,
+    ShardChanged,
+    ShardInfo,
+    Source,
+    SourceError,
+    Sources,
+    SourceSettings,
+    Unreachable,
+    to_url,
+)
+from tests.faultproxy import FaultProxy
+
+# The `nginx` fixture comes from tests/nginx_fixture.py via tests/conftest.py.
+
+T = TypeVar("T")
+
+CHUNK = 64 * 1024
+# Short limits so fault tests finish quickly; the deadline still spans several retries.
+FAST = SourceSettings(
+    timeout=1.0, deadline=3.0, backoff_initial=0.02, backoff_max=0.2, chunk_size=CHUNK
+)
+SIZE = 1_000_003  # not a multiple of anything
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def put(root: Path, name: str, size: int = SIZE, seed: int = 0) -> bytes:
+    data = random.Random(seed).randbytes(size)
+    (root / name).write_bytes(data)
+    return data
+
+
+def replace(path: Path, data: bytes) -> None:
+    """Rewrite a file so that its validators surely change (new inode, later mtime)."""
+    tmp = path.with_suffix(".new")
+    tmp.write_bytes(data)
+    later = path.stat().st_mtime + 10
+    os.utime(tmp, (later, later))
+    os.replace(tmp, path)
+
+
+def with_http(fn: Callable[[HttpSource], Awaitable[T]], settings: SourceSettings = FAST) -> T:
+    async def main() -> T:
+        source = HttpSource(settings)
+        try:
+            return await fn(source)
+        finally:
+            await source.aclose()
+
+    return trio.run(main)
+
+
+async def read(source: Source, shard: ShardInfo, start: int = 0, end: int | None = None) -> bytes:
+    end = shard.size if end is None else end
+    parts = []
+    async with aclosing(source.stream(shard, start, end)) as chunks:
+        async for chunk in chunks:
+            assert 0 < len(chunk) <= CHUNK
+            parts.append(chunk)
+    return b"".join(parts)
+
+
+@contextlib.contextmanager
+def proxy_for(server: Nginx) -> Iterator[FaultProxy]:
+    with FaultProxy(server.port) as proxy:
+        yield proxy
+
+
+@contextlib.contextmanager
+def server_without_ranges(root: Path) -> Iterator[str]:
+    """Python's http.server: answers every GET with the whole file (200)."""
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    handler = functools.partial(Quiet, directory=str(root))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+# -- nginx helper ------------------------------------------------------------------------------
+
+
+def test_nginx_serves_ranges_and_logs(nginx: Nginx) -> None:
+    data = put(nginx.root, "a.tar", 1000)
+    req = urllib.request.Request(f"{nginx.url}/a.tar", headers={"Range": "bytes=10-19"})
+    with urllib.request.urlopen(req) as resp:
+        assert resp.status == 206
+        assert resp.read() == data[10:20]
+        assert resp.headers["ETag"] and resp.headers["Last-Modified"]
+    [record] = nginx.access_log()
+    assert (record.method, record.uri, record.status) == ("GET", "/a.tar", 206)
+    assert (record.bytes_sent, record.range) == (10, "bytes=10-19")
+    nginx.reset_log()
+    assert nginx.access_log() == []
+    port = nginx.port
+    nginx.restart()
+    assert nginx.port == port and nginx.running
+    with urllib.request.urlopen(f"{nginx.url}/a.tar") as resp:
+        assert resp.read() == data
+    assert [r.range for r in nginx.access_log()] == [None]
+
+
+def test_nginx_latency_is_per_request_and_concurrent(tmp_path: Path) -> None:
+    (tmp_path / "www").mkdir()
+    data = put(tmp_path / "www", "a.tar", 5000)
+    with Nginx(tmp_path / "www", tmp_path / "nginx", latency_s=0.3) as server:
+
+        async def fetch_all(source: HttpSource) -> float:
+            shard = await source.stat(f"{server.url}/a.tar")
+            t0 = time.monotonic()
+            results: list[bytes] = []
+
+            async def one(i: int) -> None:
+                results.append(await read(source, shard, i * 1000, i * 1000 + 1000))
+
+            async with trio.open_nursery() as nursery:
+                for i in range(5):
+                    nursery.start_soon(one, i)
+            assert sorted(results) == sorted(data[i * 1000 : i * 1000 + 1000] for i in range(5))
+            return time.monotonic() - t0
+
+        elapsed = with_http(fetch_all)
+        assert 0.3 <= elapsed < 1.2  # five delayed requests overlap
+        assert all(r.status == 206 for r in server.access_log()[1:])
+
+
+# -- HttpSource: stat --------------------------------------------------------------------------
+
+
+def test_stat(nginx: Nginx) -> None:
+    put(nginx.root, "a.tar")
+    (nginx.root / "empty.tar").write_bytes(b"")
+
+    async def check(source: HttpSource) -> None:
+        shard = await source.stat(f"{nginx.url}/a.tar")
+        assert shard.size == SIZE and shard.url == f"{nginx.url}/a.tar"
+        assert shard.etag and shard.etag.startswith('"') and shard.last_modified
+        empty = await source.stat(f"{nginx.url}/empty.tar")
+        assert empty.size == 0
+        with pytest.raises(NotFound, match=r"/missing\.tar.*404"):
+            await source.stat(f"{nginx.url}/missing.tar")
+        assert source.stats.by_status == {206: 1, 200: 1, 404: 1}
+        assert source.stats.requests == 3 and source.stats.retries == 0
+
+    with_http(check)
+    assert [r.range for r in nginx.access_log()] == ["bytes=0-0"] * 3
+
+
+def test_stat_without_range_support(tmp_path: Path) -> None:
+    put(tmp_path, "a.tar")
+    with server_without_ranges(tmp_path) as url:
+
+        async def check(source: HttpSource) -> None:
+            with pytest.raises(RangeNotSupported, match=r"a\.tar.*Range requests"):
+                await source.stat(f"{url}/a.tar")
+            # The whole shard was not downloaded just to find that out.
+            assert source.stats.bytes_received < SIZE
+
+        with_http(check)
+
+
+def test_stat_unreachable_then_back(nginx: Nginx) -> None:
+    put(nginx.root, "a.tar")
+
+    async def check(source: HttpSource) -> None:
+        url = f"{nginx.url}/a.tar"
+        await source.stat(url)
+        nginx.stop()
+        t0 = trio.current_time()
+        with pytest.raises(Unreachable, match=r"a\.tar.*ConnectError"):
+            await source.stat(url)
+        assert FAST.deadline <= trio.current_time() - t0 < FAST.deadline + FAST.timeout + 0.5
+        assert source.stats.retries >= 5
+        await trio.to_thread.run_sync(nginx.start)
+        assert (await source.stat(url)).size == SIZE
+
+    with_http(check)
+
+
+def test_stat_retries_503_with_retry_after(nginx: Nginx) -> None:
+    put(nginx.root, "a.tar")
+    with proxy_for(nginx) as proxy:
+        proxy.fail(503, times=1, retry_after="1")
+
+        async def check(source: HttpSource) -> None:
+            t0 = trio.current_time()
+            assert (await source.stat(f"{proxy.url}/a.tar")).size == SIZE
+            assert 1.0 <= trio.current_time() - t0 < 2.0
+            assert source.stats.by_status == {503: 1, 206: 1}
+
+        with_http(check)
+
+
+# -- HttpSource: stream ------------------------------------------------------------------------
+
+
+def test_stream_is_byte_exact(nginx: Nginx) -> None:
+    data = put(nginx.root, "a.tar")
+    (nginx.root / "empty.tar").write_bytes(b"")
+    rng = random.Random(1)
+    spans = [(0, SIZE), (0, 1), (SIZE - 1, SIZE), (CHUNK - 1, CHUNK + 1), (5, 5)]
+    spans += [tuple(sorted((rng.randrange(SIZE), rng.randrange(SIZE)))) for _ in range(10)]
+
+    async def check(source: HttpSource) -> None:
+        shard = await source.stat(f"{nginx.url}/a.tar")
+        for start, end in spans:
+            assert await read(source, shard, start, end) == data[start:end], (start, end)
+        requests = source.stats.requests
+        empty = await source.stat(f"{nginx.url}/empty.tar")
+        assert await read(source, empty) == b""
+        assert source.stats.requests == requests + 1  # the stat only
+        with pytest.raises(ValueError):
+            await read(source, shard, 10, SIZE + 1)
+        assert source.stats.retries == 0 and source.stats.errors == 0
+
+    with_http(check)
+    log = nginx.access_log()
+    assert {r.status for r in log} == {206, 200}
+    assert sum(r.range == f"bytes=0-{SIZE - 1}" for r in log) == 1
+
+
+def test_stream_sends_validators(nginx: Nginx) -> None:
+    put(nginx.root, "a.tar")
+    with proxy_for(nginx) as proxy:
+
+        async def check(source: HttpSource) -> None:
+            shard = await source.stat(f"{proxy.url}/a.tar")
+            await read(source, shard, 100, 200)
+            sent = proxy.requests[-1].headers
+            assert sent["range"] == "bytes=100-199" and sent["if-match"] == shard.etag
+            dated = ShardInfo(shard.url, shard.size, None, shard.last_modified)
+            await read(source, dated, 100, 200)
+            assert proxy.requests[-1].headers["if-unmodified-since"] == shard.last_modified
+
+        with_http(check)
+
+
+def test_stream_resumes_after_resets(nginx: Nginx) -> None:
+    data = put(nginx.root, "a.tar")
+    with proxy_for(nginx) as proxy:
+        proxy.reset_after(100_000)
+
+        async def check(source: HttpSource) -> None:
+            shard = await source.stat(f"{proxy.url}/a.tar")  # 1 byte: not cut
+            assert await read(source, shard) == data
+            assert source.stats.retries >= 9
+            assert source.stats.bytes_received == SIZE + 1  # nothing fetched twice
+
+        with_http(check)
+        starts = [int(r.headers["range"][6:].split("-")[0]) for r in proxy.requests[1:]]
+        assert starts == sorted(set(starts)) and starts[0] == 0 and len(starts) >= 10
+
+
+def test_stream_resumes_after_truncated_bodies(nginx: Nginx) -> None:
+    data = put(nginx.root, "a.tar")
+    with proxy_for(nginx) as proxy:
+
+        async def check(source: HttpSource) -> None:
+            shard = await source.stat(f"{proxy.url}/a.tar")
+            proxy.truncate_after(50_000, times=2)
+            assert await read(source, shard, 7, SIZE - 7) == data[7 : SIZE - 7]
+            assert source.stats.retries == 2 and source.stats.bytes_received == SIZE - 14 + 1
+
+        with_http(check)
+
+
+@pytest.mark.parametrize("retry_after", [None, "1"])
+def test_stream_retries_503_bursts(nginx: Nginx, retry_after: str | None) -> None:
+    data = put(nginx.root, "a.tar")
+    with proxy_for(nginx) as proxy:
+
+        async def check(source: HttpSource) -> None:
+            shard = await source.stat(f"{proxy.url}/a.tar")
+            proxy.fail(503, times=3, retry_after=retry_after)
+            t0 = trio.current_time()
+            assert await read(source, shard) == data
+            elapsed = trio.current_time() - t0
+            assert source.stats.by_status[503] == 3 and source.stats.retries == 3
+            if retry_after is None:
+                assert elapsed < 1.0  # backoff 0.02 + 0.04 + 0.08
+            else:
+                assert 3.0 <= elapsed < 4.5
+
+        with_http(check, dataclasses.replace(FAST, deadline=10.0))
+
+
+def test_stream_recovers_from_stalls(nginx: Nginx) -> None:
+    data = put(nginx.root, "a.tar")
+    with proxy_for(nginx) as proxy:
+
+        async def check(source: HttpSource) -> None:
+            shard = await source.stat(f"{proxy.url}/a.tar")
+            proxy.stall(2.0, times=1)  # before the response head
+            t0 = trio.current_time()
+            assert await read(source, shard) == data
+            assert FAST.timeout <= trio.current_time() - t0 < 2.0
+            proxy.stall(2.0, after_bytes=300_000, times=1)  # mid-body
+            assert await read(source, shard) == data
+            assert source.stats.retries == 2
+            assert source.stats.bytes_received == 2 * SIZE + 1
+
+        with_http(check)
+
+
+def test_stream_survives_outage_shorter_than_deadline(nginx: Nginx) -> None:
+    data = put(nginx.root, "a.tar")
+    with proxy_for(nginx) as proxy:
+
+        async def come_back() -> None:
+            await trio.sleep(1.0)
+            await trio.to_thread.run_sync(proxy.accept_connections)
+
+        async def check(source: HttpSource) -> None:
+            shard = await source.stat(f"{proxy.url}/a.tar")
+            proxy.stall(30.0, after_bytes=CHUNK, times=1)  # keep the transfer going
+            parts = []
+            stream = source.stream(shard, 0, SIZE)
+            async with trio.open_nursery() as nursery, aclosing(stream) as chunks:
+                async for chunk in chunks:
+                    parts.append(chunk)
+                    if len(parts) == 1:
+                        proxy.refuse_connections()  # also drops the connection in use
+                        nursery.start_soon(come_back)
+            assert b"".join(parts) == data
+            assert source.stats.retries >= 3
+
+        with_http(check)
+
+
+def test_stream_unreachable_past_deadline(nginx: Nginx) -> None:
+    put(nginx.root, "a.tar")
+    with proxy_for(nginx) as proxy:
+
+        async def check(source: HttpSource) -> None:
+            shard = await source.stat(f"{proxy.url}/a.tar")
+            proxy.stall(30.0)  # the server accepts but never answers
+            t0 = trio.current_time()
+            with pytest.raises(Unreachable, match=r"a\.tar.*deadline.*ReadTimeout"):
+                await read(source, shard)
+            assert FAST.deadline <= trio.current_time() - t0 < FAST.deadline + FAST.timeout + 0.5
+            proxy.clear()
+            assert len(await read(source, shard, 0, 10)) == 10
+
+        with_http(check)
+
+
+def test_slow_consumer_is_not_a_stall(nginx: Nginx) -> None:
+    data = put(nginx.root, "a.tar")
+    settings = dataclasses.replace(FAST, deadline=0.5)
+    with proxy_for(nginx) as proxy:
+        proxy.reset_after(200_000, times=1)
+
+        async def check(source: HttpSource) -> None:
+            shard = await source.stat(f"{proxy.url}/a.tar")
+            parts = []
+            async with aclosing(source.stream(shard, 0, SIZE)) as chunks:
+                async for chunk in chunks:
+                    if not parts:
+                        await trio.sleep(1.0)  # longer than the deadline
+                    parts.append(chunk)
+            assert b"".join(parts) == data
+
+        with_http(check, settings)
+
+
+def test_stream_detects_changed_shard(nginx: Nginx) -> None:
+    data = put(nginx.root, "a.tar")
+
+    async def check(source: HttpSource) -> None:
+        shard = await source.stat(f"{nginx.url}/a.tar")
+        replace(nginx.root / "a.tar", data[::-1])  # same size, new ETag
+        with pytest.raises(ShardChanged, match=r"a\.tar"):
+            await read(source, shard)
+        dated = ShardInfo(shard.url, shard.size, None, shard.last_modified)
+        with pytest.raises(ShardChanged):  # If-Unmodified-Since catches it as well
+            await read(source, dated)
+        fresh = await source.stat(shard.url)
+        assert fresh.etag != shard.etag
+        replace(nginx.root / "a.tar", data + b"more")
+        with pytest.raises(ShardChanged):
+            await read(source, fresh, 0, 10)
+        (nginx.root / "a.tar").unlink()
+        with pytest.raises(NotFound):
+            await read(source, fresh, 0, 10)
+
+    with_http(check)
+    assert [r.status for r in nginx.access_log()][1:3] == [412, 412]
+
+
+def test_early_close_and_cancel_release_the_connection(nginx: Nginx) -> None:
+    data = put(nginx.root, "a.tar")
+    settings = dataclasses.replace(FAST, max_connections=1)
+    with proxy_for(nginx) as proxy:
+
+        async def check(source: HttpSource) -> None:
+            shard = await source.stat(f"{proxy.url}/a.tar")
+            with trio.fail_after(5):
+                for _ in range(3):
+                    async with aclosing(source.stream(shard, 0, SIZE)) as chunks:
+                        async for _chunk in chunks:
+                            break
+                proxy.stall(10.0, after_bytes=CHUNK, times=1)
+                with trio.move_on_after(0.3) as scope:
+                    await read(source, shard)
+                assert scope.cancelled_caught
+                assert await read(source, shard) == data  # the single connection is free
+
+        with_http(check, settings)
+
+
+def test_fetch_optional_http(nginx: Nginx) -> None:
+    (nginx.root / "a.idx").write_bytes(b"index")
+
+    async def check(source: HttpSource) -> None:
+        assert await source.fetch_optional(f"{nginx.url}/a.idx") == b"index"
+        assert await source.fetch_optional(f"{nginx.url}/b.idx") is None
+        nginx.stop()
+        with pytest.raises(Unreachable):
+            await source.fetch_optional(f"{nginx.url}/a.idx")
+
+    with_http(check)
+
+
+# -- FileSource --------------------------------------------------------------------------------
+
+
+def with_file(fn: Callable[[FileSource], Awaitable[T]]) -> T:
+    return trio.run(fn, FileSource(FAST))
+
+
+def test_file_stat_and_stream(tmp_path: Path) -> None:
+    data = put(tmp_path, "a b%#.tar")
+    (tmp_path / "empty.tar").write_bytes(b"")
+    url = to_url(str(tmp_path / "a b%#.tar"))
+    assert "%20" in url and "%25" in url and "%23" in url
+
+    async def check(source: FileSource) -> None:
+        shard = await source.stat(url)
+        st = (tmp_path / "a b%#.tar").stat()
+        assert shard == ShardInfo(url, SIZE, f"{st.st_ino:x}-{st.st_mtime_ns:x}-{SIZE:x}")
+        for start, end in [(0, SIZE), (3, 4), (CHUNK - 1, 3 * CHUNK + 5), (9, 9)]:
+            assert await read(source, shard, start, end) == data[start:end]
+        empty = await source.stat(to_url(str(tmp_path / "empty.tar")))
+        assert empty.size == 0 and await read(source, empty) == b""
+        with pytest.raises(NotFound, match="missing"):
+            await source.stat(to_url(str(tmp_path / "missing.tar")))
+        with pytest.raises(SourceError, match="directory"):
+            await source.stat(to_url(str(tmp_path)))
+        replace(tmp_path / "a b%#.tar", data[::-1])
+        with pytest.raises(ShardChanged):
+            await read(source, shard)
+
+    with_file(check)
+
+
+def test_file_fetch_optional(tmp_path: Path) -> None:
+    (tmp_path / "a.idx").write_bytes(b"index")
+
+    async def check(source: FileSource) -> None:
+        assert await source.fetch_optional(to_url(str(tmp_path / "a.idx"))) == b"index"
+        assert await source.fetch_optional(to_url(str(tmp_path / "b.idx"))) is None
+        with pytest.raises(SourceError):
+            await source.fetch_optional(to_url(str(tmp_path)))
+
+    with_file(check)
+
+
+# -- Sources, to_url ---------------------------------------------------------------------------
+
+
+def test_to_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert to_url("shards/a.tar") == f"file://{tmp_path}/shards/a.tar"
+    assert to_url("./x/../a b.tar") == f"file://{tmp_path}/a%20b.tar"
+    assert to_url("/data/a.tar") == "file:///data/a.tar"
+    for url in ("http://h/a.tar", "https://h:8/a%20.tar?x=1", "file:///a.tar", "s3://b/a.tar"):
+        assert to_url(url) == url
+
+
+def test_sources_dispatch_and_stats(nginx: Nginx, tmp_path: Path) -> None:
+    data = put(nginx.root, "a.tar", 1000)
+    local = tmp_path / "a.tar"
+    local.write_bytes(data)
+
+    async def check() -> None:
+        sources = Sources(FAST)
+        try:
+            http_source = sources.for_url(f"{nginx.url}/a.tar")
+            assert isinstance(http_source, HttpSource)
+            assert sources.for_url("https://example.invalid/x") is http_source
+            file_source = sources.for_url(to_url(str(local)))
+            assert isinstance(file_source, FileSource)
+            for bad in ("s3://bucket/a.tar", "a.tar"):
+                with pytest.raises(SourceError, match=r"unsupported.*http://.*file://"):
+                    sources.for_url(bad)
+            pairs = ((http_source, f"{nginx.url}/a.tar"), (file_source, to_url(str(local))))
+            for source, url in pairs:
+                shard = await source.stat(url)
+                assert await read(source, shard) == data
+            total = sources.stats()
+            assert total.requests == 4 and total.bytes_received == 2 * 1000 + 1
+            assert total.by_status == {206: 2}
+        finally:
+            await sources.aclose()
+
+    trio.run(check)
