@@ -139,8 +139,8 @@ def test_file_mount_posix_tools(dataset, mounter: Mounter, tmp_path: Path):
         os.close(fd)
     # read-only everywhere
     for attempt in (
-        lambda: open(mnt / "new", "wb"),
-        lambda: open(mnt / rel, "r+b"),
+        lambda: os.open(mnt / "new", os.O_WRONLY | os.O_CREAT),
+        lambda: os.open(mnt / rel, os.O_RDWR),
         lambda: os.mkdir(mnt / "d"),
         lambda: os.unlink(mnt / rel),
         lambda: os.rename(mnt / rel, mnt / "x"),

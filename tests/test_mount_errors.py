@@ -5,9 +5,7 @@ from __future__ import annotations
 import http.server
 import io
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
@@ -169,7 +167,3 @@ def test_umount_command(dataset, mounter: Mounter):
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert not os.path.ismount(m.mountpoint)
-
-
-def _unused() -> None:  # keep imports used by helpers above explicit for linters
-    _ = (shutil, socket)
