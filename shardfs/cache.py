@@ -76,13 +76,17 @@ class ShardCache:
         except OSError as exc:
             raise CacheError(f"cache dir {self.root} is not usable: {exc.strerror}") from None
         if not os.access(self.root, os.W_OK):
+            os.close(self._lock_fd)
+            self._lock_fd = None
             raise CacheError(f"cache dir {self.root} is not writable")
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
+            holder = os.pread(self._lock_fd, 32, 0).decode(errors="replace").strip()
+            os.close(self._lock_fd)  # not ours: do not leak it (a retry would open another)
+            self._lock_fd = None
             if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES):
                 raise
-            holder = os.pread(self._lock_fd, 32, 0).decode(errors="replace").strip()
             raise CacheError(
                 f"cache dir {self.root} is in use by another shardfs daemon (pid {holder or '?'});"
                 " give each mount its own --cache-dir"
@@ -128,6 +132,12 @@ class ShardCache:
     def evict_to_fit(self, need: int) -> bool:
         """Evict least recently used unpinned shards until `need` more bytes fit."""
         used = self.used
+        if used + need <= self.budget:
+            return True
+        # Evict nothing when even evicting every unpinned shard would not make room.
+        evictable = sum(s.size for k, s in self._complete.items() if not self._pins.get(k))
+        if used - evictable + need > self.budget:
+            return False
         for key in list(self._complete):
             if used + need <= self.budget:
                 break

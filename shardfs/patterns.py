@@ -21,9 +21,11 @@ def _alternatives(body: str, pattern: str) -> list[str]:
             raise PatternError(f"range {{{body}}} in {pattern!r} runs backwards")
         if hi - lo + 1 > _MAX_EXPANSION:
             raise PatternError(f"range {{{body}}} in {pattern!r} is too large")
-        # Zero padding follows the width of the first bound, as WebDataset's braceexpand does.
-        width = len(first) if first.startswith("0") and len(first) > 1 else 0
-        return [str(n).zfill(width) for n in range(lo, hi + 1)]
+        # As in braceexpand (which WebDataset uses): if either bound is zero-padded, every
+        # number is padded to the width of the wider bound.
+        padded = any(b.startswith(("0", "-0")) for b in (first, last) if b not in ("0", "-0"))
+        width = max(len(first), len(last)) if padded else 0
+        return [f"{n:0{width}d}" for n in range(lo, hi + 1)]
     if "," in body:
         return body.split(",")
     raise PatternError(f"cannot expand {{{body}}} in {pattern!r}: use {{A..B}} or {{a,b,...}}")
@@ -43,8 +45,11 @@ def expand_braces(pattern: str) -> list[str]:
     if "{" in body:
         raise PatternError(f"nested braces are not supported in {pattern!r}")
     head, tail = pattern[:open_at], pattern[close_at + 1 :]
+    if "}" in head:
+        raise PatternError(f"unbalanced '}}' in {pattern!r}")
     tails = expand_braces(tail)
-    out = [head + alt + rest for alt in _alternatives(body, pattern) for rest in tails]
-    if len(out) > _MAX_EXPANSION:
+    alts = _alternatives(body, pattern)
+    # Check the product before building it: several groups multiply.
+    if len(alts) * len(tails) > _MAX_EXPANSION:
         raise PatternError(f"{pattern!r} expands to more than {_MAX_EXPANSION} names")
-    return out
+    return [head + alt + rest for alt in alts for rest in tails]

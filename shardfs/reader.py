@@ -183,6 +183,10 @@ class Reader:
         self.cache.pin(key)  # the shard may complete meanwhile; it must not be evicted under us
         try:
             await fetch.wait_for(end)
+            if fetch.failed is not None:
+                # Our bytes arrived, but the fetch failed before this task ran again and its
+                # part file is closed (its fd number may already name another file).
+                return None
             return os.pread(fetch.part.fd, end - start, start)
         except FetchFailed as exc:
             if isinstance(exc.cause, SourceError):

@@ -17,12 +17,13 @@ from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from shardfs.tar import Member
+from shardfs.tar import Member, _symlink_inside, normalize_path
 
 INDEX_FORMAT = "shardfs-index/1"
 INDEX_SUFFIX = ".shardfs.idx"
 
 KIND_FILE, KIND_DIR, KIND_LINK = ord("f"), ord("d"), ord("l")
+_KINDS = frozenset((KIND_FILE, KIND_DIR, KIND_LINK))
 
 
 class IndexFormatError(ValueError):
@@ -127,20 +128,39 @@ def decode_index(data: bytes, *, expect_size: int | None = None) -> ShardIndex:
     size = header.get("size")
     if not isinstance(size, int) or (expect_size is not None and size != expect_size):
         raise IndexFormatError(f"index is for a shard of {size} bytes, the shard has {expect_size}")
-    index = ShardIndex(size=size, sha256=header.get("sha256"), skipped=header.get("skipped") or {})
+    skipped = header.get("skipped") or {}
+    if not isinstance(skipped, dict):
+        raise IndexFormatError("index header field 'skipped' is not an object")
+    index = ShardIndex(size=size, sha256=header.get("sha256"), skipped=skipped)
     if body:
-        for pos, line in enumerate(body.split(b"\n")):
-            fields = line.split(b"\t")
-            if len(fields) not in (6, 7) or len(fields[0]) != 1:
-                raise IndexFormatError(f"index line {pos + 2} is malformed")
-            index.paths.append(_unescape(fields[5]))
-            index.kinds.append(fields[0][0])
-            index.offsets.append(int(fields[1]))
-            index.sizes.append(int(fields[2]))
-            index.mtimes.append(int(fields[3]))
-            index.modes.append(int(fields[4]))
-            if len(fields) == 7:
-                index.links[pos] = _unescape(fields[6])
+        # The checksum only proves the body is intact, not that its writer was sane: a
+        # published index comes from the server, so every field is checked here.
+        try:
+            for pos, line in enumerate(body.split(b"\n")):
+                fields = line.split(b"\t")
+                if len(fields) not in (6, 7) or len(fields[0]) != 1:
+                    raise IndexFormatError(f"index line {pos + 2} is malformed")
+                kind = fields[0][0]
+                path = _unescape(fields[5])
+                if kind not in _KINDS or normalize_path(path) != path:
+                    raise IndexFormatError(f"index line {pos + 2}: bad kind or unsafe path")
+                if (len(fields) == 7) != (kind == KIND_LINK):
+                    raise IndexFormatError(f"index line {pos + 2}: link target mismatch")
+                index.paths.append(path)
+                index.kinds.append(kind)
+                index.offsets.append(int(fields[1]))
+                index.sizes.append(int(fields[2]))
+                index.mtimes.append(int(fields[3]))
+                index.modes.append(int(fields[4]))
+                if len(fields) == 7:
+                    target = _unescape(fields[6])
+                    if not _symlink_inside(path, target):
+                        raise IndexFormatError(f"index line {pos + 2}: link escapes the tree")
+                    index.links[pos] = target
+        except IndexFormatError:
+            raise
+        except (ValueError, OverflowError) as exc:
+            raise IndexFormatError(f"index line {pos + 2} has a bad number: {exc}") from None
     if len(index.paths) != header.get("members"):
         raise IndexFormatError("index member count does not match its header")
     if index.data_end() > size:

@@ -163,10 +163,18 @@ class Tree:
 
     @classmethod
     def load(cls, path: Path) -> Tree:
-        """Read a saved tree; ValueError if it is damaged or of another format."""
+        """Read a saved tree; ValueError (EOFError if cut short) if damaged or of another format."""
+        try:
+            return cls._load(path)
+        except (KeyError, TypeError, IndexError, AttributeError) as exc:
+            # Parseable JSON of the wrong shape (a missing key, a list for a dict ...).
+            raise ValueError(f"{path}: damaged tree file ({exc!r})") from None
+
+    @classmethod
+    def _load(cls, path: Path) -> Tree:
         with open(path, "rb") as f:
             header = json.loads(f.readline())
-            if header.get("format") != TREE_FORMAT:
+            if not isinstance(header, dict) or header.get("format") != TREE_FORMAT:
                 raise ValueError(f"{path}: not a {TREE_FORMAT} file")
             names = f.read(header["names"])
             kind = bytearray(f.read(header["entries"]))
@@ -289,6 +297,6 @@ def _count_dangling(tree: Tree) -> int:
     for e, target in tree.links.items():
         link_dir = posixpath.dirname(tree.path(e + 1))
         resolved = posixpath.normpath(posixpath.join(link_dir, target))
-        if tree.resolve(resolved) is None:
+        if resolved != b"." and tree.resolve(resolved) is None:  # "." is the root
             dangling += 1
     return dangling

@@ -1,0 +1,394 @@
+"""The read-ahead policy, driven without FUSE over real tar shards, file:// sources and a real
+cache: every byte must equal the shard's, and the policy must pick the right fetch unit."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import tarfile
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import trio
+
+from shardfs.cache import ShardCache
+from shardfs.catalog import Catalog, open_catalog
+from shardfs.reader import Reader, ReadError, ReadPolicy
+from shardfs.shardindex import KIND_FILE
+from shardfs.sources import ShardInfo, Source, Sources, SourceSettings, Unreachable
+
+N_SHARDS = 8
+PER_SHARD = 40  # more than working_set_reads below: a sequential window spans 2 shards
+BIG = 300 * 1024  # one member spans several member blocks (see BLOCK)
+BLOCK = 64 * 1024
+
+
+@dataclass
+class Shards:
+    urls: list[str]
+    paths: list[Path]
+    contents: dict[bytes, bytes]  # member path -> data (the last shard's, for duplicates)
+    order: list[list[bytes]]  # member paths of each shard, in tar order
+    shard_size: int  # the largest shard's size
+
+
+def write_shards(directory: Path, *, seed: int = 0, big: bool = False) -> Shards:
+    """N_SHARDS tars of equal size (the same member sizes, random bytes); with `big`, shard 2
+    also holds one member of BIG bytes."""
+    rng = random.Random(seed)
+    sizes = [0, 1, *(rng.randint(2, 8000) for _ in range(PER_SHARD - 2))]
+    directory.mkdir()
+    urls, paths, order = [], [], []
+    contents: dict[bytes, bytes] = {}
+    for s in range(N_SHARDS):
+        path = directory / f"train-{s:06d}.tar"
+        names = []
+        with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+            members = [(f"class{k % 3}/s{s}-m{k:03d}.bin", rng.randbytes(sizes[k]))
+                       for k in range(PER_SHARD)]
+            members.append(("common/dup.txt", f"from shard {s}".encode()))
+            if big and s == 2:
+                members.append(("big/large.bin", rng.randbytes(BIG)))
+            for name, data in members:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                info.mtime = 1_700_000_000
+                tar.addfile(info, io.BytesIO(data))
+                contents[name.encode()] = data
+                names.append(name.encode())
+        urls.append(path.as_uri())
+        paths.append(path)
+        order.append(names)
+    return Shards(urls, paths, contents, order, max(p.stat().st_size for p in paths))
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Shards:
+    return write_shards(tmp_path_factory.mktemp("reader") / "shards")
+
+
+@pytest.fixture(scope="module")
+def big_shards(tmp_path_factory: pytest.TempPathFactory) -> Shards:
+    return write_shards(tmp_path_factory.mktemp("reader-big") / "shards", seed=1, big=True)
+
+
+def file_inodes(catalog: Catalog) -> dict[bytes, int]:
+    tree = catalog.tree
+    return {tree.path(i + 1): i + 1 for i in range(len(tree)) if tree.kind[i] == KIND_FILE}
+
+
+Body = Callable[[Reader, Catalog, ShardCache], Awaitable[None]]
+
+
+def run_reader(tmp_path: Path, urls: list[str], budget: int, body: Body, *,
+               policy: ReadPolicy | None = None, sources: Sources | None = None) -> Reader:
+    """Open a real cache and catalog, run the reader, call body, then shut everything down."""
+    cache = ShardCache(tmp_path / "cache", budget)
+    cache.open()
+    sources = sources or Sources()
+    box: list[Reader] = []
+
+    async def main() -> None:
+        catalog = await open_catalog(urls, sources, cache)
+        reader = Reader(catalog, cache, sources, policy)
+        box.append(reader)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(reader.run)
+            await body(reader, catalog, cache)
+            assert cache.used <= cache.budget
+            nursery.cancel_scope.cancel()
+        await sources.aclose()
+
+    try:
+        trio.run(main)
+        reader = box[0]
+        # Shut down cleanly: no fetch left, no reservation, no part file, within budget.
+        assert reader.fetches == {}
+        assert cache.used == sum(s.size for s in cache._complete.values())
+        assert cache.used <= cache.budget
+        assert not [n for n in os.listdir(cache.shards_dir) if n.endswith(".part")]
+    finally:
+        cache.close()
+    return reader
+
+
+async def read_member(reader: Reader, catalog: Catalog, ino: int, off: int = 0,
+                      size: int = 1 << 30) -> bytes:
+    ref = catalog.tree.file_ref(ino)
+    return await reader.read(ref.shard, ref.offset, ref.size, off, size)
+
+
+async def wait_idle(reader: Reader) -> None:
+    with trio.fail_after(10):
+        while reader.fetches:
+            await trio.sleep(0.005)
+
+
+def test_every_member_reads_back_exactly(tmp_path: Path, big_shards: Shards) -> None:
+    shards = big_shards
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        assert set(inodes) == set(shards.contents)
+        for path, ino in inodes.items():
+            assert await read_member(reader, catalog, ino) == shards.contents[path], path
+            assert cache.used <= cache.budget
+        # The duplicate path resolves to the last shard's member.
+        assert shards.contents[b"common/dup.txt"] == b"from shard %d" % (N_SHARDS - 1)
+        rng = random.Random(5)
+        paths = sorted(inodes)
+        for _ in range(1500):
+            path = rng.choice(paths)
+            data = shards.contents[path]
+            off = rng.randint(0, len(data) + 100)
+            size = rng.choice([0, 1, 7, 4096, 65536, 1 << 20, rng.randint(0, len(data) + 10)])
+            got = await read_member(reader, catalog, inodes[path], off, size)
+            assert got == data[off : off + size], (path, off, size)
+        # Past the end, at the end, empty reads.
+        big = inodes[b"big/large.bin"]
+        assert await read_member(reader, catalog, big, BIG, 10) == b""
+        assert await read_member(reader, catalog, big, BIG + 5000, 10) == b""
+        assert await read_member(reader, catalog, big, 0, 0) == b""
+        assert await read_member(reader, catalog, big, BIG - 3, 10) == shards.contents[
+            b"big/large.bin"][-3:]
+
+    reader = run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body)
+    assert reader.stats.eio == 0 and reader.stats.fetch_errors == 0
+
+
+def test_first_read_fetches_whole_shard_then_cache_hits(tmp_path: Path, shards: Shards) -> None:
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        stats = reader.stats
+        first = shards.order[3][5]
+        assert await read_member(reader, catalog, inodes[first]) == shards.contents[first]
+        assert stats.shard_fetches_started == 1
+        assert stats.member_fetches == 0
+        await wait_idle(reader)
+        assert stats.shard_fetches_done == 1
+        assert cache.has(catalog.keys[3]) and cache.complete_count == 1
+        assert stats.shard_bytes == catalog.shards[3].size
+        hits = stats.cache_hits
+        for path in shards.order[3]:
+            if path == b"common/dup.txt":
+                continue  # shadowed by the last shard's copy
+            assert await read_member(reader, catalog, inodes[path]) == shards.contents[path]
+        assert stats.cache_hits - hits == PER_SHARD - 1  # an empty member needs no read
+        assert stats.shard_fetches_started == 1 and stats.member_fetches == 0
+        source_stats = reader.sources.stats()
+        assert source_stats.bytes_received == catalog.shards[3].size
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body)
+
+
+def test_concurrent_reads_join_one_fetch(tmp_path: Path, shards: Shards) -> None:
+    # Small source chunks: the frontier moves in steps, readers wait for their own bytes.
+    sources = Sources(SourceSettings(chunk_size=4096))
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        results: dict[bytes, bytes] = {}
+
+        async def one(path: bytes) -> None:
+            results[path] = await read_member(reader, catalog, inodes[path])
+
+        wanted = [p for s in (0, 2, 5) for p in shards.order[s] if p != b"common/dup.txt"]
+        random.Random(2).shuffle(wanted)
+        async with trio.open_nursery() as nursery:
+            for path in wanted:
+                nursery.start_soon(one, path)
+        assert results == {p: shards.contents[p] for p in wanted}
+        assert reader.stats.shard_fetches_started == 3
+        assert reader.stats.member_fetches == 0
+        assert reader.stats.waits > 0
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources)
+
+
+def test_budget_below_one_shard_reads_members(tmp_path: Path, big_shards: Shards) -> None:
+    shards = big_shards
+    policy = ReadPolicy(member_block=BLOCK)
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        for path, ino in inodes.items():
+            assert await read_member(reader, catalog, ino) == shards.contents[path]
+        # A large member comes in blocks; reads across block boundaries splice them.
+        big, data = inodes[b"big/large.bin"], shards.contents[b"big/large.bin"]
+        for off, size in [(BLOCK - 10, 20), (0, BIG), (BLOCK * 2 - 1, BLOCK + 2), (BIG - 1, 5)]:
+            assert await read_member(reader, catalog, big, off, size) == data[off : off + size]
+        stats = reader.stats
+        assert stats.member_fetches > 0
+        assert stats.shard_fetches_started == 0
+        assert cache.complete_count == 0 and cache.used == 0
+        assert stats.member_bytes == reader.sources.stats().bytes_received
+        assert stats.member_bytes <= sum(len(d) for d in shards.contents.values())
+
+    smallest = min(p.stat().st_size for p in shards.paths)
+    run_reader(tmp_path, shards.urls, smallest // 2, body, policy=policy)
+
+
+def test_random_access_larger_than_cache_switches_to_member_reads(tmp_path: Path,
+                                                                  shards: Shards) -> None:
+    policy = ReadPolicy(working_set_reads=32)
+    budget = shards.shard_size * 5 // 2  # about 2 of the 8 shards
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        paths = sorted(inodes)
+        rng = random.Random(11)
+        stats = reader.stats
+        # Warm-up: the first reads still see a small working set.
+        for _ in range(2 * policy.working_set_reads):
+            path = rng.choice(paths)
+            assert await read_member(reader, catalog, inodes[path]) == shards.contents[path]
+            assert cache.used <= budget
+        await wait_idle(reader)
+        started, member_fetches = stats.shard_fetches_started, stats.member_fetches
+        fetched_before = stats.shard_bytes + stats.member_bytes
+        served_before = stats.bytes_served
+        for _ in range(10 * policy.working_set_reads):
+            path = rng.choice(paths)
+            assert await read_member(reader, catalog, inodes[path]) == shards.contents[path]
+            assert cache.used <= budget
+        # Random access over 8 shards: the working set never fits again, no shard fetches.
+        assert stats.shard_fetches_started == started
+        assert stats.member_fetches > member_fetches + policy.working_set_reads
+        # The bytes fetched stay close to the bytes read (no whole-shard thrashing).
+        fetched = stats.shard_bytes + stats.member_bytes - fetched_before
+        assert fetched <= stats.bytes_served - served_before
+        assert cache.complete_count <= 2
+
+    run_reader(tmp_path, shards.urls, budget, body, policy=policy)
+
+
+def test_sequential_shard_by_shard_fetches_whole_shards(tmp_path: Path, shards: Shards) -> None:
+    policy = ReadPolicy(working_set_reads=32)
+    budget = shards.shard_size * 5 // 2
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        tree = catalog.tree
+        for s in range(N_SHARDS):
+            for path in shards.order[s]:
+                ino = inodes[path]
+                if tree.file_ref(ino).shard != s:
+                    continue  # shadowed duplicate
+                assert await read_member(reader, catalog, ino) == shards.contents[path]
+                assert cache.used <= budget
+            await wait_idle(reader)
+            assert cache.has(catalog.keys[s])
+        stats = reader.stats
+        assert stats.shard_fetches_started == N_SHARDS
+        assert stats.shard_fetches_done == N_SHARDS
+        assert stats.member_fetches == 0
+        assert stats.shard_bytes == sum(info.size for info in catalog.shards)
+        assert cache.evictions == N_SHARDS - cache.complete_count
+        assert cache.complete_count == 2
+
+    run_reader(tmp_path, shards.urls, budget, body, policy=policy)
+
+
+def test_prefetch_all_warms_a_dataset_that_fits(tmp_path: Path, shards: Shards) -> None:
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        with trio.fail_after(10):
+            while cache.complete_count < N_SHARDS:
+                await trio.sleep(0.01)
+        assert reader.stats.shard_fetches_done == N_SHARDS
+        inodes = file_inodes(catalog)
+        for path, ino in inodes.items():
+            assert await read_member(reader, catalog, ino) == shards.contents[path]
+        assert reader.stats.cache_hits == sum(1 for p in inodes if shards.contents[p])
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body,
+               policy=ReadPolicy(prefetch="all", max_fetches=2))
+
+
+def _modify(path: Path, at: int) -> None:
+    """Change one byte of a shard in place (same size, new mtime): a new version."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        old = f.read(1)
+        f.seek(at)
+        f.write(bytes([old[0] ^ 0xFF]))
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+
+
+@pytest.mark.parametrize("budget_shards", [100, 0.5], ids=["whole-shard", "member"])
+def test_shard_changed_after_catalog_is_eio(tmp_path: Path, budget_shards: float) -> None:
+    shards = write_shards(tmp_path / "shards", seed=4)
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        victim = shards.order[1][3]
+        ref = catalog.tree.file_ref(inodes[victim])
+        await trio.to_thread.run_sync(_modify, shards.paths[1], ref.offset)
+        with pytest.raises(ReadError):
+            await read_member(reader, catalog, inodes[victim])
+        other = shards.order[1][4]
+        with pytest.raises(ReadError):
+            await read_member(reader, catalog, inodes[other])
+        assert not cache.has(catalog.keys[1])
+        assert reader.stats.eio >= 2
+        # Other shards are unaffected.
+        good = shards.order[6][2]
+        assert await read_member(reader, catalog, inodes[good]) == shards.contents[good]
+
+    run_reader(tmp_path, shards.urls, int(budget_shards * shards.shard_size), body)
+
+
+class _DiesAfterFirstChunk:
+    """A file source whose whole-shard streams fail right after their first chunk."""
+
+    def __init__(self, inner: Source) -> None:
+        self.inner = inner
+        self.stats = inner.stats
+
+    async def stat(self, url: str) -> ShardInfo:
+        return await self.inner.stat(url)
+
+    async def fetch_optional(self, url: str) -> bytes | None:
+        return await self.inner.fetch_optional(url)
+
+    async def stream(self, shard: ShardInfo, start: int, end: int) -> AsyncIterator[bytes]:
+        whole = start == 0 and end == shard.size
+        stream = self.inner.stream(shard, start, end)
+        try:
+            async for chunk in stream:
+                yield chunk
+                if whole:
+                    raise Unreachable(f"{shard.url}: injected failure after the first chunk")
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class _FaultySources(Sources):
+    def for_url(self, url: str) -> Source:
+        return _DiesAfterFirstChunk(super().for_url(url))
+
+
+def test_fetch_failing_after_a_waiters_bytes_arrived(tmp_path: Path, shards: Shards) -> None:
+    # The fetch fails (and drops its part file) before the woken reader runs: the reader must
+    # not pread the closed part file; it falls back to reading its member from the source.
+    sources = _FaultySources(SourceSettings(chunk_size=8192))
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        first = shards.order[0][1]
+        ref = catalog.tree.file_ref(inodes[first])
+        assert ref.size > 0
+        assert ref.offset + ref.size <= 8192, "the member must lie in the first chunk"
+        assert await read_member(reader, catalog, inodes[first]) == shards.contents[first]
+        assert reader.stats.shard_fetches_started == 1
+        assert reader.stats.fetch_errors == 1
+        assert reader.stats.member_fetches == 1  # the fallback read the member itself
+        assert not cache.has(catalog.keys[0])
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources)
