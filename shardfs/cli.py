@@ -68,58 +68,101 @@ def expand_sources(specs: list[str]) -> list[str]:
 
 
 # -- mount ---------------------------------------------------------------------------------
+# Flags that map 1:1 onto config keys; their argparse default is None ("not given") so that
+# a config file or -o option is only overridden by flags the user really typed.
+_FLAG_KEYS = ("cache_dir", "cache_size", "timeout", "deadline", "max_fetches", "prefetch",
+              "index_parallel", "log_level", "log_file", "metrics_listen", "uid", "gid")
+
+
 def add_mount_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("sources", nargs="+", metavar="SOURCE",
-                   help="shard URL (http://, https://, file://) or path; brace patterns expand")
-    p.add_argument("mountpoint", metavar="MOUNTPOINT")
+    p.add_argument("positional", nargs="*", metavar="SOURCE... MOUNTPOINT",
+                   help="shard URLs (http://, https://, file://) or paths, brace patterns "
+                   "expand; then the mountpoint. With --config, both may come from the file.")
+    p.add_argument("--config", metavar="FILE", help="YAML settings (flags override it)")
+    p.add_argument("-o", dest="options", metavar="OPT[,OPT=VAL...]", action="append",
+                   help="mount-style options, e.g. cache_dir=/var/cache/x,cache_size=50G")
     p.add_argument("--cache-dir", help="where shard data and indexes are cached "
                    "(default: ~/.cache/shardfs/<hash of the mountpoint>)")
     p.add_argument("--cache-size", help="cache budget, e.g. 50G or 500MiB "
                    "(default: 80%% of free space there, at most 50 GiB)")
     p.add_argument("-f", "--foreground", action="store_true",
                    help="stay in the foreground; unmount on SIGINT/SIGTERM")
-    p.add_argument("--timeout", type=float, default=10.0,
-                   help="seconds a single request may stall (default 10)")
-    p.add_argument("--deadline", type=float, default=60.0,
+    p.add_argument("--timeout", help="seconds a single request may stall (default 10)")
+    p.add_argument("--deadline",
                    help="seconds without progress before a read fails with EIO (default 60)")
-    p.add_argument("--max-fetches", type=int, default=4,
-                   help="whole-shard downloads at once (default 4)")
-    p.add_argument("--prefetch", choices=("touched", "all"), default="touched",
-                   help="fetch shards once read (touched) or warm all that fit (all)")
-    p.add_argument("--index-parallel", type=int, default=8,
-                   help="shards indexed at once when no index exists yet (default 8)")
+    p.add_argument("--max-fetches", help="whole-shard downloads at once (default 4)")
+    p.add_argument("--prefetch", choices=("touched", "all"),
+                   help="fetch shards once read (touched, default) or warm all that fit (all)")
+    p.add_argument("--index-parallel", help="shards indexed at once (default 8)")
     p.add_argument("--no-warm", action="store_true",
                    help="do not keep the bytes streamed for indexing in the cache")
     p.add_argument("--allow-other", action="store_true",
                    help="let other users access the mount (needs user_allow_other)")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--uid", help="owner shown for all files (default: the daemon's uid)")
+    p.add_argument("--gid", help="group shown for all files (default: the daemon's gid)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     p.add_argument("--log-file", help="log here once daemonized "
                    "(default: shardfs.log in the cache dir)")
+    p.add_argument("--metrics-listen", metavar="HOST:PORT",
+                   help="serve Prometheus metrics here (needs prometheus-client)")
     p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
 
 
+def mount_settings(args: argparse.Namespace) -> dict:
+    """Merge defaults, --config / -o config=, -o options and flags (in that order)."""
+    from shardfs.config import load_file, merge, parse_mount_options, validate
+
+    option_layer: dict = {}
+    config_file = args.config
+    for text in args.options or []:
+        layer, named = parse_mount_options(text)
+        option_layer.update(layer)
+        config_file = config_file or named
+    file_layer = load_file(config_file) if config_file else {}
+    flags = {key: getattr(args, key) for key in _FLAG_KEYS}
+    if args.no_warm:
+        flags["warm_while_indexing"] = False
+    if args.allow_other:
+        flags["allow_other"] = True
+    positional = list(args.positional)
+    if len(positional) >= 2:
+        flags["sources"], flags["mountpoint"] = positional[:-1], positional[-1]
+    elif len(positional) == 1:
+        flags["mountpoint"] = positional[0]
+    flag_layer = validate({k: v for k, v in flags.items() if v is not None}, "command line")
+    settings = merge(file_layer, option_layer, flag_layer)
+    if not settings["mountpoint"]:
+        raise UsageError("no MOUNTPOINT given (on the command line or as 'mountpoint' in the "
+                         "config file)")
+    if not settings["sources"]:
+        raise UsageError("no SOURCE given (on the command line or as 'sources' in the config "
+                         "file)")
+    return settings
+
+
 def _mount_config(args: argparse.Namespace):
+    from shardfs.config import resolve_credentials
     from shardfs.daemon import MountConfig
     from shardfs.reader import ReadPolicy
-    from shardfs.sizes import parse_size
     from shardfs.sources import SourceSettings
 
-    urls = expand_sources(args.sources)
-    cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir(args.mountpoint)
-    try:
-        cache_size = parse_size(args.cache_size) if args.cache_size else \
-            default_cache_size(cache_dir)
-    except ValueError as exc:
-        raise UsageError(f"--cache-size: {exc}") from None
-    if args.deadline <= 0 or args.timeout <= 0 or args.max_fetches < 1:
-        raise UsageError("--timeout and --deadline must be > 0, --max-fetches >= 1")
+    s = mount_settings(args)
+    urls = expand_sources(s["sources"])
+    mountpoint = s["mountpoint"]
+    cache_dir = Path(s["cache_dir"]) if s["cache_dir"] else default_cache_dir(mountpoint)
+    cache_size = s["cache_size"] or default_cache_size(cache_dir)
     return MountConfig(
-        urls=urls, mountpoint=os.path.abspath(args.mountpoint), cache_dir=cache_dir.resolve(),
-        cache_size=cache_size,
-        settings=SourceSettings(timeout=args.timeout, deadline=args.deadline),
-        policy=ReadPolicy(max_fetches=args.max_fetches, prefetch=args.prefetch),
-        index_parallel=args.index_parallel, warm_while_indexing=not args.no_warm,
-        allow_other=args.allow_other)
+        urls=urls, specs=s["sources"], mountpoint=os.path.abspath(mountpoint),
+        cache_dir=cache_dir.resolve(), cache_size=cache_size,
+        settings=SourceSettings(timeout=s["timeout"], deadline=s["deadline"]),
+        policy=ReadPolicy(max_fetches=s["max_fetches"],
+                          max_member_fetches=s["max_member_fetches"], prefetch=s["prefetch"]),
+        index_parallel=s["index_parallel"], warm_while_indexing=s["warm_while_indexing"],
+        allow_other=s["allow_other"],
+        uid=os.getuid() if s["uid"] is None else s["uid"],
+        gid=os.getgid() if s["gid"] is None else s["gid"],
+        log_level=s["log_level"], log_file=s["log_file"], metrics_listen=s["metrics_listen"],
+        credentials=resolve_credentials(s["credentials"]))
 
 
 def run_mount_foreground(args: argparse.Namespace) -> int:
@@ -128,19 +171,21 @@ def run_mount_foreground(args: argparse.Namespace) -> int:
     from shardfs.aioutil import first_error
     from shardfs.cache import CacheError, ShardCache
     from shardfs.catalog import CatalogError
+    from shardfs.config import ConfigError
     from shardfs.daemon import serve
     from shardfs.mountpoint import MountpointError, prepare_mountpoint
     from shardfs.notify import sd_notify
     from shardfs.sources import SourceError
 
-    _setup_logging(args.log_level)
+    _setup_logging(args.log_level or "info")
     ready_fd = args.ready_fd
     try:
         cfg = _mount_config(args)
+        _setup_logging(cfg.log_level)
         cfg.mountpoint = prepare_mountpoint(cfg.mountpoint)
         cache = ShardCache(cfg.cache_dir, cfg.cache_size)
         cache.open()
-    except (UsageError, MountpointError, CacheError) as exc:
+    except (UsageError, ConfigError, MountpointError, CacheError) as exc:
         print(f"shardfs: error: {exc}", file=sys.stderr)
         return 1
 
@@ -148,8 +193,8 @@ def run_mount_foreground(args: argparse.Namespace) -> int:
         sd_notify("READY=1", f"STATUS={summary}")
         if ready_fd is not None:
             # Detach from the caller's terminal before telling it we are ready.
-            log_file = args.log_file or str(cfg.cache_dir / "shardfs.log")
-            _setup_logging(args.log_level, log_file)
+            log_file = cfg.log_file or str(cfg.cache_dir / "shardfs.log")
+            _setup_logging(cfg.log_level, log_file)
             fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
@@ -241,13 +286,29 @@ def build_parser() -> argparse.ArgumentParser:
     from shardfs.pack import configure_pack_parser
     configure_pack_parser(pack)
 
+    stats = sub.add_parser("stats", help="show a running mount's counters")
+    stats.add_argument("mountpoint", metavar="MOUNTPOINT")
+    stats.add_argument("--json", action="store_true", help="print the raw JSON snapshot")
+
+    warm = sub.add_parser("warm", help="fetch shards into the cache ahead of reading")
+    warm.add_argument("paths", nargs="+", metavar="PATH",
+                      help="the mountpoint (everything), or files/directories under one mount")
+    warm.add_argument("--no-wait", action="store_true",
+                      help="queue the fetches and return without a progress bar")
+
     demo = sub.add_parser("demo", help="run a small end-to-end demo on loopback")
     demo.add_argument("--workdir", help="keep the demo's files here (default: a temp dir)")
     return parser
 
 
+COMMANDS = ("mount", "umount", "index", "pack", "stats", "warm", "demo")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] not in COMMANDS and not argv[0].startswith("-"):
+        # mount(8) via mount.fuse3 runs `shardfs SOURCE MOUNTPOINT -o OPTIONS`.
+        argv = ["mount", *argv]
     args = build_parser().parse_args(argv)
     if args.command == "mount":
         code = run_mount_foreground(args) if args.foreground else run_mount_daemon(argv)
@@ -258,6 +319,12 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "pack":
         from shardfs.pack import run_pack
         code = run_pack(args)
+    elif args.command == "stats":
+        from shardfs.control import run_stats
+        code = run_stats(args)
+    elif args.command == "warm":
+        from shardfs.control import run_warm
+        code = run_warm(args)
     elif args.command == "demo":
         from shardfs.demo import run_demo
         code = run_demo(args)

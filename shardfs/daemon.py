@@ -7,15 +7,18 @@ import logging
 import os
 import signal
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pyfuse3
 import trio
 
 from shardfs.cache import ShardCache
 from shardfs.catalog import Catalog, open_catalog
+from shardfs.control import serve_control
 from shardfs.fs import ShardFS
 from shardfs.notify import sd_notify
 from shardfs.progress import ProgressLine
@@ -23,6 +26,7 @@ from shardfs.reader import Reader, ReadPolicy
 from shardfs.sources import Sources, SourceSettings
 
 log = logging.getLogger(__name__)
+STATUS_INTERVAL = 5.0  # seconds between STATUS= updates to systemd and metrics snapshots
 
 
 @dataclass(slots=True)
@@ -31,12 +35,23 @@ class MountConfig:
     mountpoint: str
     cache_dir: Path
     cache_size: int
+    specs: list[str] = field(default_factory=list)  # SOURCEs as the user wrote them
     settings: SourceSettings = field(default_factory=SourceSettings)
     policy: ReadPolicy = field(default_factory=ReadPolicy)
     index_parallel: int = 8
     warm_while_indexing: bool = True
     allow_other: bool = False
+    uid: int = field(default_factory=os.getuid)
+    gid: int = field(default_factory=os.getgid)
+    log_level: str = "info"
+    log_file: str | None = None
+    metrics_listen: str | None = None
+    credentials: dict[str, str] = field(default_factory=dict)
     max_tasks: int = 256  # concurrent FUSE requests in flight (readers waiting on fetches)
+
+    @property
+    def control_socket(self) -> str:
+        return str(self.cache_dir / "control.sock")
 
 
 def fuse_options(cfg: MountConfig) -> set[str]:
@@ -46,44 +61,115 @@ def fuse_options(cfg: MountConfig) -> set[str]:
     return options
 
 
-def stats_snapshot(cfg: MountConfig, catalog: Catalog, cache: ShardCache, reader: Reader,
-                   sources: Sources, started: float) -> dict:
-    rs = reader.stats
-    fetched = rs.shard_bytes + rs.member_bytes + catalog.indexed_bytes
-    return {
-        "mountpoint": cfg.mountpoint,
-        "pid": os.getpid(),
-        "uptime_s": round(time.monotonic() - started, 3),
-        "shards": len(catalog.shards),
-        "files": catalog.tree.count_files(),
-        "dataset_bytes": reader.dataset_bytes,
-        "shards_cached": cache.complete_count,
-        "shards_fetching": len(reader.fetches),
-        "cache_used_bytes": cache.used,
-        "cache_budget_bytes": cache.budget,
-        "evictions": cache.evictions,
-        "bytes_fetched": fetched,
-        "bytes_indexed": catalog.indexed_bytes,
-        "bytes_served": rs.bytes_served,
-        "amplification": round(fetched / rs.bytes_served, 4) if rs.bytes_served else None,
-        "hit_ratio": round((rs.cache_hits + rs.frontier_hits) / rs.reads, 4) if rs.reads else None,
-        "reader": asdict(rs),
-        "source": asdict(sources.stats()),
-    }
+class Throughput:
+    """Bytes served per second over the last ~10 s, from periodic samples."""
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[float, int]] = deque(maxlen=11)
+
+    def sample(self, served: int) -> None:
+        self._samples.append((time.monotonic(), served))
+
+    def rate(self, served: int) -> float:
+        now = time.monotonic()
+        if not self._samples:
+            return 0.0
+        t0, b0 = self._samples[0]
+        return (served - b0) / (now - t0) if now > t0 else 0.0
+
+
+@dataclass(slots=True)
+class Mounted:
+    """Everything a running mount has, for stats, control requests and metrics."""
+
+    cfg: MountConfig
+    catalog: Catalog
+    cache: ShardCache
+    reader: Reader
+    sources: Sources
+    started: float = field(default_factory=time.monotonic)
+    throughput: Throughput = field(default_factory=Throughput)
+    latest: dict[str, Any] = field(default_factory=dict)  # read by the metrics thread
+
+    def snapshot(self) -> dict[str, Any]:
+        rs, catalog, cache = self.reader.stats, self.catalog, self.cache
+        fetched = rs.shard_bytes + rs.member_bytes + catalog.indexed_bytes
+        return {
+            "mountpoint": self.cfg.mountpoint,
+            "pid": os.getpid(),
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "sources": self.cfg.specs,
+            "cache_dir": str(self.cfg.cache_dir),
+            "control_socket": self.cfg.control_socket,
+            "shards": len(catalog.shards),
+            "files": catalog.tree.count_files(),
+            "dataset_bytes": self.reader.dataset_bytes,
+            "shards_cached": cache.complete_count,
+            "shards_fetching": len(self.reader.fetches),
+            "cache_used_bytes": cache.used,
+            "cache_budget_bytes": cache.budget,
+            "evictions": cache.evictions,
+            "bytes_fetched": fetched,
+            "bytes_indexed": catalog.indexed_bytes,
+            "bytes_served": rs.bytes_served,
+            "throughput_bps": round(self.throughput.rate(rs.bytes_served)),
+            "amplification": round(fetched / rs.bytes_served, 4) if rs.bytes_served else None,
+            "hit_ratio": round((rs.cache_hits + rs.frontier_hits) / rs.reads, 4)
+            if rs.reads else None,
+            "reader": asdict(rs),
+            "source": asdict(self.sources.stats()),
+        }
+
+    def status_line(self) -> str:
+        s = self.snapshot()
+        hit = "-" if s["hit_ratio"] is None else f"{100 * s['hit_ratio']:.0f}%"
+        return (f"{s['shards_cached']}/{s['shards']} shards cached, "
+                f"{s['bytes_fetched'] / 1e9:.2f} GB fetched, {s['bytes_served'] / 1e9:.2f} GB "
+                f"served, hit ratio {hit}")
+
+    async def handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Control socket requests: stats, warm, progress."""
+        cmd = request.get("cmd")
+        if cmd == "stats":
+            return self.snapshot()
+        if cmd == "warm":
+            tree = self.catalog.tree
+            shards: dict[int, None] = {}
+            for rel in request.get("paths") or ["."]:
+                ino = tree.resolve(os.fsencode(os.path.normpath(rel)).lstrip(b"/"))
+                if ino is None or rel.startswith(".."):
+                    raise ValueError(f"{rel!r} is not in the mounted tree")
+                shards.update(dict.fromkeys(tree.shards_under(ino)))
+            plan = self.reader.warm(list(shards))
+            log.info("warm: %d shards queued (%d bytes), %d already cached, %d over budget",
+                     len(plan["shards"]), plan["bytes"], plan["already_cached"],
+                     plan["over_budget"])
+            return plan
+        if cmd == "progress":
+            return self.reader.warm_progress([int(s) for s in request.get("shards", [])])
+        raise ValueError(f"unknown command {cmd!r}")
 
 
 async def _probe_ready(mountpoint: str) -> None:
     """Returns once the kernel gets answers from us (the INIT handshake is done)."""
-    await trio.to_thread.run_sync(os.stat, mountpoint)
+    await trio.to_thread.run_sync(os.statvfs, mountpoint)
+
+
+def _indexing_progress(line: ProgressLine) -> Callable[[str, int, int], None]:
+    def update(phase: str, done: int, total: int) -> None:
+        line.update(phase, done, total)
+        sd_notify(f"STATUS=indexing shards: {done}/{total}")
+
+    return update
 
 
 async def serve(cfg: MountConfig, cache: ShardCache,
                 on_ready: Callable[[str], None]) -> None:
-    started = time.monotonic()
     sources = Sources(cfg.settings)
     try:
         progress = ProgressLine("indexing shards")
-        catalog = await open_catalog(cfg.urls, sources, cache, progress=progress.update,
+        catalog = await open_catalog(cfg.urls, sources, cache,
+                                     progress=_indexing_progress(progress),
                                      parallel=cfg.index_parallel,
                                      warm=cfg.warm_while_indexing)
         progress.close()
@@ -94,17 +180,14 @@ async def serve(cfg: MountConfig, cache: ShardCache,
         if report.conflicts:
             log.warning("%d files are also used as directories by other members; "
                         "shown as directories", report.conflicts)
-        reader = Reader(catalog, cache, sources, cfg.policy)
-
-        def stats_json() -> bytes:
-            snap = stats_snapshot(cfg, catalog, cache, reader, sources, started)
-            return json.dumps(snap).encode()
-
-        ops = ShardFS(catalog.tree, reader, [s.url for s in catalog.shards], uid=os.getuid(),
-                      gid=os.getgid(), stats_json=stats_json)
+        mounted = Mounted(cfg, catalog, cache, Reader(catalog, cache, sources, cfg.policy),
+                          sources)
+        ops = ShardFS(catalog.tree, mounted.reader, [s.url for s in catalog.shards],
+                      uid=cfg.uid, gid=cfg.gid,
+                      stats_json=lambda: json.dumps(mounted.snapshot()).encode())
         pyfuse3.init(ops, cfg.mountpoint, fuse_options(cfg))
         try:
-            await _serve_mounted(cfg, catalog, reader, on_ready)
+            await _serve_mounted(mounted, on_ready)
         finally:
             sd_notify("STOPPING=1")
             pyfuse3.close(unmount=True)
@@ -113,11 +196,35 @@ async def serve(cfg: MountConfig, cache: ShardCache,
         await sources.aclose()
 
 
-async def _serve_mounted(cfg: MountConfig, catalog: Catalog, reader: Reader,
-                         on_ready: Callable[[str], None]) -> None:
+async def _report_status(mounted: Mounted) -> None:
+    """STATUS= for systemd, throughput samples and the snapshot the metrics thread reads."""
+    while True:
+        mounted.throughput.sample(mounted.reader.stats.bytes_served)
+        mounted.latest = mounted.snapshot()
+        sd_notify(f"STATUS={mounted.status_line()}")
+        await trio.sleep(STATUS_INTERVAL if os.environ.get("NOTIFY_SOCKET") else 1.0)
+
+
+async def _watchdog(interval_s: float) -> None:
+    # This task runs on the loop that serves FUSE requests: if the loop hangs, pings stop.
+    while True:
+        sd_notify("WATCHDOG=1")
+        await trio.sleep(interval_s)
+
+
+def _watchdog_interval() -> float | None:
+    usec = os.environ.get("WATCHDOG_USEC")
+    pid = os.environ.get("WATCHDOG_PID")
+    if not usec or (pid and int(pid) != os.getpid()):
+        return None
+    return int(usec) / 2e6
+
+
+async def _serve_mounted(mounted: Mounted, on_ready: Callable[[str], None]) -> None:
+    cfg, catalog = mounted.cfg, mounted.catalog
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            await nursery.start(reader.run)
+            await nursery.start(mounted.reader.run)
 
             async def fuse_main() -> None:
                 await pyfuse3.main(max_tasks=cfg.max_tasks)
@@ -125,7 +232,16 @@ async def _serve_mounted(cfg: MountConfig, catalog: Catalog, reader: Reader,
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(fuse_main)
+            await nursery.start(serve_control, cfg.control_socket, mounted.handle)
             await _probe_ready(cfg.mountpoint)
+            nursery.start_soon(_report_status, mounted)
+            interval = _watchdog_interval()
+            if interval:
+                nursery.start_soon(_watchdog, interval)
+            if cfg.metrics_listen:
+                from shardfs.metrics import start_metrics_server
+
+                start_metrics_server(cfg.metrics_listen, lambda: mounted.latest)
             summary = (f"{catalog.tree.count_files()} files from {len(catalog.shards)} shards "
                        f"mounted at {cfg.mountpoint}")
             log.info("ready: %s", summary)

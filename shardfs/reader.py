@@ -122,6 +122,8 @@ class Reader:
         self.stats = ReaderStats()
         self.fetches: dict[int, Fetch] = {}
         self._queue: OrderedDict[int, None] = OrderedDict()  # shards waiting for a fetch slot
+        self._forced: set[int] = set()  # asked for by `shardfs warm`: fetch whatever the policy
+        self.failed: set[int] = set()  # shards whose last whole-shard fetch failed
         self._recent: deque[int] = deque()
         self._recent_count: Counter[int] = Counter()
         self._working_set_bytes = 0
@@ -242,11 +244,13 @@ class Reader:
     def _start_queued(self) -> None:
         while self._queue and len(self.fetches) < self.policy.max_fetches:
             shard, _ = self._queue.popitem(last=False)
-            wanted = self.policy.prefetch == "all" or self._recent_count[shard] > 0
+            forced = shard in self._forced
+            wanted = forced or self.policy.prefetch == "all" or self._recent_count[shard] > 0
             if shard in self.fetches or self.cache.has(self.catalog.keys[shard]) or not wanted:
+                self._forced.discard(shard)
                 continue
-            if self._whole_shard_pays():
-                self._start(shard)
+            if (forced or self._whole_shard_pays()) and self._start(shard) is None:
+                self._forced.discard(shard)  # no room even after eviction: give up on it
 
     async def _run_fetch(self, fetch: Fetch) -> None:
         shard = fetch.shard
@@ -266,11 +270,13 @@ class Reader:
                 raise ShardChanged(f"{info.url}: content differs from its index (sha256)")
             await self.cache.commit(fetch.part)
             self.stats.shard_fetches_done += 1
+            self.failed.discard(shard)
             took = time.monotonic() - began
             log.info("fetched shard %s: %d bytes in %.2f s (%.1f MB/s)", info.url, info.size,
                      took, info.size / max(took, 1e-6) / 1e6)
         except (SourceError, OSError) as exc:
             self.stats.fetch_errors += 1
+            self.failed.add(shard)
             log.error("fetching shard %s failed: %s", info.url, exc)
             fetch.fail(exc)
             self.cache.abort(fetch.part, key)
@@ -280,7 +286,40 @@ class Reader:
             raise
         finally:
             del self.fetches[shard]
+            self._forced.discard(shard)
             self._start_queued()
+
+    def warm(self, shards: list[int]) -> dict[str, int | list[int]]:
+        """Queue whole-shard fetches (for `shardfs warm`) for as many shards as the budget holds.
+
+        Shards are taken in the given order; those that would push the total past the cache
+        budget are left out rather than evicting shards warmed a moment earlier."""
+        left = self.cache.budget
+        planned: list[int] = []
+        cached = over = 0
+        total = 0
+        for shard in shards:
+            size, key = self.catalog.shards[shard].size, self.catalog.keys[shard]
+            if size > left:
+                over += 1
+                continue
+            left -= size
+            total += size
+            planned.append(shard)
+            if self.cache.has(key) or shard in self.fetches:
+                cached += self.cache.has(key)
+                continue
+            self.failed.discard(shard)
+            self._forced.add(shard)
+            self._queue[shard] = None
+        self._start_queued()
+        return {"shards": planned, "bytes": total, "already_cached": cached, "over_budget": over}
+
+    def warm_progress(self, shards: list[int]) -> dict[str, int | bool]:
+        cached = sum(self.cache.has(self.catalog.keys[s]) for s in shards)
+        failed = sum(s in self.failed for s in shards)
+        busy = any(s in self.fetches or s in self._queue for s in shards)
+        return {"total": len(shards), "cached": cached, "failed": failed, "idle": not busy}
 
     # -- member / block reads --------------------------------------------------------------
     async def _read_blocks(self, shard: int, member_off: int, member_size: int, start: int,

@@ -114,7 +114,7 @@ class Tree:
     def resolve(self, path: bytes) -> int | None:
         ino: int | None = ROOT
         for part in path.split(b"/"):
-            if part and ino is not None:
+            if part and part != b"." and ino is not None:
                 ino = self.lookup(ino, part)
         return ino
 
@@ -133,6 +133,20 @@ class Tree:
         if self.kind[i] == KIND_LINK:
             return len(self.links.get(i, b""))
         return self.size[i] if self.kind[i] == KIND_FILE else 0
+
+    def shards_under(self, ino: int) -> list[int]:
+        """Shards holding the files at or below `ino`, in order of first appearance."""
+        seen: dict[int, None] = {}
+        stack = [ino]
+        while stack:
+            i = stack.pop() - 1
+            kind = self.kind[i]
+            if kind == KIND_FILE:
+                seen.setdefault(self.shard[i], None)
+            elif kind == KIND_DIR:
+                first = self.child_start[i]
+                stack.extend(c + 1 for c in self.children[first : first + self.child_count[i]])
+        return list(seen)
 
     def count_files(self) -> int:
         return self.kind.count(KIND_FILE)

@@ -1,0 +1,205 @@
+"""The daemon's control socket (`<cache dir>/control.sock`) and the commands that use it.
+
+One JSON request line in, one JSON response line out. `shardfs stats` needs no socket (it
+reads the `user.shardfs.stats` xattr on the mount root); `shardfs warm` sends the paths to
+warm and then polls for progress. Nothing of this appears inside the mounted tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import stat
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from shardfs.progress import ProgressLine
+
+log = logging.getLogger(__name__)
+STATS_XATTR = "user.shardfs.stats"
+Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+_MAX_REQUEST = 16 << 20
+
+
+class ControlError(Exception):
+    """The daemon could not be reached or refused the request."""
+
+
+# -- daemon side ---------------------------------------------------------------------------
+async def serve_control(path: str, handler: Handler, *,
+                        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Answer requests on a unix socket until cancelled; the socket file is removed after."""
+    if os.path.exists(path) and stat.S_ISSOCK(os.lstat(path).st_mode):
+        os.unlink(path)  # left by a daemon that died; the cache lock proves it is not live
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    await sock.bind(path)
+    os.chmod(path, 0o600)  # warming moves a lot of data: the daemon's owner only
+    sock.listen(16)
+    listener = trio.SocketListener(sock)
+    try:
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+
+            async def one(stream: trio.SocketStream) -> None:
+                async with stream:
+                    await _answer(stream, handler)
+
+            while True:
+                stream = await listener.accept()
+                nursery.start_soon(one, stream)
+    finally:
+        with trio.CancelScope(shield=True):
+            await listener.aclose()
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+async def _answer(stream: trio.SocketStream, handler: Handler) -> None:
+    data = b""
+    with trio.move_on_after(10):
+        while not data.endswith(b"\n") and len(data) < _MAX_REQUEST:
+            chunk = await stream.receive_some(65536)
+            if not chunk:
+                break
+            data += chunk
+    try:
+        request = json.loads(data)
+        if not isinstance(request, dict):
+            raise ValueError("expected a JSON object")
+        response = await handler(request)
+    except Exception as exc:  # a bad request must not take the daemon down
+        log.warning("control request failed: %s", exc)
+        response = {"error": str(exc)}
+    await stream.send_all(json.dumps(response).encode() + b"\n")
+
+
+# -- client side ---------------------------------------------------------------------------
+def read_stats(mountpoint: str) -> dict[str, Any]:
+    try:
+        return json.loads(os.getxattr(mountpoint, STATS_XATTR))
+    except OSError as exc:
+        raise ControlError(f"{mountpoint} is not a running shardfs mount ({exc.strerror})") \
+            from None
+
+
+def request(sock_path: str, message: dict[str, Any], timeout: float = 30) -> dict[str, Any]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(sock_path)
+        except OSError as exc:
+            raise ControlError(f"cannot reach the daemon at {sock_path}: {exc.strerror}") \
+                from None
+        sock.sendall(json.dumps(message).encode() + b"\n")
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    response = json.loads(data)
+    if "error" in response:
+        raise ControlError(f"the daemon refused: {response['error']}")
+    return response
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def format_stats(s: dict[str, Any]) -> str:
+    r, src = s["reader"], s["source"]
+    ratio = s["amplification"]
+    hit = s["hit_ratio"]
+    lines = [
+        f"mountpoint      {s['mountpoint']} (pid {s['pid']}, up {s['uptime_s']:.0f} s)",
+        f"sources         {', '.join(s.get('sources', []))}",
+        f"shards          {s['shards']} indexed, {s['shards_cached']} cached, "
+        f"{s['shards_fetching']} fetching; {s['files']} files, "
+        f"{_fmt_bytes(s['dataset_bytes'])}",
+        f"cache           {_fmt_bytes(s['cache_used_bytes'])} of "
+        f"{_fmt_bytes(s['cache_budget_bytes'])} ({s['evictions']} evictions) in "
+        f"{s.get('cache_dir', '?')}",
+        f"served          {_fmt_bytes(s['bytes_served'])} in {r['reads']} reads, "
+        f"{_fmt_bytes(s.get('throughput_bps', 0))}/s now",
+        f"fetched         {_fmt_bytes(s['bytes_fetched'])} "
+        f"(amplification {'-' if ratio is None else f'{ratio:.2f}'}x; "
+        f"indexing {_fmt_bytes(s['bytes_indexed'])})",
+        f"hit ratio       {'-' if hit is None else f'{100 * hit:.1f} %'} "
+        f"(cache {r['cache_hits']}, in-flight {r['frontier_hits']}, waited {r['waits']}, "
+        f"member fetches {r['member_fetches']})",
+        f"requests        {src['requests']} ({src['retries']} retries, {src['errors']} errors); "
+        f"fetch errors {r['fetch_errors']}, EIO {r['eio']}",
+    ]
+    return "\n".join(lines)
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    try:
+        snapshot = read_stats(os.path.abspath(args.mountpoint))
+    except ControlError as exc:
+        print(f"shardfs: error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(snapshot, indent=2) if args.json else format_stats(snapshot))
+    return 0
+
+
+def mount_root(path: str) -> str:
+    """The mountpoint a path lives under."""
+    path = os.path.abspath(path)
+    while not os.path.ismount(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def run_warm(args: argparse.Namespace) -> int:
+    try:
+        for path in args.paths:
+            if not os.path.exists(path):
+                raise ControlError(f"{path} does not exist")
+        mountpoint = mount_root(args.paths[0])
+        snapshot = read_stats(mountpoint)
+        rel = []
+        for path in args.paths:
+            full = os.path.abspath(path)
+            if mount_root(full) != mountpoint:
+                raise ControlError(f"{path} is not under the mount {mountpoint}")
+            rel.append(os.path.relpath(full, mountpoint))
+        sock = snapshot["control_socket"]
+        plan = request(sock, {"cmd": "warm", "paths": rel})
+        print(f"warming {len(plan['shards'])} shards ({_fmt_bytes(plan['bytes'])}); "
+              f"{plan['already_cached']} already cached"
+              + (f"; {plan['over_budget']} left out: they do not fit the cache budget"
+                 if plan["over_budget"] else ""))
+        if args.no_wait or not plan["shards"]:
+            return 0
+        progress = ProgressLine("warming shards")
+        while True:
+            state = request(sock, {"cmd": "progress", "shards": plan["shards"]})
+            progress.update("warm", state["cached"] + state["failed"], state["total"])
+            if state["cached"] + state["failed"] >= state["total"] or state["idle"]:
+                break
+            time.sleep(0.5)
+        progress.close()
+    except ControlError as exc:
+        print(f"shardfs: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nshardfs: stopped waiting; the daemon keeps fetching", file=sys.stderr)
+        return 130
+    print(f"{state['cached']} of {state['total']} shards cached"
+          + (f", {state['failed']} failed (see the daemon log)" if state["failed"] else ""))
+    return 1 if state["failed"] else 0

@@ -1,0 +1,75 @@
+"""Prometheus text endpoint (optional: needs `pip install shardfs[metrics]`)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# (metric name, snapshot path, kind, help)
+_METRICS = (
+    ("shardfs_uptime_seconds", ("uptime_s",), "gauge", "Seconds since the daemon started"),
+    ("shardfs_shards", ("shards",), "gauge", "Shards in the mount"),
+    ("shardfs_files", ("files",), "gauge", "Files in the mount"),
+    ("shardfs_shards_cached", ("shards_cached",), "gauge", "Shards complete in the cache"),
+    ("shardfs_shards_fetching", ("shards_fetching",), "gauge", "Whole-shard fetches running"),
+    ("shardfs_cache_used_bytes", ("cache_used_bytes",), "gauge", "Cache bytes in use"),
+    ("shardfs_cache_budget_bytes", ("cache_budget_bytes",), "gauge", "Cache budget"),
+    ("shardfs_cache_evictions", ("evictions",), "counter", "Shards evicted"),
+    ("shardfs_fetched_bytes", ("bytes_fetched",), "counter", "Bytes fetched from sources"),
+    ("shardfs_served_bytes", ("bytes_served",), "counter", "Bytes read through the mount"),
+    ("shardfs_reads", ("reader", "reads"), "counter", "Read requests"),
+    ("shardfs_cache_hits", ("reader", "cache_hits"), "counter", "Reads from complete shards"),
+    ("shardfs_member_fetches", ("reader", "member_fetches"), "counter", "Member/block fetches"),
+    ("shardfs_fetch_errors", ("reader", "fetch_errors"), "counter", "Failed fetches"),
+    ("shardfs_eio", ("reader", "eio"), "counter", "Reads that failed with EIO"),
+    ("shardfs_source_requests", ("source", "requests"), "counter", "Requests to sources"),
+    ("shardfs_source_retries", ("source", "retries"), "counter", "Retried requests"),
+)
+
+
+def _lookup(snapshot: dict[str, Any], path: tuple[str, ...]) -> float | None:
+    value: Any = snapshot
+    for part in path:
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return float(value) if isinstance(value, int | float) else None
+
+
+class _Collector:
+    def __init__(self, latest: Callable[[], dict[str, Any]]) -> None:
+        self.latest = latest
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        snapshot = self.latest()  # a finished dict swapped in by the daemon: safe to read here
+        for name, path, kind, text in _METRICS:
+            value = _lookup(snapshot, path)
+            if value is None:
+                continue
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(name, text, value=value)
+
+
+def start_metrics_server(listen: str, latest: Callable[[], dict[str, Any]]) -> None:
+    """Serve /metrics from a background thread; the daemon refreshes `latest` every second."""
+    try:
+        from prometheus_client import start_http_server
+        from prometheus_client.core import CollectorRegistry
+    except ImportError:
+        log.error("metrics_listen is set but prometheus-client is not installed "
+                  "(pip install 'shardfs[metrics]'); no metrics served")
+        return
+    host, _, port = listen.rpartition(":")
+    registry = CollectorRegistry()
+    registry.register(_Collector(latest))
+    try:
+        start_http_server(int(port), addr=host, registry=registry)
+    except OSError as exc:  # metrics are an add-on: report, keep serving files
+        log.error("cannot serve metrics on %s: %s", listen, exc.strerror)
+        return
+    log.info("Prometheus metrics on http://%s/metrics", listen)

@@ -1,0 +1,83 @@
+"""Settings: YAML validation, -o options, precedence, credentials by reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shardfs.config import (
+    ConfigError,
+    load_file,
+    merge,
+    parse_mount_options,
+    resolve_credentials,
+    validate,
+)
+
+
+def test_load_validates_and_converts(tmp_path: Path):
+    path = tmp_path / "c.yaml"
+    path.write_text("sources: http://x/a-{0..3}.tar\ncache_size: 2G\ntimeout: 5\n"
+                    "allow_other: yes\nmax_fetches: 3\n")
+    settings = load_file(path)
+    assert settings == {"sources": ["http://x/a-{0..3}.tar"], "cache_size": 2 << 30,
+                        "timeout": 5.0, "allow_other": True, "max_fetches": 3}
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("- a\n- b\n", "expected a mapping"),
+    ("cache_size: [1]\n", "cache_size: bad value"),
+    ("max_fetches: 1.5\n", "max_fetches: bad value 1.5"),
+    ("max_fetches: true\n", "max_fetches: bad value True"),
+    ("metrics_listen: localhost\n", "expected HOST:PORT"),
+    ("sources: []\n", "sources: bad value"),
+    ("timeout: soon\n", "timeout: bad value 'soon'"),
+    ("key: [unclosed\n", "not valid YAML"),
+])
+def test_load_errors(tmp_path: Path, text: str, message: str):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+        load_file(path)
+
+
+def test_missing_file_is_a_clear_error(tmp_path: Path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_file(tmp_path / "none.yaml")
+
+
+def test_mount_options_ignore_generic_ones_and_map_aliases():
+    settings, config = parse_mount_options(
+        "ro,_netdev,nofail,dev,suid,noatime,x-systemd.automount,cache_dir=/c,cache_size=1M,"
+        "allow_other,no_warm,config=/etc/shardfs/a.yaml,max-fetches=2")
+    assert config == "/etc/shardfs/a.yaml"
+    assert settings == {"cache_dir": "/c", "cache_size": 1 << 20, "allow_other": True,
+                        "warm_while_indexing": False, "max_fetches": 2}
+    with pytest.raises(ConfigError, match="unknown option 'cache_sise'"):
+        parse_mount_options("cache_sise=1G")
+
+
+def test_precedence_defaults_file_options_flags():
+    file_layer = validate({"timeout": 3, "deadline": 30}, "file")
+    option_layer = validate({"deadline": 40}, "-o")
+    flag_layer = validate({"deadline": 50}, "flags")
+    merged = merge(file_layer, option_layer, flag_layer)
+    assert merged["timeout"] == 3.0 and merged["deadline"] == 50.0
+    assert merged["max_fetches"] == 4  # the default where nobody said anything
+
+
+def test_credentials_by_reference_only(tmp_path: Path, monkeypatch):
+    secret = tmp_path / "secret"
+    secret.write_text("s3cr3t\n")
+    monkeypatch.setenv("MY_KEY_ID", "AKIDEXAMPLE")
+    refs = validate({"credentials": {"access_key_id": {"env": "MY_KEY_ID"},
+                                     "secret_access_key": {"file": str(secret)}}}, "file")
+    assert resolve_credentials(refs["credentials"]) == {"access_key_id": "AKIDEXAMPLE",
+                                                        "secret_access_key": "s3cr3t"}
+    with pytest.raises(ConfigError, match="never written inline") as info:
+        validate({"credentials": {"secret_access_key": "s3cr3t"}}, "file")
+    assert "s3cr3t" not in str(info.value)
+    monkeypatch.delenv("MY_KEY_ID")
+    with pytest.raises(ConfigError, match="MY_KEY_ID is not set"):
+        resolve_credentials(refs["credentials"])
