@@ -20,12 +20,12 @@ import stat
 import sys
 import tarfile
 import tempfile
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, TextIO
+from typing import BinaryIO
 
+from shardfs.progress import ProgressLine
 from shardfs.shardindex import INDEX_SUFFIX, ShardIndex, encode_index
 from shardfs.sizes import UNITS_HELP, format_size, parse_size
 from shardfs.tar import Member
@@ -390,48 +390,19 @@ def configure_pack_parser(p: argparse.ArgumentParser) -> None:
                    help="store the files' mtimes (default: a fixed date, for reproducible shards)")
 
 
-class _ProgressLine:
-    """Progress on stderr: a redrawn line on a terminal, a log line every ~10% otherwise."""
-
-    def __init__(self, stream: TextIO) -> None:
-        self.stream = stream
-        self.tty = stream.isatty()
-        self.last_draw = 0.0
-        self.next_pct = 10
-        self.drawn = False
-
-    def __call__(self, done: int, total: int) -> None:
-        pct = 100 * done // total if total else 100
-        if self.tty:
-            now = time.monotonic()
-            if now - self.last_draw >= 0.1 or done == total:
-                self.last_draw = now
-                self.drawn = True
-                self.stream.write(f"\rshardfs pack: {done}/{total} files ({pct}%)")
-                self.stream.flush()
-        elif pct >= self.next_pct:
-            self.next_pct = (pct // 10 + 1) * 10
-            print(f"shardfs pack: {pct}% ({done}/{total} files)", file=self.stream, flush=True)
-
-    def end(self) -> None:
-        if self.drawn:
-            self.stream.write("\n")
-            self.drawn = False
-
-
 def run_pack(args: argparse.Namespace) -> int:
     """Run `shardfs pack`: the shard pattern goes to stdout, progress and summary to stderr."""
-    line = _ProgressLine(sys.stderr)
+    line = ProgressLine("shardfs pack", sys.stderr, unit="files")
     try:
         result = pack(Path(args.src), Path(args.out), prefix=args.prefix,
                       shard_size=args.shard_size, samples_per_shard=args.samples_per_shard,
                       shuffle=args.shuffle, seed=args.seed, force=args.force, progress=line,
                       keep_mtime=getattr(args, "keep_mtime", False))
     except PackError as err:
-        line.end()
+        line.close()
         print(f"shardfs pack: error: {err}", file=sys.stderr)
         return 2
-    line.end()
+    line.close()
     if result.skipped:
         print(f"shardfs pack: skipped {len(result.skipped)} entries that are not regular files "
               f"(symlinks, devices, ...), e.g. {result.skipped[0]}", file=sys.stderr)

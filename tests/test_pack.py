@@ -333,18 +333,32 @@ def test_webdataset_reads_the_shards(src: Path, packed: PackResult) -> None:
 def test_progress_line_redraws_on_a_tty() -> None:
     from io import StringIO
 
-    from shardfs.pack import _ProgressLine
+    from shardfs.progress import ProgressLine
 
     class Tty(StringIO):
         def isatty(self) -> bool:
             return True
 
     stream = Tty()
-    line = _ProgressLine(stream)
+    line = ProgressLine("shardfs pack", stream, unit="files")
     for done in range(0, 1001, 10):
         line(done, 1000)
-    line.end()
+    line.close()
     text = stream.getvalue()
     assert text.startswith("\rshardfs pack: 0/1000 files (0%)")
     assert text.endswith("\rshardfs pack: 1000/1000 files (100%)\n")
     assert text.count("\n") == 1
+
+
+def test_progress_line_logs_every_tenth_when_not_a_tty() -> None:
+    from io import StringIO
+
+    from shardfs.progress import ProgressLine
+
+    stream = StringIO()
+    line = ProgressLine("indexing shards", stream)
+    for done in range(0, 1001):
+        line(done, 1000)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 11  # 0 %, 10 %, ..., 100 %
+    assert lines[-1] == "indexing shards: 1000/1000 (100%)"
