@@ -19,7 +19,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -27,6 +27,7 @@ import trio
 
 from shardfs.aioutil import first_error
 from shardfs.cache import ShardCache, shard_key
+from shardfs.codecs import CodecError, codec_for, decompressor
 from shardfs.shardindex import (
     INDEX_SUFFIX,
     IndexFormatError,
@@ -54,6 +55,8 @@ class Catalog:
     keys: list[str]  # cache key of each shard
     sha256: list[str | None]  # whole-shard digest when known (verifies complete fetches)
     tree: Tree
+    codecs: list[str | None] = field(default_factory=list)  # compression of each shard
+    data_sizes: list[int] = field(default_factory=list)  # plain tar bytes (what is cached)
     indexed_bytes: int = 0  # bytes streamed to build indexes in this run
     warmed: int = 0  # shards cached while indexing
 
@@ -65,6 +68,9 @@ def local_path(url: str) -> str | None:
 
 def scan_local_file(path: str) -> ShardIndex:
     """Index a local tar by walking its headers, seeking over member data."""
+    codec = codec_for(path)
+    if codec is not None:
+        return _scan_local_compressed(path, codec)
     size = os.stat(path).st_size
     index = ShardIndex(size=size)
     scanner = TarScanner()
@@ -84,22 +90,57 @@ def scan_local_file(path: str) -> ShardIndex:
     return index
 
 
+def _scan_local_compressed(path: str, codec: str) -> ShardIndex:
+    """A compressed local shard cannot be seeked through: decompress it all once."""
+    index = ShardIndex(size=os.stat(path).st_size, compression=codec)
+    scanner = TarScanner()
+    plain = decompressor(codec)
+    digest = hashlib.sha256()
+    tar_size = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_LOCAL_READ):
+            digest.update(chunk)
+            data = plain.feed(chunk)
+            tar_size += len(data)
+            if not scanner.done:
+                index.extend(scanner.feed(data))
+    tail = plain.finish()
+    tar_size += len(tail)
+    if tail and not scanner.done:
+        index.extend(scanner.feed(tail))
+    scanner.finish()
+    index.sha256, index.tar_size = digest.hexdigest(), tar_size
+    index.skipped = dict(scanner.skipped)
+    return index
+
+
 async def scan_stream(
     source: Source, info: ShardInfo, warm_fd: int | None, on_bytes: Callable[[int], None]
 ) -> ShardIndex:
-    """Index a remote tar by streaming it once; optionally write the bytes to `warm_fd`."""
-    index = ShardIndex(size=info.size)
+    """Index a remote tar by streaming it once; optionally write the (plain tar) bytes to
+    `warm_fd`. Compressed shards are decompressed on the way."""
+    codec = codec_for(info.url)
+    index = ShardIndex(size=info.size, compression=codec)
+    plain = decompressor(codec) if codec else None
     scanner = TarScanner()
     digest = hashlib.sha256()
     pos = 0
+
+    def take(data: bytes) -> None:
+        nonlocal pos
+        if not scanner.done:
+            index.extend(scanner.feed(data))
+        if warm_fd is not None:
+            os.pwrite(warm_fd, data, pos)
+        pos += len(data)
+
     async for chunk in source.stream(info, 0, info.size):
         digest.update(chunk)
-        if not scanner.done:
-            index.extend(scanner.feed(chunk))
-        if warm_fd is not None:
-            os.pwrite(warm_fd, chunk, pos)
-        pos += len(chunk)
+        take(plain.feed(chunk) if plain else chunk)
         on_bytes(len(chunk))
+    if plain is not None:
+        take(plain.finish())
+        index.tar_size = pos
     scanner.finish()
     index.sha256 = digest.hexdigest()
     index.skipped = dict(scanner.skipped)
@@ -157,15 +198,18 @@ class _Indexer:
             if path is not None:
                 return await trio.to_thread.run_sync(scan_local_file, path)
             return await self._scan_remote(info, key)
-        except TarError as exc:
+        except (TarError, CodecError) as exc:
             raise CatalogError(f"{info.url}: not a usable tar shard: {exc}") from None
 
     async def _scan_remote(self, info: ShardInfo, key: str) -> ShardIndex:
         cache = self.cache
         part = None
-        # Warm the cache with the bytes we must stream anyway, but only into free room.
-        if cache is not None and self.warm and cache.reserve(key, info.size, evict=False):
-            part = cache.begin(key, info.size)
+        compressed = codec_for(info.url) is not None
+        # Warm the cache with the bytes we must stream anyway, but only into free room. The
+        # plain size of a compressed shard is known only at the end: reserve room then.
+        if cache is not None and self.warm and (
+                compressed or cache.reserve(key, info.size, evict=False)):
+            part = cache.begin(key, 0 if compressed else info.size)
         try:
             index = await scan_stream(self.sources.for_url(info.url), info,
                                       part.fd if part else None, self._count)
@@ -174,6 +218,10 @@ class _Indexer:
                 cache.abort(part, key)
             raise
         if cache is not None and part is not None:
+            if compressed and not cache.reserve(key, index.data_size, evict=False):
+                cache.abort(part, key)
+                return index
+            part.size = index.data_size
             await cache.commit(part)
             self.warmed += 1
         return index
@@ -255,12 +303,14 @@ async def _build_tree_file(index_paths: list[Path], out: Path) -> dict:
     return json.loads(result.stdout)
 
 
-def _read_sha256(path: Path) -> str | None:
+def _read_header(path: Path) -> dict:
+    """The JSON header line of an index file ({} when it is unreadable)."""
     try:
         with open(path, "rb") as f:
-            return json.loads(f.readline()).get("sha256")
+            header = json.loads(f.readline())
     except (OSError, ValueError):
-        return None
+        return {}
+    return header if isinstance(header, dict) else {}
 
 
 async def open_catalog(urls: list[str], sources: Sources, cache: ShardCache, *,
@@ -281,7 +331,15 @@ async def open_catalog(urls: list[str], sources: Sources, cache: ShardCache, *,
     except (OSError, ValueError, EOFError) as exc:
         tree_path.unlink(missing_ok=True)
         raise CatalogError(f"cached tree {tree_path} is damaged ({exc}); mount again") from None
-    sha = [_read_sha256(cache.index_path(k)) for k in keys]
-    return Catalog(shards=infos, keys=keys, sha256=sha, tree=tree,
+    headers = [_read_header(cache.index_path(k)) for k in keys]
+    codecs = [codec_for(info.url) for info in infos]
+    sizes = [h.get("tar_size") if c else info.size
+             for h, c, info in zip(headers, codecs, infos, strict=True)]
+    missing = [infos[i].url for i, size in enumerate(sizes) if not isinstance(size, int)]
+    if missing:  # the tree is cached but an index it came from is gone: rebuild next time
+        tree_path.unlink(missing_ok=True)
+        raise CatalogError(f"index of compressed shard {missing[0]} is missing; mount again")
+    return Catalog(shards=infos, keys=keys, sha256=[h.get("sha256") for h in headers],
+                   tree=tree, codecs=codecs, data_sizes=sizes,
                    indexed_bytes=indexer.streamed if indexer else 0,
                    warmed=indexer.warmed if indexer else 0)

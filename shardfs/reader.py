@@ -31,6 +31,7 @@ from cachetools import LRUCache
 
 from shardfs.cache import PartFile, ShardCache
 from shardfs.catalog import Catalog
+from shardfs.codecs import CodecError, decompressor
 from shardfs.sources import ShardChanged, SourceError, Sources
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,12 @@ class Reader:
         self._block_inflight: dict[tuple[int, int], _PendingBlock] = {}
         self._member_limiter = trio.CapacityLimiter(self.policy.max_member_fetches)
         self._nursery: trio.Nursery | None = None
-        self.dataset_bytes = sum(info.size for info in catalog.shards)
+        # Bytes each shard takes in the cache: the plain tar size (compressed shards are
+        # decompressed into the cache).
+        self.sizes = catalog.data_sizes or [info.size for info in catalog.shards]
+        self.codecs = catalog.codecs or [None] * len(catalog.shards)
+        self._slot_waiters: dict[int, trio.Event] = {}  # compressed shards waiting to start
+        self.dataset_bytes = sum(self.sizes)
         self.started = time.monotonic()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -168,6 +174,8 @@ class Reader:
         if cached is not None:
             stats.cache_hits += 1
             return os.pread(cached.fd, size, start)  # type: ignore[arg-type]
+        if self.codecs[shard] is not None:
+            return await self._read_compressed(shard, key, start, end)
         fetch = self.fetches.get(shard) or self._maybe_start(shard)
         if fetch is not None and fetch.failed is None:
             if end <= fetch.arrived:
@@ -198,18 +206,47 @@ class Reader:
         finally:
             self.cache.unpin(key)
 
+    async def _read_compressed(self, shard: int, key: str, start: int, end: int) -> bytes:
+        """A compressed shard has no member reads: wait for (or start) its whole fetch."""
+        while True:
+            cached = self.cache.get(key)
+            if cached is not None:
+                return os.pread(cached.fd, end - start, start)  # type: ignore[arg-type]
+            fetch = self.fetches.get(shard)
+            if fetch is None and len(self.fetches) < self.policy.max_fetches:
+                fetch = self._start(shard)
+                if fetch is None:
+                    self.stats.eio += 1
+                    raise ReadError(f"{self.catalog.shards[shard].url}: the cache cannot hold "
+                                    f"this compressed shard ({self.sizes[shard]} bytes "
+                                    "decompressed); give it a larger --cache-size")
+            if fetch is None:  # every slot busy: queue it ahead of the policy and wait
+                self._forced.add(shard)
+                self._queue[shard] = None
+                event = self._slot_waiters.setdefault(shard, trio.Event())
+                await event.wait()
+                continue
+            if fetch.failed is None and end <= fetch.arrived:
+                self.stats.frontier_hits += 1
+                return os.pread(fetch.part.fd, end - start, start)
+            data = await self._wait_and_read(fetch, key, start, end)
+            if data is None:
+                self.stats.eio += 1
+                raise ReadError(f"{self.catalog.shards[shard].url}: {fetch.failed}")
+            return data
+
     def _note_access(self, shard: int) -> None:
         recent, count = self._recent, self._recent_count
         recent.append(shard)
         if count[shard] == 0:
-            self._working_set_bytes += self.catalog.shards[shard].size
+            self._working_set_bytes += self.sizes[shard]
         count[shard] += 1
         if len(recent) > self.policy.working_set_reads:
             old = recent.popleft()
             count[old] -= 1
             if count[old] == 0:
                 del count[old]
-                self._working_set_bytes -= self.catalog.shards[old].size
+                self._working_set_bytes -= self.sizes[old]
 
     def _whole_shard_pays(self) -> bool:
         return self._dataset_fits() or self._working_set_bytes <= self.cache.budget
@@ -225,10 +262,10 @@ class Reader:
 
     def _start(self, shard: int) -> Fetch | None:
         info, key = self.catalog.shards[shard], self.catalog.keys[shard]
-        if not self.cache.reserve(key, info.size):
+        if not self.cache.reserve(key, self.sizes[shard]):
             return None  # no room without evicting shards in use: member reads instead
         try:
-            part = self.cache.begin(key, info.size)
+            part = self.cache.begin(key, self.sizes[shard])
         except OSError as exc:
             self.cache.abort(None, key)
             log.warning("cannot cache %s (%s); reading its members directly", info.url, exc)
@@ -239,11 +276,18 @@ class Reader:
         self.stats.shard_fetches_started += 1
         assert self._nursery is not None, "Reader.run() must be started before reads"
         self._nursery.start_soon(self._run_fetch, fetch)
+        self._wake_slot_waiter(shard)
         return fetch
+
+    def _wake_slot_waiter(self, shard: int) -> None:
+        event = self._slot_waiters.pop(shard, None)
+        if event is not None:
+            event.set()
 
     def _start_queued(self) -> None:
         while self._queue and len(self.fetches) < self.policy.max_fetches:
             shard, _ = self._queue.popitem(last=False)
+            self._wake_slot_waiter(shard)  # whatever happens next, a waiter looks again
             forced = shard in self._forced
             wanted = forced or self.policy.prefetch == "all" or self._recent_count[shard] > 0
             if shard in self.fetches or self.cache.has(self.catalog.keys[shard]) or not wanted:
@@ -257,15 +301,21 @@ class Reader:
         info, key = self.catalog.shards[shard], self.catalog.keys[shard]
         expected = self.catalog.sha256[shard]
         digest = hashlib.sha256() if expected else None
+        codec = self.codecs[shard]
         began = time.monotonic()
         try:
+            plain = decompressor(codec) if codec else None
             source = self.sources.for_url(info.url)
             async for chunk in source.stream(info, 0, info.size):
-                os.pwrite(fetch.part.fd, chunk, fetch.arrived)
                 if digest is not None:
                     digest.update(chunk)
                 self.stats.shard_bytes += len(chunk)
-                fetch.advance(len(chunk))
+                self._append(fetch, plain.feed(chunk) if plain else chunk)
+            if plain is not None:
+                self._append(fetch, plain.finish())
+            if fetch.arrived != fetch.part.size:
+                raise ShardChanged(f"{info.url}: {fetch.arrived} bytes of tar, its index "
+                                   f"says {fetch.part.size}")
             if digest is not None and digest.hexdigest() != expected:
                 raise ShardChanged(f"{info.url}: content differs from its index (sha256)")
             await self.cache.commit(fetch.part)
@@ -274,7 +324,7 @@ class Reader:
             took = time.monotonic() - began
             log.info("fetched shard %s: %d bytes in %.2f s (%.1f MB/s)", info.url, info.size,
                      took, info.size / max(took, 1e-6) / 1e6)
-        except (SourceError, OSError) as exc:
+        except (SourceError, OSError, CodecError) as exc:
             self.stats.fetch_errors += 1
             self.failed.add(shard)
             log.error("fetching shard %s failed: %s", info.url, exc)
@@ -289,6 +339,13 @@ class Reader:
             self._forced.discard(shard)
             self._start_queued()
 
+    @staticmethod
+    def _append(fetch: Fetch, data: bytes) -> None:
+        if fetch.arrived + len(data) > fetch.part.size:  # never write past the reservation
+            raise ShardChanged(f"shard holds more than the {fetch.part.size} bytes indexed")
+        os.pwrite(fetch.part.fd, data, fetch.arrived)
+        fetch.advance(len(data))
+
     def warm(self, shards: list[int]) -> dict[str, int | list[int]]:
         """Queue whole-shard fetches (for `shardfs warm`) for as many shards as the budget holds.
 
@@ -299,7 +356,7 @@ class Reader:
         cached = over = 0
         total = 0
         for shard in shards:
-            size, key = self.catalog.shards[shard].size, self.catalog.keys[shard]
+            size, key = self.sizes[shard], self.catalog.keys[shard]
             if size > left:
                 over += 1
                 continue

@@ -34,6 +34,8 @@ class IndexFormatError(ValueError):
 class ShardIndex:
     size: int  # size of the shard the index describes
     sha256: str | None = None  # of the whole shard, when the indexer saw every byte
+    compression: str | None = None  # "gzip", "zstd", "lz4" for compressed shards
+    tar_size: int | None = None  # decompressed size of a compressed shard
     paths: list[bytes] = field(default_factory=list)
     kinds: bytearray = field(default_factory=bytearray)
     offsets: array = field(default_factory=lambda: array("Q"))
@@ -59,6 +61,11 @@ class ShardIndex:
     def extend(self, members: Iterable[Member]) -> None:
         for member in members:
             self.add(member)
+
+    @property
+    def data_size(self) -> int:
+        """Bytes of plain tar the member offsets refer to (what the cache holds)."""
+        return self.tar_size if self.tar_size is not None else self.size
 
     def data_end(self) -> int:
         """Largest data end offset: a shard smaller than this cannot hold these members."""
@@ -107,6 +114,8 @@ def encode_index(index: ShardIndex) -> bytes:
         "format": INDEX_FORMAT,
         "size": index.size,
         "sha256": index.sha256,
+        "compression": index.compression,
+        "tar_size": index.tar_size,
         "members": len(index.paths),
         "body_sha256": hashlib.sha256(body).hexdigest(),
         "skipped": index.skipped,
@@ -131,7 +140,13 @@ def decode_index(data: bytes, *, expect_size: int | None = None) -> ShardIndex:
     skipped = header.get("skipped") or {}
     if not isinstance(skipped, dict):
         raise IndexFormatError("index header field 'skipped' is not an object")
-    index = ShardIndex(size=size, sha256=header.get("sha256"), skipped=skipped)
+    compression, tar_size = header.get("compression"), header.get("tar_size")
+    if compression not in (None, "gzip", "zstd", "lz4"):
+        raise IndexFormatError(f"index names an unknown compression {compression!r}")
+    if compression is not None and not (isinstance(tar_size, int) and tar_size >= 0):
+        raise IndexFormatError("index of a compressed shard lacks its tar_size")
+    index = ShardIndex(size=size, sha256=header.get("sha256"), skipped=skipped,
+                       compression=compression, tar_size=tar_size if compression else None)
     if body:
         # The checksum only proves the body is intact, not that its writer was sane: a
         # published index comes from the server, so every field is checked here.
@@ -163,6 +178,6 @@ def decode_index(data: bytes, *, expect_size: int | None = None) -> ShardIndex:
             raise IndexFormatError(f"index line {pos + 2} has a bad number: {exc}") from None
     if len(index.paths) != header.get("members"):
         raise IndexFormatError("index member count does not match its header")
-    if index.data_end() > size:
+    if index.data_end() > index.data_size:
         raise IndexFormatError("index names data past the end of the shard")
     return index

@@ -27,7 +27,7 @@ def test_imagefolder_same_samples_and_targets(dataset, nginx, mounter: Mounter):
     for i in (0, len(local) // 2, len(local) - 1):
         a, ta = local[i]
         b, tb = mounted[i]
-        assert ta == tb and list(a.getdata()) == list(b.getdata())
+        assert ta == tb and a.tobytes() == b.tobytes()
 
 
 def test_dataloader_epoch_with_workers(dataset, nginx, mounter: Mounter):

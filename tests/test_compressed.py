@@ -1,0 +1,116 @@
+"""Compressed shards (.tar.gz, .tgz, .tar.zst, .tar.lz4): decompressed into the cache whole."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from shardfs.codecs import CodecError, codec_for, decompressor
+from tests.conftest import Dataset, Mounter
+
+zstandard = pytest.importorskip("zstandard")
+lz4_frame = pytest.importorskip("lz4.frame")
+
+COMPRESS = {
+    ".tar.gz": gzip.compress,
+    ".tgz": lambda data: gzip.compress(data[:1000]) + gzip.compress(data[1000:]),  # 2 members
+    ".tar.zst": lambda data: zstandard.ZstdCompressor().compress(data),
+    ".tar.lz4": lambda data: lz4_frame.compress(data),
+}
+
+
+def compressed_copies(ds: Dataset, dest: Path, suffix: str) -> list[str]:
+    dest.mkdir(parents=True, exist_ok=True)
+    names = []
+    for i, shard in enumerate(ds.shards.shards):
+        name = f"c-{i:06d}{suffix}"
+        (dest / name).write_bytes(COMPRESS[suffix](shard.path.read_bytes()))
+        names.append(name)
+    return names
+
+
+@pytest.mark.parametrize("suffix", list(COMPRESS))
+def test_codec_round_trip_and_truncation(suffix: str):
+    data = os.urandom(200_000) + bytes(300_000)
+    blob = COMPRESS[suffix](data)
+    codec = codec_for(f"http://x/a{suffix}?v=1")
+    assert codec is not None
+    d = decompressor(codec)
+    out = b"".join(d.feed(blob[i : i + 4096]) for i in range(0, len(blob), 4096))
+    assert out + d.finish() == data
+    cut = decompressor(codec)
+    cut.feed(blob[: len(blob) // 2])
+    with pytest.raises(CodecError, match="truncated"):
+        cut.finish()
+    with pytest.raises(CodecError, match="corrupt"):
+        decompressor(codec).feed(b"this is not compressed at all" * 10)
+
+
+@pytest.mark.parametrize("suffix", [".tar.gz", ".tar.zst", ".tar.lz4"])
+def test_mount_compressed_shards_over_http(suffix, dataset: Dataset, nginx, mounter: Mounter):
+    names = compressed_copies(dataset, nginx.root / "z", suffix)
+    n = len(names)
+    m = mounter.mount([f"{nginx.url}/z/c-{{000000..{n - 1:06d}}}{suffix}"], None, None,
+                      "--no-warm")
+    nginx.reset_log()
+    for rel, data in dataset.files().items():
+        assert (m.mountpoint / rel).read_bytes() == data
+    stats = m.stats()
+    # Whole compressed shards only: one body request per shard, no member reads.
+    bodies = [r for r in nginx.access_log() if r.range != "bytes=0-0"]
+    assert len(bodies) == n
+    assert stats["reader"]["member_fetches"] == 0
+    assert stats["dataset_bytes"] == sum(s.size for s in dataset.shards.shards)  # plain bytes
+
+
+def test_mount_local_tgz_with_warm_indexing(dataset: Dataset, mounter: Mounter, tmp_path: Path,
+                                            nginx):
+    # Local: indexed by decompressing once; remote: indexing warms the cache.
+    compressed_copies(dataset, tmp_path / "local", ".tgz")
+    n = len(dataset.shards.shards)
+    local = mounter.mount([str(tmp_path / "local" / f"c-{{000000..{n - 1:06d}}}.tgz")])
+    for rel, data in dataset.files().items():
+        assert (local.mountpoint / rel).read_bytes() == data
+    shutil.copytree(tmp_path / "local", nginx.root / "tgz")
+    remote = mounter.mount([f"{nginx.url}/tgz/c-{{000000..{n - 1:06d}}}.tgz"])
+    nginx.reset_log()
+    for rel, data in dataset.files().items():
+        assert (remote.mountpoint / rel).read_bytes() == data
+    assert nginx.access_log() == []  # everything was cached while indexing
+    assert remote.stats()["shards_cached"] == n
+
+
+def test_truncated_compressed_shard_is_rejected(tmp_path: Path, mounter: Mounter):
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        info = tarfile.TarInfo("a.bin")
+        info.size = 50_000
+        tf.addfile(info, io.BytesIO(os.urandom(50_000)))
+    blob = gzip.compress(buf.getvalue())
+    (tmp_path / "cut.tar.gz").write_bytes(blob[: len(blob) // 2])
+    mnt, cache = mounter.paths()
+    result = mounter.run(str(tmp_path / "cut.tar.gz"), str(mnt), "--cache-dir", str(cache))
+    assert result.returncode != 0 and "truncated" in result.stderr
+    assert not os.path.ismount(mnt)
+
+
+def test_cache_too_small_for_a_compressed_shard_gives_eio(dataset: Dataset, nginx,
+                                                         mounter: Mounter):
+    names = compressed_copies(dataset, nginx.root / "z", ".tar.gz")
+    n = len(names)
+    m = mounter.mount([f"{nginx.url}/z/c-{{000000..{n - 1:06d}}}.tar.gz"], None, None,
+                      "--no-warm", "--cache-size", "1K")
+    rel = next(iter(dataset.files()))
+    with pytest.raises(OSError) as info:
+        (m.mountpoint / rel).read_bytes()
+    assert info.value.errno == 5
+    assert "cannot hold this compressed shard" in m.log()
+
+
