@@ -144,8 +144,8 @@ class ShardFS(pyfuse3.Operations):
     async def release(self, fh):
         self.open_handles -= 1
 
-    async def flush(self, fh):
-        return None
+    # No flush handler on purpose: pyfuse3 answers ENOSYS, after which the kernel stops
+    # sending FLUSH on every close() — one round trip per file less.
 
     # -- extended attributes ---------------------------------------------------------------
     def _xattrs(self, inode: int) -> dict[bytes, bytes]:
