@@ -51,27 +51,18 @@ def default_cache_size(cache_dir: Path) -> int:
     return min(50 << 30, int((free + held) * 0.8))
 
 
-def expand_sources(specs: list[str]) -> list[str]:
-    from shardfs.patterns import PatternError, expand_braces
-    from shardfs.sources import to_url
-
-    urls: list[str] = []
-    for spec in specs:
-        try:
-            names = expand_braces(spec)
-        except PatternError as exc:
-            raise UsageError(str(exc)) from None
-        urls.extend(to_url(name) for name in names)
-    if not urls:
-        raise UsageError("no shards: the SOURCE patterns expand to nothing")
-    return urls
+def absolute_specs(specs: list[str]) -> list[str]:
+    """Plain paths made absolute here, where the user's working directory is known (the
+    daemon resolves SOURCEs later, after it has detached)."""
+    return [s if "://" in s else os.path.abspath(s) for s in specs]
 
 
 # -- mount ---------------------------------------------------------------------------------
 # Flags that map 1:1 onto config keys; their argparse default is None ("not given") so that
 # a config file or -o option is only overridden by flags the user really typed.
 _FLAG_KEYS = ("cache_dir", "cache_size", "timeout", "deadline", "max_fetches", "prefetch",
-              "index_parallel", "log_level", "log_file", "metrics_listen", "uid", "gid")
+              "index_parallel", "log_level", "log_file", "metrics_listen", "uid", "gid",
+              "s3_endpoint", "s3_region", "s3_profile", "s3_addressing", "ais_endpoint")
 
 
 def add_mount_arguments(p: argparse.ArgumentParser) -> None:
@@ -105,6 +96,13 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: shardfs.log in the cache dir)")
     p.add_argument("--metrics-listen", metavar="HOST:PORT",
                    help="serve Prometheus metrics here (needs prometheus-client)")
+    p.add_argument("--s3-endpoint", help="S3-compatible endpoint for s3:// sources "
+                   "(default: $AWS_ENDPOINT_URL_S3, $AWS_ENDPOINT_URL, the AWS config, AWS)")
+    p.add_argument("--s3-region", help="region for s3:// (default: $AWS_REGION, AWS config)")
+    p.add_argument("--s3-profile", help="profile in ~/.aws/credentials and ~/.aws/config")
+    p.add_argument("--s3-addressing", choices=("auto", "path", "virtual"),
+                   help="bucket in the path or the host name (auto: path on custom endpoints)")
+    p.add_argument("--ais-endpoint", help="AIStore gateway for ais:// (default: $AIS_ENDPOINT)")
     p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
 
 
@@ -147,22 +145,24 @@ def _mount_config(args: argparse.Namespace):
     from shardfs.sources import SourceSettings
 
     s = mount_settings(args)
-    urls = expand_sources(s["sources"])
     mountpoint = s["mountpoint"]
     cache_dir = Path(s["cache_dir"]) if s["cache_dir"] else default_cache_dir(mountpoint)
     cache_size = s["cache_size"] or default_cache_size(cache_dir)
     return MountConfig(
-        urls=urls, specs=s["sources"], mountpoint=os.path.abspath(mountpoint),
+        specs=absolute_specs(s["sources"]), mountpoint=os.path.abspath(mountpoint),
         cache_dir=cache_dir.resolve(), cache_size=cache_size,
-        settings=SourceSettings(timeout=s["timeout"], deadline=s["deadline"]),
+        settings=SourceSettings(
+            timeout=s["timeout"], deadline=s["deadline"], s3_endpoint=s["s3_endpoint"],
+            s3_region=s["s3_region"], s3_profile=s["s3_profile"],
+            s3_addressing=s["s3_addressing"], ais_endpoint=s["ais_endpoint"],
+            s3_credentials=resolve_credentials(s["credentials"]) or None),
         policy=ReadPolicy(max_fetches=s["max_fetches"],
                           max_member_fetches=s["max_member_fetches"], prefetch=s["prefetch"]),
         index_parallel=s["index_parallel"], warm_while_indexing=s["warm_while_indexing"],
         allow_other=s["allow_other"],
         uid=os.getuid() if s["uid"] is None else s["uid"],
         gid=os.getgid() if s["gid"] is None else s["gid"],
-        log_level=s["log_level"], log_file=s["log_file"], metrics_listen=s["metrics_listen"],
-        credentials=resolve_credentials(s["credentials"]))
+        log_level=s["log_level"], log_file=s["log_file"], metrics_listen=s["metrics_listen"])
 
 
 def run_mount_foreground(args: argparse.Namespace) -> int:
@@ -254,12 +254,8 @@ def run_index(args: argparse.Namespace) -> int:
     from shardfs.indexcmd import write_indexes
 
     _setup_logging(args.log_level)
-    try:
-        urls = expand_sources(args.sources)
-        return write_indexes(urls, Path(args.output), parallel=args.parallel)
-    except UsageError as exc:
-        print(f"shardfs: error: {exc}", file=sys.stderr)
-        return 1
+    return write_indexes(absolute_specs(args.sources), Path(args.output),
+                         parallel=args.parallel)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -156,6 +156,11 @@ OPTIONS: dict[str, Option] = {o.key: o for o in (
     Option("log_file", _str, None, "a file path"),
     Option("metrics_listen", _host_port, None, "HOST:PORT"),
     Option("credentials", _credentials, None, "{key: {env: NAME} | {file: PATH}}"),
+    Option("s3_endpoint", _str, None, "a URL, e.g. http://minio.example:9000"),
+    Option("s3_region", _str, None, "an AWS region name"),
+    Option("s3_profile", _str, None, "a profile in ~/.aws/credentials or ~/.aws/config"),
+    Option("s3_addressing", _choice("auto", "path", "virtual"), "auto", "auto, path or virtual"),
+    Option("ais_endpoint", _str, None, "a URL, e.g. http://aistore.example:51080"),
 )}
 
 # Generic mount(8)/fstab options that mean nothing to shardfs (it is always read-only).

@@ -23,6 +23,7 @@ from shardfs.fs import ShardFS
 from shardfs.notify import sd_notify
 from shardfs.progress import ProgressLine
 from shardfs.reader import Reader, ReadPolicy
+from shardfs.resolve import resolve_sources
 from shardfs.sources import Sources, SourceSettings
 
 log = logging.getLogger(__name__)
@@ -31,11 +32,10 @@ STATUS_INTERVAL = 5.0  # seconds between STATUS= updates to systemd and metrics 
 
 @dataclass(slots=True)
 class MountConfig:
-    urls: list[str]
+    specs: list[str]  # SOURCEs as the user wrote them (patterns, manifests, prefixes)
     mountpoint: str
     cache_dir: Path
     cache_size: int
-    specs: list[str] = field(default_factory=list)  # SOURCEs as the user wrote them
     settings: SourceSettings = field(default_factory=SourceSettings)
     policy: ReadPolicy = field(default_factory=ReadPolicy)
     index_parallel: int = 8
@@ -46,7 +46,6 @@ class MountConfig:
     log_level: str = "info"
     log_file: str | None = None
     metrics_listen: str | None = None
-    credentials: dict[str, str] = field(default_factory=dict)
     max_tasks: int = 256  # concurrent FUSE requests in flight (readers waiting on fetches)
 
     @property
@@ -167,8 +166,9 @@ async def serve(cfg: MountConfig, cache: ShardCache,
                 on_ready: Callable[[str], None]) -> None:
     sources = Sources(cfg.settings)
     try:
+        urls = await resolve_sources(cfg.specs, sources)
         progress = ProgressLine("indexing shards")
-        catalog = await open_catalog(cfg.urls, sources, cache,
+        catalog = await open_catalog(urls, sources, cache,
                                      progress=_indexing_progress(progress),
                                      parallel=cfg.index_parallel,
                                      warm=cfg.warm_while_indexing)

@@ -12,6 +12,7 @@ import trio
 from shardfs.aioutil import first_error
 from shardfs.catalog import CatalogError, scan_stream, stat_all
 from shardfs.progress import ProgressLine
+from shardfs.resolve import resolve_sources
 from shardfs.shardindex import INDEX_SUFFIX, encode_index
 from shardfs.sources import ShardInfo, SourceError, Sources, SourceSettings
 from shardfs.tar import TarError
@@ -24,11 +25,11 @@ def index_name(url: str) -> str:
     return unquote(urlsplit(url).path.rsplit("/", 1)[-1]) + INDEX_SUFFIX
 
 
-async def _write_all(urls: list[str], out: Path, parallel: int) -> int:
+async def _write_all(specs: list[str], out: Path, parallel: int) -> int:
     sources = Sources(SourceSettings())
     progress = ProgressLine("indexing shards")
     try:
-        infos = await stat_all(urls, sources)
+        infos = await stat_all(await resolve_sources(specs, sources), sources)
         names = [index_name(info.url) for info in infos]
         if len(set(names)) != len(names):
             raise CatalogError("two shards have the same file name; index them separately")
@@ -57,10 +58,10 @@ async def _write_all(urls: list[str], out: Path, parallel: int) -> int:
         await sources.aclose()
 
 
-def write_indexes(urls: list[str], out: Path, *, parallel: int = 8) -> int:
+def write_indexes(specs: list[str], out: Path, *, parallel: int = 8) -> int:
     try:
         out.mkdir(parents=True, exist_ok=True)
-        count = trio.run(_write_all, urls, out, parallel)
+        count = trio.run(_write_all, specs, out, parallel)
     except (CatalogError, SourceError, OSError) as exc:
         print(f"shardfs: error: {exc}", file=sys.stderr)
         return 1

@@ -1,4 +1,4 @@
-"""Shard sources: where shard bytes come from (HTTP(S) servers, local files)."""
+"""Shard sources: where shard bytes come from (HTTP(S) servers, S3, AIStore, local files)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from shardfs.sources.ais import AisSource
 from shardfs.sources.base import (
     NotFound,
     RangeNotSupported,
@@ -21,12 +22,16 @@ from shardfs.sources.base import (
 )
 from shardfs.sources.file import FileSource
 from shardfs.sources.http import HttpSource
+from shardfs.sources.s3 import Listing, S3Source
 
 __all__ = [
+    "AisSource",
     "FileSource",
     "HttpSource",
+    "Listing",
     "NotFound",
     "RangeNotSupported",
+    "S3Source",
     "ShardChanged",
     "ShardInfo",
     "Source",
@@ -39,7 +44,7 @@ __all__ = [
     "to_url",
 ]
 
-SUPPORTED = "http://, https://, file:// (or a local path)"
+SUPPORTED = "http://, https://, s3://, ais://, file:// (or a local path)"
 _HAS_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
@@ -60,6 +65,8 @@ class Sources:
         self.settings = settings or SourceSettings()
         self._http: HttpSource | None = None
         self._file: FileSource | None = None
+        self._s3: S3Source | None = None
+        self._ais: AisSource | None = None
 
     def for_url(self, url: str) -> Source:
         scheme = urlsplit(url).scheme.lower()
@@ -71,13 +78,21 @@ class Sources:
             if self._file is None:
                 self._file = FileSource(self.settings)
             return self._file
+        if scheme == "s3":
+            if self._s3 is None:
+                self._s3 = S3Source(self.settings)  # reads AWS env/config: may raise
+            return self._s3
+        if scheme == "ais":
+            if self._ais is None:
+                self._ais = AisSource(self.settings)
+            return self._ais
         named = f"scheme {scheme!r}" if scheme else "no scheme"
         raise SourceError(f"{url}: unsupported URL ({named}); supported: {SUPPORTED}")
 
     def stats(self) -> SourceStats:
         """Counters of all sources, summed."""
         total = SourceStats()
-        for source in (self._http, self._file):
+        for source in (self._http, self._file, self._s3, self._ais):
             if source is None:
                 continue
             s = source.stats
@@ -90,9 +105,8 @@ class Sources:
         return total
 
     async def aclose(self) -> None:
-        http, self._http = self._http, None
-        file, self._file = self._file, None
-        if http is not None:
-            await http.aclose()
-        if file is not None:
-            await file.aclose()
+        opened = (self._http, self._file, self._s3, self._ais)
+        self._http = self._file = self._s3 = self._ais = None
+        for source in opened:
+            if source is not None:
+                await source.aclose()

@@ -53,6 +53,16 @@ class SourceSettings:
     backoff_max: float = 5.0
     chunk_size: int = 1 << 20  # preferred size of yielded chunks (HTTP may yield smaller)
     max_fetch_bytes: int = 256 << 20  # fetch_optional refuses bigger objects (indexes are small)
+    # s3:// (None: from the environment / AWS config files; see shardfs/sources/s3.py)
+    s3_endpoint: str | None = None  # S3-compatible store, e.g. http://minio:9000
+    s3_region: str | None = None
+    s3_profile: str | None = None  # profile in ~/.aws/credentials and ~/.aws/config
+    s3_addressing: str = "auto"  # auto | path | virtual (auto: path-style on custom endpoints)
+    # ais:// (None: $AIS_ENDPOINT, else http://localhost:8080)
+    ais_endpoint: str | None = None
+    # Keys from the mount's config file (`credentials:`, given by reference there); they win
+    # over the environment and the AWS files. Never logged.
+    s3_credentials: dict[str, str] | None = field(default=None, repr=False)
 
 
 @dataclass(slots=True)

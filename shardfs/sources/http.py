@@ -5,7 +5,7 @@ from __future__ import annotations
 import email.utils
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 import trio
@@ -38,30 +38,50 @@ class _Retry(Exception):
 
 
 class _Patience:
-    """Backoff and deadline bookkeeping for one operation on one URL."""
+    """Backoff and deadline bookkeeping for one operation on one URL.
 
-    def __init__(self, url: str, settings: SourceSettings, stats: SourceStats) -> None:
+    The deadline counts time without progress on the URL, not per operation. `down` holds
+    each URL whose operation ran out of deadline: (when that happened, when the URL last made
+    progress). Every operation on such a URL that has made no progress since then gets a
+    grace of one request timeout (enough to get past a dead pooled connection, or to find the
+    server back) instead of a whole deadline of its own; the first progress clears the entry.
+    Without this, the kernel's immediate retry of a failed page read made an EIO take two
+    deadlines, or more when the retry joined a fetch started just before (issue #7)."""
+
+    def __init__(self, url: str, settings: SourceSettings, stats: SourceStats,
+                 down: dict[str, tuple[float, float]]) -> None:
         self._url = url
         self._settings = settings
         self._stats = stats
+        self._down = down
         self._last_progress = trio.current_time()
         self._backoff = settings.backoff_initial
 
     def progress(self) -> None:
         self._last_progress = trio.current_time()
         self._backoff = self._settings.backoff_initial
+        self._down.pop(self._url, None)
 
     async def wait(self, failure: _Retry) -> None:
         """Sleep before the next attempt, or raise Unreachable once the deadline has passed."""
-        elapsed = trio.current_time() - self._last_progress
-        remaining = self._settings.deadline - elapsed
+        settings = self._settings
+        now = trio.current_time()
+        expires = self._last_progress + settings.deadline
+        since = self._last_progress
+        down = self._down.get(self._url)
+        if down is not None:
+            declared, since = down
+            grace = min(settings.timeout, settings.deadline)
+            expires = min(expires, max(declared, self._last_progress) + grace)
+        remaining = expires - now
         if remaining <= 0:
+            self._down.setdefault(self._url, (now, since))
             raise Unreachable(
-                f"{self._url}: unreachable, no progress for {elapsed:.1f} s "
-                f"(deadline {self._settings.deadline:g} s); last error: {failure}"
+                f"{self._url}: unreachable, no progress for {now - since:.1f} s "
+                f"(deadline {settings.deadline:g} s); last error: {failure}"
             )
         delay = self._backoff
-        self._backoff = min(self._backoff * 2, self._settings.backoff_max)
+        self._backoff = min(self._backoff * 2, settings.backoff_max)
         if failure.retry_after is not None:
             delay = max(delay, failure.retry_after)  # the server knows best, within the deadline
         self._stats.retries += 1
@@ -74,6 +94,8 @@ class HttpSource:
     def __init__(self, settings: SourceSettings | None = None) -> None:
         self.settings = settings or SourceSettings()
         self.stats = SourceStats()
+        # URL -> (when it ran out of deadline, its last progress); see _Patience.
+        self._down: dict[str, tuple[float, float]] = {}
         s = self.settings
         self._client = httpx.AsyncClient(
             # No pool timeout: waiting for one of our own connections is not a server failure.
@@ -92,12 +114,15 @@ class HttpSource:
     # -- stat ---------------------------------------------------------------------------------
 
     async def stat(self, url: str) -> ShardInfo:
-        patience = _Patience(url, self.settings, self.stats)
+        patience = _Patience(url, self.settings, self.stats, self._down)
         while True:
             try:
-                return await self._stat_once(url)
+                info = await self._stat_once(url)
             except _Retry as failure:
                 await patience.wait(failure)
+            else:
+                patience.progress()
+                return info
 
     async def _stat_once(self, url: str) -> ShardInfo:
         # GET of one byte rather than HEAD: it proves the server honours Range.
@@ -131,12 +156,12 @@ class HttpSource:
         pos = start
         # Only bytes count as progress here: a server that answers and then drops every
         # connection before sending anything must still run into the deadline.
-        patience = _Patience(shard.url, self.settings, self.stats)
+        patience = _Patience(shard.url, self.settings, self.stats, self._down)
         chunk = self.settings.chunk_size
         while pos < end:
             try:
                 async with self._request(shard.url, _range_headers(shard, pos, end)) as resp:
-                    stop = self._check_partial(resp, shard, pos, end)
+                    stop = await self._check_partial(resp, shard, pos, end)
                     async for data in resp.aiter_raw():
                         self.stats.bytes_received += len(data)
                         for i in range(0, len(data), chunk):
@@ -150,7 +175,9 @@ class HttpSource:
             except _Retry as failure:
                 await patience.wait(failure)
 
-    def _check_partial(self, resp: httpx.Response, shard: ShardInfo, pos: int, end: int) -> int:
+    async def _check_partial(
+        self, resp: httpx.Response, shard: ShardInfo, pos: int, end: int
+    ) -> int:
         """Validate a response to a ranged GET; return where its body ends in the shard."""
         url, status = shard.url, resp.status_code
         if status == 206:
@@ -186,12 +213,15 @@ class HttpSource:
     # -- fetch_optional -----------------------------------------------------------------------
 
     async def fetch_optional(self, url: str) -> bytes | None:
-        patience = _Patience(url, self.settings, self.stats)
+        patience = _Patience(url, self.settings, self.stats, self._down)
         while True:
             try:
-                return await self._fetch_once(url)
+                data = await self._fetch_once(url)
             except _Retry as failure:
                 await patience.wait(failure)
+            else:
+                patience.progress()
+                return data
 
     async def _fetch_once(self, url: str) -> bytes | None:
         async with self._request(url, {}) as resp:
@@ -204,7 +234,12 @@ class HttpSource:
     # -- plumbing -----------------------------------------------------------------------------
 
     def _request(self, url: str, headers: dict[str, str]) -> _Attempt:
-        return _Attempt(self, url, headers)
+        return _Attempt(self, url, lambda: self._build_request(url, headers))
+
+    def _build_request(self, url: str, headers: dict[str, str]) -> httpx.Request:
+        """The GET for `url`; built anew for every attempt. Subclasses map URLs to requests
+        and sign them here (S3), so a retry carries a fresh signature."""
+        return self._client.build_request("GET", url, headers=headers)
 
     async def _read_small(self, resp: httpx.Response, url: str) -> bytes:
         limit = self.settings.max_fetch_bytes
@@ -236,19 +271,20 @@ class HttpSource:
 class _Attempt:
     """One streamed request: counts it, turns transport failures into _Retry, always closes.
 
-    (httpx's own stream context manager, plus the bookkeeping every call site needs.)"""
+    (httpx's own stream context manager, plus the bookkeeping every call site needs.)
+    `url` names the object in messages; `build` makes the request (called once per attempt)."""
 
-    def __init__(self, source: HttpSource, url: str, headers: dict[str, str]) -> None:
+    def __init__(self, source: HttpSource, url: str, build: Callable[[], httpx.Request]) -> None:
         self._source = source
         self._url = url
-        self._headers = headers
+        self._build = build
         self._resp: httpx.Response | None = None
 
     async def __aenter__(self) -> httpx.Response:
         src = self._source
         src.stats.requests += 1
         try:
-            request = src._client.build_request("GET", self._url, headers=self._headers)
+            request = self._build()
             self._resp = await src._client.send(request, stream=True)
         except (httpx.UnsupportedProtocol, httpx.InvalidURL) as e:
             src.stats.errors += 1
