@@ -1,18 +1,22 @@
-"""The daemon's control socket (`<cache dir>/control.sock`) and the commands that use it.
+"""The daemon's control socket and the commands that use it.
 
-One JSON request line in, one JSON response line out. `shardfs stats` needs no socket (it
-reads the `user.shardfs.stats` xattr on the mount root); `shardfs warm` sends the paths to
-warm and then polls for progress. Nothing of this appears inside the mounted tree.
+The socket lives in Linux's abstract namespace (`@shardfs/<hash of the cache dir>`), so no
+path length limit or stale file gets in the way; only the daemon's own user and root may use
+it (checked with SO_PEERCRED). One JSON request line in, one JSON response line out.
+`shardfs stats` needs no socket (it reads the `user.shardfs.stats` xattr on the mount root);
+`shardfs warm` sends the paths to warm and then polls for progress. Nothing of this appears
+inside the mounted tree.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
 import socket
-import stat
+import struct
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -33,14 +37,26 @@ class ControlError(Exception):
 
 
 # -- daemon side ---------------------------------------------------------------------------
-async def serve_control(path: str, handler: Handler, *,
+def control_address(cache_dir: str) -> str:
+    """The printable name of a daemon's socket ('@' stands for the abstract namespace)."""
+    return "@shardfs/" + hashlib.sha256(cache_dir.encode()).hexdigest()[:24]
+
+
+def _sockaddr(address: str) -> str:
+    return "\0" + address[1:] if address.startswith("@") else address
+
+
+def _peer_allowed(sock: socket.socket) -> bool:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _, uid, _ = struct.unpack("3i", creds)
+    return uid in (0, os.getuid())
+
+
+async def serve_control(address: str, handler: Handler, *,
                         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    """Answer requests on a unix socket until cancelled; the socket file is removed after."""
-    if os.path.exists(path) and stat.S_ISSOCK(os.lstat(path).st_mode):
-        os.unlink(path)  # left by a daemon that died; the cache lock proves it is not live
+    """Answer requests on the control socket until cancelled."""
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    await sock.bind(path)
-    os.chmod(path, 0o600)  # warming moves a lot of data: the daemon's owner only
+    await sock.bind(_sockaddr(address))
     sock.listen(16)
     listener = trio.SocketListener(sock)
     try:
@@ -49,7 +65,7 @@ async def serve_control(path: str, handler: Handler, *,
 
             async def one(stream: trio.SocketStream) -> None:
                 async with stream:
-                    await _answer(stream, handler)
+                    await _answer(stream, handler, _peer_allowed(stream.socket))
 
             while True:
                 stream = await listener.accept()
@@ -57,11 +73,9 @@ async def serve_control(path: str, handler: Handler, *,
     finally:
         with trio.CancelScope(shield=True):
             await listener.aclose()
-        if os.path.exists(path):
-            os.unlink(path)
 
 
-async def _answer(stream: trio.SocketStream, handler: Handler) -> None:
+async def _answer(stream: trio.SocketStream, handler: Handler, allowed: bool) -> None:
     data = b""
     with trio.move_on_after(10):
         while not data.endswith(b"\n") and len(data) < _MAX_REQUEST:
@@ -70,6 +84,8 @@ async def _answer(stream: trio.SocketStream, handler: Handler) -> None:
                 break
             data += chunk
     try:
+        if not allowed:  # warming moves a lot of data: the daemon's owner (or root) only
+            raise PermissionError("permission denied")
         request = json.loads(data)
         if not isinstance(request, dict):
             raise ValueError("expected a JSON object")
@@ -89,13 +105,13 @@ def read_stats(mountpoint: str) -> dict[str, Any]:
             from None
 
 
-def request(sock_path: str, message: dict[str, Any], timeout: float = 30) -> dict[str, Any]:
+def request(address: str, message: dict[str, Any], timeout: float = 30) -> dict[str, Any]:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         try:
-            sock.connect(sock_path)
+            sock.connect(_sockaddr(address))
         except OSError as exc:
-            raise ControlError(f"cannot reach the daemon at {sock_path}: {exc.strerror}") \
+            raise ControlError(f"cannot reach the daemon at {address}: {exc.strerror}") \
                 from None
         sock.sendall(json.dumps(message).encode() + b"\n")
         data = b""

@@ -18,7 +18,7 @@ import trio
 
 from shardfs.cache import ShardCache
 from shardfs.catalog import Catalog, open_catalog
-from shardfs.control import serve_control
+from shardfs.control import control_address, serve_control
 from shardfs.fs import ShardFS
 from shardfs.notify import sd_notify
 from shardfs.progress import ProgressLine
@@ -50,7 +50,7 @@ class MountConfig:
 
     @property
     def control_socket(self) -> str:
-        return str(self.cache_dir / "control.sock")
+        return control_address(str(self.cache_dir))
 
 
 def fuse_options(cfg: MountConfig) -> set[str]:
@@ -105,6 +105,7 @@ class Mounted:
             "dataset_bytes": self.reader.dataset_bytes,
             "shards_cached": cache.complete_count,
             "shards_fetching": len(self.reader.fetches),
+            "working_set_reads": self.reader.window,
             "cache_used_bytes": cache.used,
             "cache_budget_bytes": cache.budget,
             "evictions": cache.evictions,

@@ -253,3 +253,24 @@ def test_prometheus_metrics(dataset: Dataset, mounter: Mounter):
     assert served and float(served[0].split()[1]) == sum(
         len(b) for b in dataset.files().values())
     assert "shardfs_cache_budget_bytes" in text
+
+
+def test_deep_cache_dir_and_foreign_user_on_control_socket(dataset: Dataset, mounter: Mounter,
+                                                           tmp_path: Path):
+    # Unix socket paths are limited to 108 bytes; the control socket must not care.
+    deep = tmp_path / ("d" * 60) / ("e" * 60) / "cache"
+    mnt, _ = mounter.paths()
+    m = mounter.mount([brace(dataset, str(dataset.shard_dir))], mnt, deep, "--no-warm")
+    warm = subprocess.run([*SHARDFS, "warm", str(m.mountpoint)], capture_output=True,
+                          text=True, timeout=120)
+    assert warm.returncode == 0, warm.stderr
+    assert m.stats()["shards_cached"] == len(dataset.shards.shards)
+    # Another user may not drive the daemon.
+    address = m.stats()["control_socket"]
+    probe = ("import os, sys; from shardfs.control import request, ControlError\n"
+             "os.setuid(65534)\n"
+             "try:\n    request(sys.argv[1], {'cmd': 'stats'})\n"
+             "except ControlError as e:\n    print(e)\n")
+    result = subprocess.run([sys.executable, "-c", probe, address], capture_output=True,
+                            text=True, timeout=30)
+    assert "permission denied" in result.stdout, result.stdout + result.stderr

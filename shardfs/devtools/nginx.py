@@ -245,7 +245,9 @@ http {{
     log_format shardfs {LOG_FORMAT};
     access_log {self.access_log_path} shardfs;
     sendfile on;
-    tcp_nopush on;
+    # Not "tcp_nopush on": behind echo_sleep it leaves ranged responses corked until the
+    # client's delayed ACK (~30 ms more per request for httpx clients).
+    tcp_nopush off;
     keepalive_timeout 75s;
     keepalive_requests 100000;
     server_tokens off;

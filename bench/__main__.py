@@ -1,0 +1,35 @@
+"""`python -m bench run [--quick] [...]` and `python -m bench report RECORD.json --docs PAGE`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-"):
+        argv = ["run", *argv]  # `python -m bench --quick` means `run --quick`
+    parser = argparse.ArgumentParser(prog="python -m bench",
+                                     description="shardfs benchmarks against the alternatives")
+    sub = parser.add_subparsers(dest="command", required=True)
+    from bench.run import add_run_arguments, run_command
+
+    run = sub.add_parser("run", help="run the benchmark and write a JSON record (and docs)")
+    add_run_arguments(run)
+    report = sub.add_parser("report", help="regenerate the docs page from a JSON record")
+    report.add_argument("record")
+    report.add_argument("--docs", default="docs/benchmarks.md")
+    report.add_argument("--png", default=None)
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        if args.argv is None:
+            args.argv = "python -m bench " + " ".join(argv)
+        return run_command(args)
+    from bench.report import report_command
+
+    return report_command(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

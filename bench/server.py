@@ -1,0 +1,162 @@
+"""The remote store for the benchmark: nginx on 127.0.0.1 (latency via the echo module) with
+directory listings, and an optional loopback bandwidth cap (tc tbf) that is always removed."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardfs.devtools.nginx import ECHO_MODULE, LOG_FORMAT, AccessRecord, Nginx
+
+
+class ListingNginx(Nginx):
+    """shardfs's test nginx plus `autoindex on`, which the per-file HTTP mounts (rclone's http
+    remote, httpdirfs) need to list directories. Same access-log format, so `access_log()` and
+    `reset_log()` work unchanged. The helper has no option for listings, so the config is
+    written here (everything else mirrors shardfs.devtools.nginx)."""
+
+    def _config(self, port: int) -> str:
+        w = self.workdir
+        temp_paths = "\n".join(
+            f"    {kind}_temp_path {w / (kind + '_temp')};"
+            for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+        )
+        files = (f"root {self.root};\n            autoindex on;\n"
+                 "            autoindex_exact_size on;")
+        if self.latency_s > 0:
+            sleep = f"{max(self.latency_s, 0.001):.3f}"
+            head = f"load_module {ECHO_MODULE};\n"
+            locations = f"""
+        location / {{
+            echo_sleep {sleep};
+            echo_exec @files;
+        }}
+        location @files {{
+            {files}
+        }}"""
+        else:
+            head = ""
+            locations = f"""
+        location / {{
+            {files}
+        }}"""
+        user = "user root;\n" if os.geteuid() == 0 else ""
+        return f"""{head}{user}worker_processes 2;
+pid {w / "nginx.pid"};
+error_log {self.error_log_path} warn;
+events {{
+    worker_connections 4096;
+}}
+http {{
+    default_type application/octet-stream;
+{temp_paths}
+    log_format shardfs {LOG_FORMAT};
+    access_log {self.access_log_path} shardfs;
+    sendfile on;
+    # Not shardfs's devtools setting (tcp_nopush on): behind echo_sleep/echo_exec, nginx leaves
+    # the socket corked after a sendfile response, so the response's last partial segment waits
+    # for the client's delayed ACK, adding ~30 ms to every ranged GET larger than ~64 KiB for
+    # clients that delay ACKs (httpx, i.e. shardfs) and not for others (curl, Go). Measured:
+    # 100 KB ranges took 50-57 ms with it on, 22 ms off, 21 ms at a 20 ms echo delay via
+    # http.client; TCP_QUICKACK on the client also removes it. Off here keeps the store fair.
+    tcp_nopush off;
+    keepalive_timeout 75s;
+    keepalive_requests 100000;
+    server_tokens off;
+    server {{
+        listen 127.0.0.1:{port};
+        server_name localhost;{locations}
+    }}
+}}
+"""
+
+
+@dataclass
+class Traffic:
+    requests: int = 0
+    bytes: int = 0
+    errors: int = 0  # responses with status >= 400
+
+    @classmethod
+    def of(cls, records: list[AccessRecord]) -> Traffic:
+        return cls(requests=len(records), bytes=sum(r.bytes_sent for r in records),
+                   errors=sum(1 for r in records if r.status >= 400))
+
+    def as_dict(self) -> dict:
+        return {"requests": self.requests, "bytes": self.bytes, "errors": self.errors}
+
+
+class BandwidthCap:
+    """`tc qdisc add dev lo root tbf ...` for the duration of a `with` block.
+
+    Removed in __exit__ and, as a backstop, at interpreter exit. If tc is missing or refuses
+    (no CAP_NET_ADMIN, a qdisc already there), `active` stays False and `error` says why: the
+    benchmark then runs uncapped and says so.
+    """
+
+    def __init__(self, rate: str | None, burst: str = "1mb", latency: str = "100ms",
+                 dev: str = "lo") -> None:
+        self.rate, self.burst, self.latency, self.dev = rate, burst, latency, dev
+        self.active = False
+        self.error: str | None = None
+
+    def __enter__(self) -> BandwidthCap:
+        if not self.rate:
+            self.error = "disabled (--no-tc)"
+            return self
+        tc = shutil.which("tc")
+        if tc is None:
+            self.error = "tc not found (apt-get install iproute2)"
+            return self
+        existing = subprocess.run([tc, "qdisc", "show", "dev", self.dev], capture_output=True,
+                                  text=True)
+        if " root " in existing.stdout and "noqueue" not in existing.stdout:
+            # Someone else's root qdisc: never replace (or later delete) what is not ours.
+            self.error = f"a root qdisc is already set on {self.dev}: {existing.stdout.strip()}"
+            return self
+        cmd = [tc, "qdisc", "add", "dev", self.dev, "root", "tbf", "rate", self.rate,
+               "burst", self.burst, "latency", self.latency]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            self.error = f"{' '.join(cmd)} failed: {result.stderr.strip()}"
+            return self
+        self.active = True
+        atexit.register(self.remove)
+        return self
+
+    def remove(self) -> None:
+        if self.active:
+            self.active = False
+            subprocess.run(["tc", "qdisc", "del", "dev", self.dev, "root"], capture_output=True)
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    @property
+    def bytes_per_s(self) -> float | None:
+        return parse_rate(self.rate) if self.active and self.rate else None
+
+    def describe(self) -> str:
+        if self.active:
+            return (f"tc tbf rate {self.rate} burst {self.burst} latency {self.latency} "
+                    f"on {self.dev}")
+        return f"uncapped: {self.error}"
+
+
+def parse_rate(text: str) -> float:
+    """tc rate -> bytes/s: '800mbit' -> 1e8; 'mbps' is megabytes/s (tc's convention)."""
+    t = text.strip().lower()
+    units = [("gbit", 1e9 / 8), ("mbit", 1e6 / 8), ("kbit", 1e3 / 8), ("gbps", 1e9),
+             ("mbps", 1e6), ("kbps", 1e3), ("bit", 1 / 8), ("bps", 1.0)]
+    for suffix, factor in units:
+        if t.endswith(suffix):
+            return float(t[: -len(suffix)]) * factor
+    return float(t) / 8  # tc: a bare number is bits/s
+
+
+def dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
