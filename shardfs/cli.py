@@ -81,7 +81,7 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", help="seconds a single request may stall (default 10)")
     p.add_argument("--deadline",
                    help="seconds without progress before a read fails with EIO (default 60)")
-    p.add_argument("--max-fetches", help="whole-shard downloads at once (default 4)")
+    p.add_argument("--max-fetches", help="whole-shard downloads at once (default 8)")
     p.add_argument("--prefetch", choices=("touched", "all"),
                    help="fetch shards once read (touched, default) or warm all that fit (all)")
     p.add_argument("--index-parallel", help="shards indexed at once (default 8)")

@@ -143,7 +143,7 @@ OPTIONS: dict[str, Option] = {o.key: o for o in (
     Option("cache_size", _size, None, f"a size ({UNITS_HELP})"),
     Option("timeout", _positive_float, 10.0, "seconds > 0"),
     Option("deadline", _positive_float, 60.0, "seconds > 0"),
-    Option("max_fetches", _positive_int, 4, "a whole number >= 1"),
+    Option("max_fetches", _positive_int, 8, "a whole number >= 1"),
     Option("max_member_fetches", _positive_int, 32, "a whole number >= 1"),
     Option("prefetch", _choice("touched", "all"), "touched", "touched or all"),
     Option("index_parallel", _positive_int, 8, "a whole number >= 1"),

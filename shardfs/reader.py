@@ -9,10 +9,11 @@
 
 When is a whole shard worth caching? When the dataset fits in the cache budget, always. When
 it does not, only while the *working set* — the distinct shards touched by the last
-`working_set_reads` reads — fits in the budget. A shard-aware sampler (few shards in flight)
-keeps the working set small, so whole shards stream through the cache; plain random access
-over a dataset larger than the cache touches every shard, so the reader switches to member
-reads instead of thrashing an LRU of whole shards.
+`window` reads (about one shard's worth of files, 32 to 512) — fits in the budget. A
+shard-aware sampler (few shards in flight) keeps the working set small, so whole shards
+stream through the cache; plain random access over a dataset larger than the cache touches
+every shard, so the reader switches to member reads instead of thrashing an LRU of whole
+shards.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 import trio
 from cachetools import LRUCache
 
-from shardfs.cache import PartFile, ShardCache
+from shardfs.cache import DISK_FULL, PartFile, ShardCache, pwrite_all
 from shardfs.catalog import Catalog
 from shardfs.codecs import CodecError, decompressor
 from shardfs.sources import ShardChanged, SourceError, Sources
@@ -40,10 +41,13 @@ MiB = 1 << 20
 
 @dataclass(slots=True)
 class ReadPolicy:
-    max_fetches: int = 4  # whole-shard fetches at once
+    max_fetches: int = 8  # whole-shard fetches at once (8 vs 4: +14% cold epoch, bench)
     max_member_fetches: int = 32  # member/block fetches at once
     wait_ahead: int = 16 * MiB  # a read this close ahead of a fetch's frontier waits for it
-    working_set_reads: int = 512  # recent reads that define the working set
+    # Recent reads that define the working set. None: the average number of files per shard,
+    # clamped to 32..512 — a window longer than one shard's worth of reads would count the
+    # shards a locality-preserving sampler has already finished as still in use.
+    working_set_reads: int | None = None
     member_block: int = 4 * MiB  # larger members are fetched in blocks of this size
     member_cache: int = 64 * MiB  # RAM for recently fetched members/blocks
     prefetch: str = "touched"  # "touched": shards once read; "all": warm all if they fit
@@ -138,6 +142,9 @@ class Reader:
         self.codecs = catalog.codecs or [None] * len(catalog.shards)
         self._slot_waiters: dict[int, trio.Event] = {}  # compressed shards waiting to start
         self.dataset_bytes = sum(self.sizes)
+        files = catalog.tree.count_files()
+        per_shard = files // max(1, len(catalog.shards))
+        self.window = self.policy.working_set_reads or min(512, max(32, per_shard))
         self.started = time.monotonic()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -241,7 +248,7 @@ class Reader:
         if count[shard] == 0:
             self._working_set_bytes += self.sizes[shard]
         count[shard] += 1
-        if len(recent) > self.policy.working_set_reads:
+        if len(recent) > self.window:
             old = recent.popleft()
             count[old] -= 1
             if count[old] == 0:
@@ -269,6 +276,8 @@ class Reader:
         except OSError as exc:
             self.cache.abort(None, key)
             log.warning("cannot cache %s (%s); reading its members directly", info.url, exc)
+            if exc.errno in DISK_FULL:
+                self.cache.disk_full()
             return None
         fetch = Fetch(shard, part)
         self.fetches[shard] = fetch
@@ -330,6 +339,8 @@ class Reader:
             log.error("fetching shard %s failed: %s", info.url, exc)
             fetch.fail(exc)
             self.cache.abort(fetch.part, key)
+            if isinstance(exc, OSError) and exc.errno in DISK_FULL:
+                self.cache.disk_full()  # fit the budget to the disk; waiters read members
         except BaseException as exc:  # cancelled at shutdown: release waiters, drop the part
             fetch.fail(exc)
             self.cache.abort(fetch.part, key)
@@ -343,7 +354,7 @@ class Reader:
     def _append(fetch: Fetch, data: bytes) -> None:
         if fetch.arrived + len(data) > fetch.part.size:  # never write past the reservation
             raise ShardChanged(f"shard holds more than the {fetch.part.size} bytes indexed")
-        os.pwrite(fetch.part.fd, data, fetch.arrived)
+        pwrite_all(fetch.part.fd, data, fetch.arrived)  # all of it, or OSError: no holes
         fetch.advance(len(data))
 
     def warm(self, shards: list[int]) -> dict[str, int | list[int]]:
