@@ -13,6 +13,7 @@ crash or kill -9 at any point leaves at most a `.part` file, which the next star
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -29,6 +30,24 @@ log = logging.getLogger(__name__)
 
 class CacheError(Exception):
     """The cache dir cannot be used (not writable, or in use by another daemon)."""
+
+
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    """Write all of `data` at `offset`, or raise OSError.
+
+    os.pwrite() on a filesystem that fills up mid-write writes a part and returns its length
+    without an error. Ignoring that return value left holes of zeros in a shard that readers
+    were then served from its frontier and that commit() made "complete" (issue #7)."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view = view[n:]
+        offset += n
 
 
 def shard_key(identity: str) -> str:
@@ -91,8 +110,13 @@ class ShardCache:
                 f"cache dir {self.root} is in use by another shardfs daemon (pid {holder or '?'});"
                 " give each mount its own --cache-dir"
             ) from None
-        os.ftruncate(self._lock_fd, 0)
-        os.pwrite(self._lock_fd, str(os.getpid()).encode(), 0)
+        try:
+            os.ftruncate(self._lock_fd, 0)
+            pwrite_all(self._lock_fd, str(os.getpid()).encode(), 0)
+        except OSError as exc:  # e.g. a full disk: a clear error, not a traceback
+            os.close(self._lock_fd)
+            self._lock_fd = None
+            raise CacheError(f"cache dir {self.root} is not usable: {exc.strerror}") from None
         self._adopt_existing()
 
     def _adopt_existing(self) -> None:
@@ -107,6 +131,14 @@ class ShardCache:
         for _, key, size in sorted(found):  # oldest access first = LRU order
             self._complete[key] = CachedShard(key, size)
         self.evict_to_fit(0)  # the budget may have shrunk since the last run
+        # Half-written index/tree files (`*.tmpPID`) and tree-build lists (`*.list`) of a run
+        # that crashed or hit a full disk: a partial tree can be 100 MB, and each failed mount
+        # on a full disk left one more (issue #7). We hold the lock: nobody is writing them.
+        for directory in (self.index_dir, self.trees_dir):
+            for entry in os.scandir(directory):
+                if ".tmp" in entry.name or entry.name.endswith(".list"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
 
     def close(self) -> None:
         for shard in self._complete.values():
@@ -148,6 +180,15 @@ class ShardCache:
             used -= shard.size
         return used + need <= self.budget
 
+    def evict_lru(self) -> bool:
+        """Evict the least recently used unpinned shard (to make room for indexes and the
+        tree on a full disk); False if there is none."""
+        for key, shard in self._complete.items():
+            if not self._pins.get(key):
+                self._evict(shard)
+                return True
+        return False
+
     def _evict(self, shard: CachedShard) -> None:
         del self._complete[shard.key]
         if shard.fd is not None:
@@ -156,6 +197,30 @@ class ShardCache:
         self.evictions += 1
         self.evicted_bytes += shard.size
         log.info("evicted shard %s (%d bytes) to stay within budget", shard.key, shard.size)
+
+    def disk_full(self) -> int:
+        """The disk under the cache filled up before the budget did (a small filesystem, other
+        files, a quota): lower the budget to what the disk holds now and evict down to it.
+        Whole-shard fetches then stay within what fits (or stop, when not even one shard
+        fits, and readers read members directly) instead of failing again and again. Call it
+        after abort()ing the fetch that failed. The budget stays lowered until remount."""
+        held = 0
+        try:
+            st = os.statvfs(self.shards_dir)
+            free = st.f_bavail * st.f_frsize
+            for entry in os.scandir(self.shards_dir):
+                with contextlib.suppress(FileNotFoundError):
+                    held += entry.stat(follow_symlinks=False).st_blocks * 512
+        except OSError:
+            free = 0
+        budget = max(0, min(self.budget, held + free))
+        if budget < self.budget:
+            log.warning("cache disk full under %s: budget lowered from %d to %d bytes "
+                        "(what the disk holds); reads of shards that do not fit read their "
+                        "members directly", self.root, self.budget, budget)
+            self.budget = budget
+            self.evict_to_fit(0)
+        return self.budget
 
     def pin(self, key: str) -> None:
         self._pins[key] = self._pins.get(key, 0) + 1

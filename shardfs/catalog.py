@@ -26,7 +26,7 @@ from urllib.parse import unquote, urlsplit
 import trio
 
 from shardfs.aioutil import first_error
-from shardfs.cache import ShardCache, shard_key
+from shardfs.cache import DISK_FULL, PartFile, ShardCache, pwrite_all, shard_key
 from shardfs.codecs import CodecError, codec_for, decompressor
 from shardfs.shardindex import (
     INDEX_SUFFIX,
@@ -76,7 +76,10 @@ def scan_local_file(path: str) -> ShardIndex:
     scanner = TarScanner()
     with open(path, "rb", buffering=0) as f:
         while not scanner.done:
-            skip = scanner.skippable
+            # Never seek past EOF: skip() trusts us, and a member whose size runs past the
+            # end must be reported as truncated, not indexed with data beyond the shard
+            # (the tree build then died on the index; found by the hostile corpus, #7).
+            skip = min(scanner.skippable, size - f.tell())
             if skip > _LOCAL_READ:
                 f.seek(skip, os.SEEK_CUR)
                 scanner.skip(skip)
@@ -115,10 +118,13 @@ def _scan_local_compressed(path: str, codec: str) -> ShardIndex:
 
 
 async def scan_stream(
-    source: Source, info: ShardInfo, warm_fd: int | None, on_bytes: Callable[[int], None]
+    source: Source, info: ShardInfo, warm_fd: int | None, on_bytes: Callable[[int], None],
+    on_warm_error: Callable[[OSError], None] | None = None,
 ) -> ShardIndex:
     """Index a remote tar by streaming it once; optionally write the (plain tar) bytes to
-    `warm_fd`. Compressed shards are decompressed on the way."""
+    `warm_fd`. Compressed shards are decompressed on the way. If writing to `warm_fd` fails
+    (e.g. the disk is full) and `on_warm_error` is given, it is called and the scan goes on
+    without warming; otherwise the error propagates."""
     codec = codec_for(info.url)
     index = ShardIndex(size=info.size, compression=codec)
     plain = decompressor(codec) if codec else None
@@ -127,11 +133,17 @@ async def scan_stream(
     pos = 0
 
     def take(data: bytes) -> None:
-        nonlocal pos
+        nonlocal pos, warm_fd
         if not scanner.done:
             index.extend(scanner.feed(data))
         if warm_fd is not None:
-            os.pwrite(warm_fd, data, pos)
+            try:
+                pwrite_all(warm_fd, data, pos)  # all of it: a short write leaves a hole
+            except OSError as exc:
+                if on_warm_error is None:
+                    raise
+                warm_fd = None  # indexing goes on; the caller drops the warm copy
+                on_warm_error(exc)
         pos += len(data)
 
     async for chunk in source.stream(info, 0, info.size):
@@ -154,6 +166,7 @@ class _Indexer:
         self.cache = cache
         self.progress = progress
         self.warm = warm
+        self.warming = 0  # scans writing a warm copy right now
         self.streamed = 0
         self.warmed = 0
         self.done = 0
@@ -178,8 +191,32 @@ class _Indexer:
         if index is None:
             index = await self._scan(info, key)
         if cached is not None:
-            await trio.to_thread.run_sync(_write_atomic, cached, encode_index(index))
+            await self._write_index(info, cached, encode_index(index))
         return index
+
+    async def _write_index(self, info: ShardInfo, path: Path, data: bytes) -> None:
+        """Indexes come before warm copies of shards (issue #7): on a full disk, stop warming,
+        let the warm copies in flight fail and free their room, then evict cached shards
+        until the index fits. A disk too full even then is one clear error."""
+        assert self.cache is not None
+        while True:
+            try:
+                await trio.to_thread.run_sync(_write_atomic, path, data)
+                return
+            except OSError as exc:
+                if exc.errno not in DISK_FULL or not await self._make_room():
+                    raise CatalogError(f"cannot write the index of {info.url} to the cache "
+                                       f"dir: {exc.strerror}") from None
+
+    async def _make_room(self) -> bool:
+        assert self.cache is not None
+        if self.warm:
+            log.warning("cache disk full while indexing: no more warm copies in this run")
+            self.warm = False
+        if self.warming:
+            await trio.sleep(0.05)  # their next write fails on the full disk and frees it
+            return True
+        return self.cache.evict_lru()
 
     async def _published(self, info: ShardInfo) -> ShardIndex | None:
         url = info.url + INDEX_SUFFIX
@@ -209,29 +246,58 @@ class _Indexer:
         # plain size of a compressed shard is known only at the end: reserve room then.
         if cache is not None and self.warm and (
                 compressed or cache.reserve(key, info.size, evict=False)):
-            part = cache.begin(key, 0 if compressed else info.size)
+            try:
+                part = cache.begin(key, 0 if compressed else info.size)
+            except OSError as exc:
+                self._warm_failed(info, key, None, exc)
+        # Warming is optional: a full disk (issue #7) drops the warm copy, never the mount.
+        warm_errors: list[OSError] = []
+        self.warming += part is not None
         try:
             index = await scan_stream(self.sources.for_url(info.url), info,
-                                      part.fd if part else None, self._count)
+                                      part.fd if part else None, self._count,
+                                      warm_errors.append)
         except BaseException:
             if cache is not None and part is not None:
                 cache.abort(part, key)
             raise
+        finally:
+            self.warming -= part is not None
         if cache is not None and part is not None:
+            if warm_errors:
+                self._warm_failed(info, key, part, warm_errors[0])
+                return index
             if compressed and not cache.reserve(key, index.data_size, evict=False):
                 cache.abort(part, key)
                 return index
             part.size = index.data_size
-            await cache.commit(part)
+            try:
+                await cache.commit(part)
+            except OSError as exc:  # fdatasync reports a full disk late on some filesystems
+                self._warm_failed(info, key, part, exc)
+                return index
             self.warmed += 1
         return index
+
+    def _warm_failed(self, info: ShardInfo, key: str, part: PartFile | None,
+                     exc: OSError) -> None:
+        assert self.cache is not None
+        self.cache.abort(part, key)
+        log.warning("not keeping %s in the cache while indexing: %s", info.url, exc)
+        if exc.errno in DISK_FULL:
+            self.warm = False  # the indexes still to be written need the room more
+            self.cache.disk_full()
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not keep the half-written file
+        raise
 
 
 async def stat_all(urls: list[str], sources: Sources, parallel: int = 32) -> list[ShardInfo]:
@@ -299,8 +365,30 @@ async def _build_tree_file(index_paths: list[Path], out: Path) -> dict:
     finally:
         os.unlink(list_file)
     if result.returncode != 0:
-        raise CatalogError(f"building the tree failed: {result.stderr.decode(errors='replace')}")
+        stderr = result.stderr.decode(errors="replace")
+        cls = _TreeDiskFull if "[Errno 28]" in stderr or "[Errno 122]" in stderr \
+            else CatalogError  # ENOSPC / EDQUOT, as the child's traceback names them
+        raise cls(f"building the tree failed: {stderr}")
     return json.loads(result.stdout)
+
+
+class _TreeDiskFull(CatalogError):
+    """The tree build ran out of disk space in the cache dir."""
+
+
+async def _build_tree_with_room(cache: ShardCache, index_paths: list[Path], out: Path) -> dict:
+    """Build the tree; on a full disk, evict cached shards (warmed while indexing) until it
+    fits: the tree, like the indexes, comes before shard data (issue #7)."""
+    while True:
+        try:
+            return await _build_tree_file(index_paths, out)
+        except OSError as exc:  # writing the list file
+            if exc.errno not in DISK_FULL or not cache.evict_lru():
+                raise CatalogError(f"cannot write the tree to the cache dir: {exc.strerror}") \
+                    from None
+        except _TreeDiskFull:
+            if not cache.evict_lru():
+                raise
 
 
 def _read_header(path: Path) -> dict:
@@ -324,7 +412,8 @@ async def open_catalog(urls: list[str], sources: Sources, cache: ShardCache, *,
     if not tree_path.exists():
         indexer = await index_all(infos, sources, cache, progress=progress, parallel=parallel,
                                   warm=warm)
-        report = await _build_tree_file([cache.index_path(k) for k in keys], tree_path)
+        report = await _build_tree_with_room(cache, [cache.index_path(k) for k in keys],
+                                             tree_path)
         log.info("tree built: %s", report)
     try:
         tree = await trio.to_thread.run_sync(Tree.load, tree_path)

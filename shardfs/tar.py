@@ -35,7 +35,6 @@ tests/test_tar.py::test_speed_report prints the rate for 20k members.
 
 from __future__ import annotations
 
-import posixpath
 import re
 import struct
 import zlib
@@ -52,6 +51,7 @@ _MAX_EXT = 1 << 20  # largest GNU long name/link, pax header or sparse map we bu
 _MAX_SIZE = 1 << 48  # no real member is 256 TiB; larger sizes mean a corrupt header
 _MAX_MTIME = 1 << 33  # keeps mtime * 10**9 within an int64
 _MAX_SPARSE_BLOCKS = _MAX_EXT // BLOCK
+NAME_MAX = 255  # longest path component exposed (the mount's statfs f_namemax)
 
 _OCTAL_DIGITS = b"01234567"
 _REGULAR = frozenset(b"07\0")
@@ -101,7 +101,8 @@ class Member:
 
 
 def normalize_path(raw: bytes) -> bytes | None:
-    """Normalize a member name; None if it is unsafe (absolute, escapes with '..', empty)."""
+    """Normalize a member name; None if it is unsafe (absolute, escapes with '..', empty,
+    or a component longer than NAME_MAX)."""
     if not raw or raw[0] == 0x2F or b"\0" in raw:
         return None
     if raw[:2] == b"./":  # `tar -C dir .` prefixes every name: keep those on the fast path
@@ -112,7 +113,12 @@ def normalize_path(raw: bytes) -> bytes | None:
         parts = [p for p in parts if p and p != b"."]
         if not parts or b".." in parts:
             return None
-        return b"/".join(parts)
+        raw = b"/".join(parts)
+    # A component longer than NAME_MAX (what statfs reports for the mount) cannot be looked
+    # up, and one longer than a readdir buffer ends the listing of its directory early: a
+    # crafted member must not hide its siblings (issue #7).
+    if len(raw) > NAME_MAX and max(map(len, parts)) > NAME_MAX:
+        return None
     return raw
 
 
@@ -219,10 +225,22 @@ def _validate_pax(records: dict[bytes, bytes], offset: int) -> None:
 
 
 def _symlink_inside(path: bytes, target: bytes) -> bool:
+    """Whether the kernel, following `target` from the link at `path`, stays in the tree.
+
+    A lexical normpath() is not enough: in `d/l -> ..` plus `d/l2 -> l/..`, "l/.." looks
+    like "d" but the kernel follows l first (to the root) and then goes up out of the mount.
+    So '..' is accepted only as a leading run that climbs the link's own ancestors, which are
+    real directories of the tree; the rest only descends, through names that are real
+    directories or links checked by this same rule (issue #7)."""
     if not target or target[0] == 0x2F or b"\0" in target:
         return False
-    resolved = posixpath.normpath(posixpath.join(posixpath.dirname(path), target))
-    return resolved != b".." and not resolved.startswith(b"../")
+    parts = [p for p in target.split(b"/") if p and p != b"."]
+    up = 0
+    while up < len(parts) and parts[up] == b"..":
+        up += 1
+    if b".." in parts[up:]:
+        return False
+    return up <= path.count(b"/")  # `path` is normalized: one '/' per ancestor directory
 
 
 class TarScanner:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from shardfs.cache import CacheError, ShardCache, shard_key
+from shardfs.cache import CacheError, ShardCache, pwrite_all, shard_key
 
 
 @pytest.fixture
@@ -91,6 +92,20 @@ def test_part_leftovers_deleted_complete_files_adopted(tmp_path: Path,
     assert not cache.has("ccc") and not cache.has("ccc.part") and not cache.has("ddd.tmp123")
     assert cache.used == 150 and cache.complete_count == 2
     assert read_back(cache, "aaa") == b"x" * 100
+
+
+def test_half_written_index_and_tree_files_are_dropped(tmp_path: Path,
+                                                       opened: list[ShardCache]) -> None:
+    """Left by a crash or a full disk (a partial tree can be large): never reused, deleted."""
+    root = tmp_path / "c"
+    for sub, names in (("index", ["k.idx", "k.idx.tmp4242", "j.idx.tmp1"]),
+                       ("trees", ["t.tree", "t.tree.tmp77", "tmpab12cd.list"])):
+        (root / sub).mkdir(parents=True)
+        for name in names:
+            (root / sub / name).write_bytes(b"x")
+    open_cache(root, 1000, opened)
+    assert os.listdir(root / "index") == ["k.idx"]
+    assert os.listdir(root / "trees") == ["t.tree"]
 
 
 def test_adopted_shards_keep_lru_order_and_budget_shrink(tmp_path: Path,
@@ -306,3 +321,53 @@ def test_shard_key() -> None:
     assert a == shard_key("https://x/a.tar\x00100\x00etag\x00")
     assert a != shard_key("https://x/a.tar\x00101\x00etag\x00")
     assert len(shard_key("file:///\udcff.tar")) == 40  # undecodable file names are fine
+
+
+# -- a full disk (issue #7) ------------------------------------------------------------------
+
+
+def test_pwrite_all_completes_short_writes(tmp_path: Path, monkeypatch) -> None:
+    """A nearly full disk writes part of a pwrite and says so only in its return value;
+    ignoring that once left holes of zeros in 'complete' shards."""
+    real = os.pwrite
+    calls = []
+
+    def short(fd: int, data, offset: int) -> int:
+        calls.append(offset)
+        return real(fd, bytes(data[:3]), offset)
+
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        monkeypatch.setattr("shardfs.cache.os.pwrite", short)
+        pwrite_all(fd, b"0123456789", 5)
+        assert calls == [5, 8, 11, 14]
+        monkeypatch.setattr("shardfs.cache.os.pwrite", lambda fd, data, offset: 0)
+        with pytest.raises(OSError) as info:
+            pwrite_all(fd, b"x", 0)
+        assert info.value.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == bytes(5) + b"0123456789"
+
+
+def test_disk_full_lowers_the_budget_and_evicts(tmp_path: Path, opened: list[ShardCache],
+                                                monkeypatch) -> None:
+    cache = open_cache(tmp_path / "c", 10_000_000, opened)
+    for key in "abc":
+        put(cache, key, key.encode() * 4096)
+    cache.pin("a")
+    held = sum(e.stat().st_blocks * 512 for e in os.scandir(cache.shards_dir))
+
+    class Full:
+        f_bavail, f_frsize = 0, 4096
+
+    monkeypatch.setattr("shardfs.cache.os.statvfs", lambda path: Full())
+    assert cache.disk_full() == held  # what the disk holds: the shards there, no more
+    assert cache.budget == held and cache.used <= cache.budget
+    assert cache.disk_full() == held  # idempotent
+    # Room for a new shard comes from the LRU unpinned one; evict_lru() skips pinned ones.
+    assert cache.reserve("d", 4096) and not cache.has("b") and cache.has("a")
+    cache.abort(None, "d")
+    assert cache.evict_lru() and not cache.has("c")
+    assert not cache.evict_lru() and cache.has("a")
+    cache.unpin("a")

@@ -207,6 +207,8 @@ def test_forged_body_that_is_sane_is_accepted() -> None:
         b"f\t512\t10\t0\t420\t",  # empty name
         b"l\t512\t0\t0\t511\ta\t../../outside",  # symlink escapes the mount
         b"l\t512\t0\t0\t511\ta\t/etc/passwd",  # absolute symlink
+        b"l\t512\t0\t0\t511\td/l2\tl/..",  # '..' after a name: l may be a link to ..
+        b"f\t512\t10\t0\t420\t" + b"x" * 256,  # component longer than NAME_MAX
         b"f\t512\t10\t0\t420\ta\tb",  # link target on a regular file
     ],
 )

@@ -124,10 +124,23 @@ def make_tar(
 
 
 def _inside(path: bytes, target: bytes) -> bool:
+    """Model: the kernel follows `target` from the link's directory. Any name on the way may
+    itself be a symlink (to anywhere inside), so a '..' after a name proves nothing; only
+    '..'s before every name climb known directories, and never above the root."""
     if not target or target.startswith(b"/"):
         return False
-    resolved = posixpath.normpath(posixpath.join(posixpath.dirname(path), target))
-    return resolved != b".." and not resolved.startswith(b"../")
+    depth = len(posixpath.dirname(path).split(b"/")) if b"/" in path else 0
+    seen_name = False
+    for part in target.split(b"/"):
+        if part in (b"", b"."):
+            continue
+        if part == b"..":
+            if seen_name or depth == 0:
+                return False
+            depth -= 1
+        else:
+            seen_name = True
+    return True
 
 
 def expected(entries: Iterable[Entry]) -> tuple[dict[bytes, tuple[str, bytes]], Counter[str]]:
@@ -337,6 +350,28 @@ def test_pax_sparse_is_skipped_and_resyncs() -> None:
     assert result.skipped == Counter({"sparse": 1})
 
 
+def _symlinks(entries: list[tuple[str, str]]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tf:
+        for name, target in entries:
+            info = tarfile.TarInfo(name)
+            info.type = tarfile.SYMTYPE
+            info.linkname = target
+            tf.addfile(info)
+    return buf.getvalue()
+
+
+def test_symlink_through_symlink_cannot_escape() -> None:
+    # Lexically "l/.." is "d", but the kernel follows d/l (-> the root) first and then goes
+    # up out of the mount. Found by the hostile corpus (issue #7).
+    result = scan(_symlinks([("d/l", ".."), ("d/l2", "l/.."), ("d/l3", "l/../etc/passwd"),
+                             ("x", "d/l/d/l/.."), ("d/ok", "../d/./l"), ("e/f/ok2", "../../x"),
+                             ("up", "a/b/../c")]))
+    assert {m.path: m.linkname for m in result.members} == {
+        b"d/l": b"..", b"d/ok": b"../d/./l", b"e/f/ok2": b"../../x"}
+    assert result.skipped == Counter({"symlink-escapes": 4})
+
+
 @pytest.mark.parametrize(
     ("raw", "want"),
     [
@@ -354,6 +389,10 @@ def test_pax_sparse_is_skipped_and_resyncs() -> None:
         (b"..", None),
         (b"a/../b", None),
         (b"a/..", None),
+        (b"x" * 255, b"x" * 255),
+        (b"d/" + b"x" * 255 + b"/f", b"d/" + b"x" * 255 + b"/f"),
+        (b"x" * 256, None),  # longer than NAME_MAX: could hide its siblings from readdir
+        (b"./d/" + b"x" * 256 + b"/f", None),
         (b"a\0b", None),
     ],
 )
@@ -731,6 +770,12 @@ def test_feed_accepts_any_buffer() -> None:
 # -- property tests -------------------------------------------------------------------------
 
 
+def _examples(ci: int) -> int:
+    """Examples per fuzzing property: `ci` by default; a long fuzz run sets
+    SHARDFS_FUZZ_EXAMPLES (e.g. 200000; see docs/reliability.md)."""
+    return int(os.environ.get("SHARDFS_FUZZ_EXAMPLES") or ci)
+
+
 def _check_invariants(data: bytes, chunk: int, use_skip: bool) -> None:
     try:
         result = scan(data, chunk, use_skip)
@@ -741,18 +786,21 @@ def _check_invariants(data: bytes, chunk: int, use_skip: bool) -> None:
         assert not m.path.startswith(b"/") and b".." not in m.path.split(b"/")
         assert m.offset >= 0 and m.size >= 0
         assert m.offset + m.size <= len(data)
+        assert max(map(len, m.path.split(b"/"))) <= 255  # NAME_MAX
         if m.kind == "l":
             assert not m.linkname.startswith(b"/")
+            assert _inside(m.path, m.linkname)  # not even through other symlinks
 
 
-@settings(max_examples=800, deadline=None)
+@settings(max_examples=_examples(800), deadline=None)
 @given(st.binary(max_size=3000), st.integers(1, 1100), st.booleans())
 def test_random_bytes(data: bytes, chunk: int, use_skip: bool) -> None:
     _check_invariants(data, chunk, use_skip)
 
 
 _name = st.lists(
-    st.sampled_from([b"a", b"b", b".", b"..", b"", b"\xff", "é".encode(), b"x" * 60]),
+    st.sampled_from([b"a", b"b", b".", b"..", b"", b"\xff", "é".encode(), b"x" * 60,
+                     b"y" * 256]),
     min_size=1,
     max_size=5,
 ).map(b"/".join)
@@ -780,7 +828,8 @@ def _header_offsets(data: bytes) -> list[int]:
     return out
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=_examples(400), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(
     fmt=st.sampled_from(list(FORMATS.values())),
     entries=st.lists(_entry, max_size=6),
