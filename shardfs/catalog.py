@@ -56,6 +56,7 @@ class Catalog:
     sha256: list[str | None]  # whole-shard digest when known (verifies complete fetches)
     tree: Tree
     codecs: list[str | None] = field(default_factory=list)  # compression of each shard
+    skipped: dict[str, int] = field(default_factory=dict)  # members not exposed, by reason
     data_sizes: list[int] = field(default_factory=list)  # plain tar bytes (what is cached)
     indexed_bytes: int = 0  # bytes streamed to build indexes in this run
     warmed: int = 0  # shards cached while indexing
@@ -428,7 +429,12 @@ async def open_catalog(urls: list[str], sources: Sources, cache: ShardCache, *,
     if missing:  # the tree is cached but an index it came from is gone: rebuild next time
         tree_path.unlink(missing_ok=True)
         raise CatalogError(f"index of compressed shard {missing[0]} is missing; mount again")
+    skipped: dict[str, int] = {}
+    for h in headers:
+        for reason, count in (h.get("skipped") or {}).items():
+            skipped[reason] = skipped.get(reason, 0) + int(count)
     return Catalog(shards=infos, keys=keys, sha256=[h.get("sha256") for h in headers],
+                   skipped=skipped,
                    tree=tree, codecs=codecs, data_sizes=sizes,
                    indexed_bytes=indexer.streamed if indexer else 0,
                    warmed=indexer.warmed if indexer else 0)

@@ -214,6 +214,9 @@ def run_mount_foreground(args: argparse.Namespace) -> int:
     except RuntimeError as exc:  # pyfuse3.init failures (e.g. /dev/fuse missing)
         print(f"shardfs: error: cannot mount {cfg.mountpoint}: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # local trouble (disk, permissions): a message, not a traceback
+        print(f"shardfs: error: {exc}", file=sys.stderr)
+        return 1
     finally:
         cache.close()
     return 0

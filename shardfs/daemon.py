@@ -109,6 +109,8 @@ class Mounted:
             "cache_used_bytes": cache.used,
             "cache_budget_bytes": cache.budget,
             "evictions": cache.evictions,
+            "members_skipped": catalog.skipped,
+            "paths_shadowed": catalog.tree.report.shadowed,
             "bytes_fetched": fetched,
             "bytes_indexed": catalog.indexed_bytes,
             "bytes_served": rs.bytes_served,
@@ -246,6 +248,9 @@ async def _serve_mounted(mounted: Mounted, on_ready: Callable[[str], None]) -> N
             summary = (f"{catalog.tree.count_files()} files from {len(catalog.shards)} shards "
                        f"mounted at {cfg.mountpoint}")
             log.info("ready: %s", summary)
+            if catalog.skipped:
+                log.warning("members not exposed (unsafe names, devices, links leaving the "
+                            "tree, ...): %s", catalog.skipped)
             on_ready(summary)
             async for signum in signals:
                 log.info("received %s: unmounting", signal.Signals(signum).name)

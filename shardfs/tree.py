@@ -167,13 +167,17 @@ class Tree:
                        self.report.dangling_links],
         }
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        with open(tmp, "wb") as out:
-            out.write(json.dumps(header).encode() + b"\n")
-            out.write(self.names)
-            out.write(self.kind)
-            for n in self._ARRAYS:
-                getattr(self, n).tofile(out)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as out:
+                out.write(json.dumps(header).encode() + b"\n")
+                out.write(self.names)
+                out.write(self.kind)
+                for n in self._ARRAYS:
+                    getattr(self, n).tofile(out)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
     @classmethod
     def load(cls, path: Path) -> Tree:

@@ -64,7 +64,7 @@ def test_precedence_defaults_file_options_flags():
     flag_layer = validate({"deadline": 50}, "flags")
     merged = merge(file_layer, option_layer, flag_layer)
     assert merged["timeout"] == 3.0 and merged["deadline"] == 50.0
-    assert merged["max_fetches"] == 4  # the default where nobody said anything
+    assert merged["max_fetches"] == 8  # the default where nobody said anything
 
 
 def test_credentials_by_reference_only(tmp_path: Path, monkeypatch):
