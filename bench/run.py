@@ -23,7 +23,8 @@ from pathlib import Path
 from bench import procs
 from bench.contenders import CONTENDER_NAMES, Contender, Ctx, all_contenders
 from bench.data import DataParams, prepare_dataset, prepare_meta
-from bench.server import BandwidthCap, ListingNginx, Traffic
+from bench.server import BandwidthCap, Traffic, listing_nginx
+from shardfs.devtools.nginx import Nginx
 
 SCHEMA = "shardfs-bench/1"
 REPO = Path(__file__).resolve().parent.parent
@@ -47,7 +48,7 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.t0 = time.monotonic()
-        self.nginx: ListingNginx | None = None
+        self.nginx: Nginx | None = None
         self.active: Contender | None = None
 
     def say(self, text: str) -> None:
@@ -255,7 +256,7 @@ class Bench:
             if meta is not None:
                 record["meta_dataset"] = {"files": meta.files, "dirs": meta.dirs,
                                           "tar_bytes": meta.tar_bytes, "loose": meta.loose}
-            self.nginx = ListingNginx(data_dir, work / "nginx", latency_s=a.latency_ms / 1000)
+            self.nginx = listing_nginx(data_dir, work / "nginx", a.latency_ms / 1000)
             self.nginx.start()
             self.say(f"nginx (pid {self.nginx.pid}) at {self.nginx.url}, "
                      f"{a.latency_ms:g} ms per request")

@@ -1,78 +1,16 @@
-"""The remote store for the benchmark: nginx on 127.0.0.1 (latency via the echo module) with
-directory listings, and an optional loopback bandwidth cap (tc tbf) that is always removed."""
+"""The remote store for the benchmark: shardfs's devtools nginx on 127.0.0.1 (latency via the
+echo module, directory listings for the per-file HTTP mounts), and an optional loopback
+bandwidth cap (tc tbf) that is always removed."""
 
 from __future__ import annotations
 
 import atexit
-import os
 import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardfs.devtools.nginx import ECHO_MODULE, LOG_FORMAT, AccessRecord, Nginx
-
-
-class ListingNginx(Nginx):
-    """shardfs's test nginx plus `autoindex on`, which the per-file HTTP mounts (rclone's http
-    remote, httpdirfs) need to list directories. Same access-log format, so `access_log()` and
-    `reset_log()` work unchanged. The helper has no option for listings, so the config is
-    written here (everything else mirrors shardfs.devtools.nginx)."""
-
-    def _config(self, port: int) -> str:
-        w = self.workdir
-        temp_paths = "\n".join(
-            f"    {kind}_temp_path {w / (kind + '_temp')};"
-            for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
-        )
-        files = (f"root {self.root};\n            autoindex on;\n"
-                 "            autoindex_exact_size on;")
-        if self.latency_s > 0:
-            sleep = f"{max(self.latency_s, 0.001):.3f}"
-            head = f"load_module {ECHO_MODULE};\n"
-            locations = f"""
-        location / {{
-            echo_sleep {sleep};
-            echo_exec @files;
-        }}
-        location @files {{
-            {files}
-        }}"""
-        else:
-            head = ""
-            locations = f"""
-        location / {{
-            {files}
-        }}"""
-        user = "user root;\n" if os.geteuid() == 0 else ""
-        return f"""{head}{user}worker_processes 2;
-pid {w / "nginx.pid"};
-error_log {self.error_log_path} warn;
-events {{
-    worker_connections 4096;
-}}
-http {{
-    default_type application/octet-stream;
-{temp_paths}
-    log_format shardfs {LOG_FORMAT};
-    access_log {self.access_log_path} shardfs;
-    sendfile on;
-    # Not shardfs's devtools setting (tcp_nopush on): behind echo_sleep/echo_exec, nginx leaves
-    # the socket corked after a sendfile response, so the response's last partial segment waits
-    # for the client's delayed ACK, adding ~30 ms to every ranged GET larger than ~64 KiB for
-    # clients that delay ACKs (httpx, i.e. shardfs) and not for others (curl, Go). Measured:
-    # 100 KB ranges took 50-57 ms with it on, 22 ms off, 21 ms at a 20 ms echo delay via
-    # http.client; TCP_QUICKACK on the client also removes it. Off here keeps the store fair.
-    tcp_nopush off;
-    keepalive_timeout 75s;
-    keepalive_requests 100000;
-    server_tokens off;
-    server {{
-        listen 127.0.0.1:{port};
-        server_name localhost;{locations}
-    }}
-}}
-"""
+from shardfs.devtools.nginx import AccessRecord, Nginx
 
 
 @dataclass
@@ -160,3 +98,8 @@ def parse_rate(text: str) -> float:
 
 def dir_size(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def listing_nginx(root: Path, workdir: Path, latency_s: float) -> Nginx:
+    """nginx with `autoindex on` (rclone's http remote lists directories) and 2 workers."""
+    return Nginx(root, workdir, latency_s=latency_s, listings=True, workers=2)

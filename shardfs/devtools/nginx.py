@@ -59,11 +59,14 @@ def _port_open(port: int) -> bool:
 class Nginx:
     """nginx serving `root` at http://127.0.0.1:PORT/, all its state kept inside `workdir`."""
 
-    def __init__(self, root: Path, workdir: Path, *, port: int = 0, latency_s: float = 0.0) -> None:
+    def __init__(self, root: Path, workdir: Path, *, port: int = 0, latency_s: float = 0.0,
+                 listings: bool = False, workers: int = 1) -> None:
         self.root = Path(root).resolve()
         self.workdir = Path(workdir).resolve()
         self.port = port
         self.latency_s = latency_s
+        self.listings = listings  # autoindex: per-file HTTP mounts (rclone) list directories
+        self.workers = workers
         self._proc: subprocess.Popen[bytes] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -212,6 +215,9 @@ class Nginx:
             f"    {kind}_temp_path {w / (kind + '_temp')};"
             for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
         )
+        files = f"root {self.root};"
+        if self.listings:
+            files += "\n            autoindex on;\n            autoindex_exact_size on;"
         if self.latency_s > 0:
             # echo_sleep is a timer, not a blocking sleep: requests overlap like on a real store.
             # It accepts at most millisecond precision.
@@ -222,18 +228,18 @@ class Nginx:
             echo_exec @files;
         }}
         location @files {{
-            root {self.root};
+            {files}
         }}"""
             head = f"load_module {ECHO_MODULE};\n"
         else:
             locations = f"""
         location / {{
-            root {self.root};
+            {files}
         }}"""
             head = ""
         # pytest's tmp dirs are 0700, so as root the worker must stay root to read them.
         user = "user root;\n" if os.geteuid() == 0 else ""
-        return f"""{head}{user}worker_processes 1;
+        return f"""{head}{user}worker_processes {self.workers};
 pid {w / "nginx.pid"};
 error_log {self.error_log_path} warn;
 events {{
