@@ -13,9 +13,12 @@ import os
 from collections.abc import Callable
 
 import pyfuse3
+from cachetools import LRUCache
 
+from shardfs.dirmap import PREFIX as PAGE_PREFIX
+from shardfs.dirmap import encode_pages
 from shardfs.reader import Reader, ReadError
-from shardfs.shardindex import KIND_FILE, KIND_LINK
+from shardfs.shardindex import KIND_DIR, KIND_FILE, KIND_LINK
 from shardfs.tree import Tree
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,9 @@ class ShardFS(pyfuse3.Operations):
         self.gid = gid
         self.stats_json = stats_json
         self.open_handles = 0
+        # Directory inode -> its file->shard xattr pages. Readers go one directory at a time
+        # (listxattr, then each page), so a few entries suffice and memory stays flat.
+        self._pages: LRUCache = LRUCache(maxsize=8)
 
     # -- metadata --------------------------------------------------------------------------
     def _attr(self, ino: int) -> pyfuse3.EntryAttributes:
@@ -148,30 +154,54 @@ class ShardFS(pyfuse3.Operations):
     # sending FLUSH on every close() — one round trip per file less.
 
     # -- extended attributes ---------------------------------------------------------------
-    def _xattrs(self, inode: int) -> dict[bytes, bytes]:
+    def _dir_pages(self, inode: int) -> list[bytes]:
+        """A directory's file -> shard pages (see dirmap)."""
+        pages = self._pages.get(inode)
+        if pages is None:
+            tree = self.tree
+            files = ((tree.name(c), self.shard_urls[tree.shard[c - 1]])
+                     for c in tree.list_dir(inode) if tree.kind[c - 1] == KIND_FILE)
+            pages = self._pages[inode] = encode_pages(files)
+        return pages
+
+    def _xattr_names(self, inode: int) -> list[bytes]:
+        kind = self.tree.kind[inode - 1]
+        if kind == KIND_FILE:
+            return list(FILE_XATTRS)
+        names = []
         if inode == pyfuse3.ROOT_INODE and self.stats_json is not None:
-            return {STATS_XATTR: b""}  # value computed on demand
-        if self.tree.kind[inode - 1] != KIND_FILE:
-            return {}
-        ref = self.tree.file_ref(inode)
-        return {
-            FILE_XATTRS[0]: self.shard_urls[ref.shard].encode("utf-8", "surrogateescape"),
-            FILE_XATTRS[1]: str(ref.offset).encode(),
-            FILE_XATTRS[2]: str(ref.size).encode(),
-        }
+            names.append(STATS_XATTR)
+        if kind == KIND_DIR:
+            names += [PAGE_PREFIX + str(i).encode() for i in range(len(self._dir_pages(inode)))]
+        return names
+
+    def _xattr_value(self, inode: int, name: bytes) -> bytes | None:
+        tree = self.tree
+        kind = tree.kind[inode - 1]
+        if kind == KIND_FILE and name in FILE_XATTRS:
+            ref = tree.file_ref(inode)
+            if name == FILE_XATTRS[0]:
+                return self.shard_urls[ref.shard].encode("utf-8", "surrogateescape")
+            return str(ref.offset if name == FILE_XATTRS[1] else ref.size).encode()
+        if name == STATS_XATTR and inode == pyfuse3.ROOT_INODE and self.stats_json is not None:
+            return self.stats_json()
+        if kind == KIND_DIR and name.startswith(PAGE_PREFIX):
+            page = name[len(PAGE_PREFIX):]
+            pages = self._dir_pages(inode)
+            if page.isdigit() and int(page) < len(pages):
+                return pages[int(page)]
+        return None
 
     async def getxattr(self, inode, name, ctx):
         self._check(inode)
-        if name == STATS_XATTR and inode == pyfuse3.ROOT_INODE and self.stats_json is not None:
-            return self.stats_json()
-        value = self._xattrs(inode).get(name)
+        value = self._xattr_value(inode, name)
         if value is None:
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         return value
 
     async def listxattr(self, inode, ctx):
         self._check(inode)
-        return list(self._xattrs(inode))
+        return self._xattr_names(inode)
 
     # -- everything that would modify the tree: read-only filesystem -----------------------
     async def setattr(self, inode, attr, fields, fh, ctx):
