@@ -159,6 +159,9 @@ def test_server_down_gives_eio_then_recovers(dataset, nginx, mounter: Mounter):
     nginx.start()  # same port
     for rel, data in files:
         assert (m.mountpoint / rel).read_bytes() == data
+    log = m.log()
+    assert "retrying in" in log  # one line per retry ...
+    assert "unreachable, no progress" in log  # ... and the failure that gave EIO
 
 
 def test_umount_command(dataset, mounter: Mounter):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import email.utils
+import logging
 import re
 import time
 from collections.abc import AsyncIterator, Callable
@@ -27,6 +28,8 @@ GONE = frozenset({403, 404, 410})
 RETRYABLE = frozenset({408, 429})  # plus every 5xx
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", re.IGNORECASE)
 _UNSATISFIED_RANGE = re.compile(r"bytes\s+\*/(\d+)\s*$", re.IGNORECASE)
+
+log = logging.getLogger(__name__)
 
 
 class _Retry(Exception):
@@ -85,6 +88,7 @@ class _Patience:
         if failure.retry_after is not None:
             delay = max(delay, failure.retry_after)  # the server knows best, within the deadline
         self._stats.retries += 1
+        log.warning("%s: %s; retrying in %.2f s", self._url, failure, min(delay, remaining))
         await trio.sleep(min(delay, remaining))
 
 
