@@ -314,12 +314,23 @@ class Reader:
         began = time.monotonic()
         try:
             plain = decompressor(codec) if codec else None
-            source = self.sources.for_url(info.url)
-            async for chunk in source.stream(info, 0, info.size):
+
+            def check_and_decode(chunk: bytes) -> bytes:
                 if digest is not None:
                     digest.update(chunk)
+                return plain.feed(chunk) if plain is not None else chunk
+
+            source = self.sources.for_url(info.url)
+            async for chunk in source.stream(info, 0, info.size):
                 self.stats.shard_bytes += len(chunk)
-                self._append(fetch, plain.feed(chunk) if plain else chunk)
+                if digest is None and plain is None:
+                    data = chunk
+                else:
+                    # Hashing and decompressing cost milliseconds per MiB; hashlib, zlib,
+                    # zstd and lz4 release the GIL, so a worker thread keeps them off the
+                    # loop that answers FUSE requests.
+                    data = await trio.to_thread.run_sync(check_and_decode, chunk)
+                self._append(fetch, data)
             if plain is not None:
                 self._append(fetch, plain.finish())
             if fetch.arrived != fetch.part.size:
