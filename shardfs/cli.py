@@ -67,8 +67,10 @@ _FLAG_KEYS = ("cache_dir", "cache_size", "timeout", "deadline", "max_fetches", "
 
 def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("positional", nargs="*", metavar="SOURCE... MOUNTPOINT",
-                   help="shard URLs (http://, https://, file://) or paths, brace patterns "
-                   "expand; then the mountpoint. With --config, both may come from the file.")
+                   help="shards: http(s)://, s3://, ais://, file:// URLs or paths; brace "
+                   "patterns expand; a bucket prefix, directory or manifest (.txt, wids .json) "
+                   "names all its shards. Then the mountpoint. With --config, both may come "
+                   "from the file.")
     p.add_argument("--config", metavar="FILE", help="YAML settings (flags override it)")
     p.add_argument("-o", dest="options", metavar="OPT[,OPT=VAL...]", action="append",
                    help="mount-style options, e.g. cache_dir=/var/cache/x,cache_size=50G")
