@@ -115,6 +115,17 @@ class Mounter:
             m.unmount()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_wids_litter() -> Iterator[None]:
+    """Importing wids (interop test, bench smoke test) creates /tmp/_wids_cache through a
+    default argument; remove it again if this session made it and left it empty."""
+    default_dir = Path("/tmp/_wids_cache")
+    existed = default_dir.exists()
+    yield
+    if not existed and default_dir.is_dir() and not any(default_dir.iterdir()):
+        default_dir.rmdir()
+
+
 @pytest.fixture
 def mounter(tmp_path: Path) -> Iterator[Mounter]:
     m = Mounter(tmp_path)

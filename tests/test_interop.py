@@ -81,17 +81,6 @@ def test_webdataset_shardwriter_shards(tmp_path: Path, mounter: Mounter):
 
 
 def test_pack_output_loads_in_wids(dataset: Dataset, tmp_path: Path):
-    # Importing wids creates /tmp/_wids_cache (a default argument); leave no trace of it.
-    default_dir = Path("/tmp/_wids_cache")
-    existed = default_dir.exists()
-    try:
-        _check_wids(dataset, tmp_path)
-    finally:
-        if not existed and default_dir.is_dir() and not any(default_dir.iterdir()):
-            default_dir.rmdir()
-
-
-def _check_wids(dataset: Dataset, tmp_path: Path) -> None:
     wids = pytest.importorskip("wids")
     shards = [{"url": str(s.path), "nsamples": s.nsamples} for s in dataset.shards.shards]
     ds = wids.ShardListDataset(shards, cache_dir=str(tmp_path / "wids-cache"),
