@@ -287,14 +287,6 @@ class ShardCache:
             os.close(part.fd)
             part.path.unlink(missing_ok=True)
 
-    def adopt_file(self, key: str, path: Path) -> None:
-        """Move an already complete, synced file (e.g. written while indexing) into the cache."""
-        os.replace(path, self.shards_dir / key)
-        size = self._reserved.pop(key, None)
-        if size is None:
-            size = os.stat(self.shards_dir / key).st_size
-        self._complete[key] = CachedShard(key, size)
-
     # -- index and tree files --------------------------------------------------------------
     def index_path(self, key: str) -> Path:
         return self.index_dir / f"{key}.idx"

@@ -109,6 +109,7 @@ class Mounted:
             "cache_used_bytes": cache.used,
             "cache_budget_bytes": cache.budget,
             "evictions": cache.evictions,
+            "evicted_bytes": cache.evicted_bytes,
             "members_skipped": catalog.skipped,
             "paths_shadowed": catalog.tree.report.shadowed,
             "bytes_fetched": fetched,

@@ -43,7 +43,6 @@ class ShardFS(pyfuse3.Operations):
         self.uid = uid
         self.gid = gid
         self.stats_json = stats_json
-        self.open_handles = 0
         # Directory inode -> its file->shard xattr pages. Readers go one directory at a time
         # (listxattr, then each page), so a few entries suffice and memory stays flat.
         self._pages: LRUCache = LRUCache(maxsize=8)
@@ -135,7 +134,6 @@ class ShardFS(pyfuse3.Operations):
             raise _erofs()
         if self.tree.kind[inode - 1] != KIND_FILE:
             raise pyfuse3.FUSEError(errno.EISDIR if self.tree.is_dir(inode) else errno.EINVAL)
-        self.open_handles += 1
         # The inode is the handle: read-only files need no per-open state.
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)
 
@@ -148,7 +146,7 @@ class ShardFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EIO) from None
 
     async def release(self, fh):
-        self.open_handles -= 1
+        return None  # handles carry no state (fh is the inode)
 
     # No flush handler on purpose: pyfuse3 answers ENOSYS, after which the kernel stops
     # sending FLUSH on every close() — one round trip per file less.

@@ -54,6 +54,14 @@ class Mount:
     stdout: str
     stderr: str
 
+    @classmethod
+    def from_result(cls, result: subprocess.CompletedProcess, mountpoint: Path,
+                    cache_dir: Path) -> Mount:
+        """A mount made by a daemonizing `shardfs` command (its stdout names the daemon pid)."""
+        match = re.search(r"daemon pid (\d+)", result.stdout)
+        assert result.returncode == 0 and match, result.stdout + result.stderr
+        return cls(mountpoint, cache_dir, int(match.group(1)), result.stdout, result.stderr)
+
     def stats(self) -> dict:
         return json.loads(os.getxattr(self.mountpoint, "user.shardfs.stats"))
 
@@ -104,9 +112,10 @@ class Mounter:
                           "--log-level", "debug", *extra)
         if result.returncode != 0:
             raise AssertionError(f"mount failed ({result.returncode}):\n{result.stderr}")
-        match = re.search(r"daemon pid (\d+)", result.stdout)
-        assert match, result.stdout
-        m = Mount(mountpoint, cache_dir, int(match.group(1)), result.stdout, result.stderr)
+        return self.adopt(Mount.from_result(result, mountpoint, cache_dir))
+
+    def adopt(self, m: Mount) -> Mount:
+        """Take a mount made elsewhere (config file, mount(8) form) into teardown."""
         self.mounts.append(m)
         return m
 
@@ -124,6 +133,15 @@ def _no_wids_litter() -> Iterator[None]:
     yield
     if not existed and default_dir.is_dir() and not any(default_dir.iterdir()):
         default_dir.rmdir()
+
+
+def stop_foreground(proc: subprocess.Popen, mountpoint: Path) -> None:
+    """Teardown for a `shardfs mount -f` a test started: no process, no mount left."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    if os.path.ismount(mountpoint):
+        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)])
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from shardfs.devtools.nginx import free_port
-from tests.conftest import SHARDFS, Dataset, Mounter, brace
+from tests.conftest import SHARDFS, Dataset, Mount, Mounter, brace, stop_foreground
 from tests.test_mount import assert_same_bytes, publish
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,11 +39,7 @@ def test_config_file_with_flag_overrides(dataset: Dataset, mounter: Mounter, tmp
                        deadline=30, prefetch="touched")
     result = mounter.run("--config", str(cfg), "--cache-size", "3M")
     assert result.returncode == 0, result.stderr
-    pid = int(result.stdout.rsplit("daemon pid ", 1)[1].rstrip(")\n"))
-    from tests.conftest import Mount
-
-    m = Mount(mnt, cache, pid, result.stdout, result.stderr)
-    mounter.mounts.append(m)
+    m = mounter.adopt(Mount.from_result(result, mnt, cache))
     assert m.stats()["cache_budget_bytes"] == 3 << 20  # the flag wins over the file
     assert m.stats()["sources"] == [brace(dataset, str(dataset.shard_dir))]
     assert_same_bytes(dataset, mnt)
@@ -76,11 +72,7 @@ def test_o_options_and_mount_helper_form(dataset: Dataset, mounter: Mounter):
          f"ro,dev,suid,cache_dir={cache},cache_size=5M,max_fetches=2,no_warm"],
         capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    from tests.conftest import Mount
-
-    pid = int(result.stdout.rsplit("daemon pid ", 1)[1].rstrip(")\n"))
-    m = Mount(mnt, cache, pid, result.stdout, result.stderr)
-    mounter.mounts.append(m)
+    m = mounter.adopt(Mount.from_result(result, mnt, cache))
     assert m.stats()["cache_budget_bytes"] == 5 << 20
     assert_same_bytes(dataset, mnt)
     bad = subprocess.run([*SHARDFS, "src.tar", str(mnt), "-o", "cache_sise=1G"],
@@ -192,11 +184,7 @@ def test_sd_notify_ready_only_when_serving_then_stopping(dataset: Dataset, tmp_p
         assert proc.wait(timeout=30) == 0
         assert not os.path.ismount(mnt)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if os.path.ismount(mnt):
-            subprocess.run(["fusermount3", "-u", "-z", str(mnt)])
+        stop_foreground(proc, mnt)
         listener.close()
 
 

@@ -267,22 +267,6 @@ def test_used_accounting(tmp_path: Path, opened: list[ShardCache]) -> None:
     cache.abort(None, "d")
 
 
-def test_adopt_file(tmp_path: Path, opened: list[ShardCache]) -> None:
-    cache = open_cache(tmp_path / "c", 1000, opened)
-    outside = tmp_path / "warm.bin"
-    outside.write_bytes(b"q" * 300)
-    assert cache.reserve("w", 300)
-    cache.adopt_file("w", outside)
-    assert not outside.exists()
-    assert cache.has("w") and cache.used == 300
-    assert read_back(cache, "w") == b"q" * 300
-    # Without a reservation, the size comes from the file.
-    other = tmp_path / "other.bin"
-    other.write_bytes(b"r" * 123)
-    cache.adopt_file("o", other)
-    assert cache.used == 423
-
-
 def test_shard_removed_behind_our_back(tmp_path: Path, opened: list[ShardCache]) -> None:
     cache = open_cache(tmp_path / "c", 1000, opened)
     put(cache, "a", b"a" * 10)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Dataset, Mounter, brace, shard_names
+from tests.conftest import Dataset, Mounter, brace, shard_names, stop_foreground
 
 
 def publish(ds: Dataset, root: Path, sub: str = "data") -> Path:
@@ -215,8 +215,4 @@ def test_foreground_mount_unmounts_on_sigterm(dataset, tmp_path: Path):
         assert proc.wait(timeout=20) == 0
         assert not os.path.ismount(mnt)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if os.path.ismount(mnt):
-            subprocess.run(["fusermount3", "-u", "-z", str(mnt)])
+        stop_foreground(proc, mnt)

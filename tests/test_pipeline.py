@@ -50,9 +50,7 @@ def test_directory_to_s3_bucket_to_imagefolder(tmp_path: Path, mounter: Mounter)
                                 capture_output=True, text=True, env=env, timeout=120)
         assert result.returncode == 0, result.stderr
         assert secret not in result.stdout + result.stderr
-        pid = int(result.stdout.rsplit("daemon pid ", 1)[1].rstrip(")\n"))
-        m = Mount(mnt, cache, pid, result.stdout, result.stderr)
-        mounter.mounts.append(m)
+        m = mounter.adopt(Mount.from_result(result, mnt, cache))
 
         local = datasets.ImageFolder(str(images / "train"))
         mounted = datasets.ImageFolder(str(mnt / "train"))
