@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from shardfs.catalog.shardindex import INDEX_SUFFIX, KIND_FILE, ShardIndex, encode_index
 from shardfs.devtools.datagen import make_imagefolder
 from shardfs.pack import pack
-from shardfs.shardindex import INDEX_SUFFIX, KIND_FILE, ShardIndex, encode_index
 
 MARKER = "bench-data.json"
 

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from shardfs.progress import ProgressLine
-from shardfs.shardindex import INDEX_SUFFIX, ShardIndex, encode_index
-from shardfs.sizes import UNITS_HELP, format_size, parse_size
-from shardfs.tar import Member
+from shardfs.catalog.shardindex import INDEX_SUFFIX, ShardIndex, encode_index
+from shardfs.catalog.tar import Member
+from shardfs.util.progress import ProgressLine
+from shardfs.util.sizes import UNITS_HELP, format_size, parse_size
 
 BLOCK = 512
 RECORD = tarfile.RECORDSIZE  # archives end padded to 20 blocks, like GNU tar and tarfile

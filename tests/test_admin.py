@@ -255,7 +255,7 @@ def test_deep_cache_dir_and_foreign_user_on_control_socket(dataset: Dataset, mou
     assert m.stats()["shards_cached"] == len(dataset.shards.shards)
     # Another user may not drive the daemon.
     address = m.stats()["control_socket"]
-    probe = ("import os, sys; from shardfs.control import request, ControlError\n"
+    probe = ("import os, sys; from shardfs.daemon.control import request, ControlError\n"
              "os.setuid(65534)\n"
              "try:\n    request(sys.argv[1], {'cmd': 'stats'})\n"
              "except ControlError as e:\n    print(e)\n")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shardfs.codecs import CodecError, codec_for, decompressor
+from shardfs.catalog.codecs import CodecError, codec_for, decompressor
 from tests.conftest import Dataset, Mounter
 
 zstandard = pytest.importorskip("zstandard")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from shardfs.config import (
+from shardfs.cli.config import (
     ConfigError,
     load_file,
     merge,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from shardfs.dirmap import PAGE_BYTES, PREFIX, decode_page, encode_pages
+from shardfs.catalog.dirmap import PAGE_BYTES, PREFIX, decode_page, encode_pages
 from tests.conftest import Dataset, Mounter, brace
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from shardfs.catalog import scan_local_file
+from shardfs.catalog.catalog import scan_local_file
+from shardfs.catalog.tar import TarError, TarScanner
 from shardfs.devtools.nginx import Nginx
-from shardfs.tar import TarError, TarScanner
 from tests.conftest import Mount, Mounter
 from tests.hostile_corpus import Case, build_cases, build_corpus
 from tests.reliability import report

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from shardfs.catalog.shardindex import decode_index
 from shardfs.devtools.datagen import make_imagefolder
 from shardfs.pack import (
     FIXED_MTIME,
@@ -24,7 +25,6 @@ from shardfs.pack import (
     run_pack,
     split_key,
 )
-from shardfs.shardindex import decode_index
 
 SHARD_SIZE = 96 * 1024
 LONG_DIR = "extra/" + "/".join(["d" * 40] * 3)  # > 100 bytes once a file name is added
@@ -333,7 +333,7 @@ def test_webdataset_reads_the_shards(src: Path, packed: PackResult) -> None:
 def test_progress_line_redraws_on_a_tty() -> None:
     from io import StringIO
 
-    from shardfs.progress import ProgressLine
+    from shardfs.util.progress import ProgressLine
 
     class Tty(StringIO):
         def isatty(self) -> bool:
@@ -353,7 +353,7 @@ def test_progress_line_redraws_on_a_tty() -> None:
 def test_progress_line_logs_every_tenth_when_not_a_tty() -> None:
     from io import StringIO
 
-    from shardfs.progress import ProgressLine
+    from shardfs.util.progress import ProgressLine
 
     stream = StringIO()
     line = ProgressLine("indexing shards", stream)

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from shardfs.patterns import PatternError, expand_braces
+from shardfs.catalog.patterns import PatternError, expand_braces
 
 
 def test_no_braces_is_returned_as_is() -> None:

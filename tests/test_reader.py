@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import trio
 
-from shardfs.cache import ShardCache
-from shardfs.catalog import Catalog, open_catalog
-from shardfs.reader import Reader, ReadError, ReadPolicy
-from shardfs.shardindex import KIND_FILE
+from shardfs.catalog.catalog import Catalog, open_catalog
+from shardfs.catalog.shardindex import KIND_FILE
+from shardfs.read.cache import ShardCache
+from shardfs.read.reader import Reader, ReadError, ReadPolicy
 from shardfs.sources import ShardInfo, Source, Sources, SourceSettings, Unreachable
 
 N_SHARDS = 8

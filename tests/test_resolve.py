@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import trio
 
-from shardfs.devtools.nginx import Nginx
-from shardfs.resolve import (
+from shardfs.catalog.resolve import (
     ResolveError,
     join_url,
     parse_text_manifest,
     resolve_ref,
     resolve_sources,
 )
+from shardfs.devtools.nginx import Nginx
 from shardfs.sources import NotFound, SourceError, Sources, SourceSettings, to_url
 from tests.moto_fixture import MotoServer
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from shardfs.shardindex import (
+from shardfs.catalog.shardindex import (
     INDEX_FORMAT,
     KIND_DIR,
     KIND_FILE,
@@ -18,7 +18,7 @@ from shardfs.shardindex import (
     decode_index,
     encode_index,
 )
-from shardfs.tar import Member
+from shardfs.catalog.tar import Member
 
 AWKWARD_NAMES = [
     b"plain/file.jpg",

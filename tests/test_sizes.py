@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardfs.sizes import format_size, parse_size
+from shardfs.util.sizes import format_size, parse_size
 
 
 @pytest.mark.parametrize(

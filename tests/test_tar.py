@@ -1,4 +1,4 @@
-"""Tests for shardfs.tar: real archives from Python's tarfile and GNU tar, no mocks."""
+"""Tests for shardfs.catalog.tar: real archives from Python's tarfile and GNU tar, no mocks."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardfs.tar import BLOCK, Member, TarError, TarScanner, normalize_path
+from shardfs.catalog.tar import BLOCK, Member, TarError, TarScanner, normalize_path
 
 FORMATS = {"ustar": tarfile.USTAR_FORMAT, "gnu": tarfile.GNU_FORMAT, "pax": tarfile.PAX_FORMAT}
 

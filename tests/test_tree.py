@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from shardfs.shardindex import KIND_DIR, KIND_FILE, KIND_LINK, ShardIndex
-from shardfs.tar import Member
-from shardfs.tree import ROOT, Tree, build_tree
+from shardfs.catalog.shardindex import KIND_DIR, KIND_FILE, KIND_LINK, ShardIndex
+from shardfs.catalog.tar import Member
+from shardfs.catalog.tree import ROOT, Tree, build_tree
 
 
 def index_of(*members: Member, size: int = 1 << 30) -> ShardIndex:

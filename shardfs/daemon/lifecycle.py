@@ -16,15 +16,15 @@ from typing import Any
 import pyfuse3
 import trio
 
-from shardfs.cache import ShardCache
-from shardfs.catalog import Catalog, open_catalog
-from shardfs.control import control_address, serve_control
-from shardfs.fs import ShardFS
-from shardfs.notify import sd_notify
-from shardfs.progress import ProgressLine
-from shardfs.reader import Reader, ReadPolicy
-from shardfs.resolve import resolve_sources
+from shardfs.catalog.catalog import Catalog, open_catalog
+from shardfs.catalog.resolve import resolve_sources
+from shardfs.daemon.control import control_address, serve_control
+from shardfs.daemon.notify import sd_notify
+from shardfs.fuse.ops import ShardFS
+from shardfs.read.cache import ShardCache
+from shardfs.read.reader import Reader, ReadPolicy
 from shardfs.sources import Sources, SourceSettings
+from shardfs.util.progress import ProgressLine
 
 log = logging.getLogger(__name__)
 STATUS_INTERVAL = 5.0  # seconds between STATUS= updates to systemd and metrics snapshots
@@ -243,7 +243,7 @@ async def _serve_mounted(mounted: Mounted, on_ready: Callable[[str], None]) -> N
             if interval:
                 nursery.start_soon(_watchdog, interval)
             if cfg.metrics_listen:
-                from shardfs.metrics import start_metrics_server
+                from shardfs.daemon.metrics import start_metrics_server
 
                 start_metrics_server(cfg.metrics_listen, lambda: mounted.latest)
             summary = (f"{catalog.tree.count_files()} files from {len(catalog.shards)} shards "

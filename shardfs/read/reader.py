@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import trio
 from cachetools import LRUCache
 
-from shardfs.cache import DISK_FULL, PartFile, ShardCache, pwrite_all
-from shardfs.catalog import Catalog
-from shardfs.codecs import CodecError, decompressor
+from shardfs.catalog.catalog import Catalog
+from shardfs.catalog.codecs import CodecError, decompressor
+from shardfs.read.cache import DISK_FULL, PartFile, ShardCache, pwrite_all
 from shardfs.sources import ShardChanged, SourceError, Sources
 
 log = logging.getLogger(__name__)

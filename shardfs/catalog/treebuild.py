@@ -1,6 +1,6 @@
 """Child-process entry point: merge shard index files into a tree file.
 
-Run by the daemon as `python -m shardfs.treebuild LIST_FILE OUT_TREE`; prints a JSON report.
+Run by the daemon as `python -m shardfs.catalog.treebuild LIST_FILE OUT_TREE`; prints a JSON report.
 A separate process keeps the build's transient memory (every path as an object, a sort over
 all of them) out of the long-running daemon.
 """
@@ -11,8 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from shardfs.shardindex import decode_index
-from shardfs.tree import build_tree
+from shardfs.catalog.shardindex import decode_index
+from shardfs.catalog.tree import build_tree
 
 
 def main(argv: list[str]) -> int:

@@ -34,7 +34,7 @@ from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import trio
 
-from shardfs.patterns import PatternError, expand_braces
+from shardfs.catalog.patterns import PatternError, expand_braces
 from shardfs.sources import NotFound, SourceError, Sources, to_url
 from shardfs.sources.file import file_path
 from shardfs.sources.s3 import split_bucket_url

@@ -25,19 +25,19 @@ from urllib.parse import unquote, urlsplit
 
 import trio
 
-from shardfs.aioutil import first_error
-from shardfs.cache import DISK_FULL, PartFile, ShardCache, pwrite_all, shard_key
-from shardfs.codecs import CodecError, codec_for, decompressor
-from shardfs.shardindex import (
+from shardfs.catalog.codecs import CodecError, codec_for, decompressor
+from shardfs.catalog.shardindex import (
     INDEX_SUFFIX,
     IndexFormatError,
     ShardIndex,
     decode_index,
     encode_index,
 )
+from shardfs.catalog.tar import TarError, TarScanner
+from shardfs.catalog.tree import TREE_FORMAT, Tree
+from shardfs.read.cache import DISK_FULL, PartFile, ShardCache, pwrite_all, shard_key
 from shardfs.sources import ShardInfo, Source, SourceError, Sources
-from shardfs.tar import TarError, TarScanner
-from shardfs.tree import TREE_FORMAT, Tree
+from shardfs.util.aioutil import first_error
 
 log = logging.getLogger(__name__)
 
@@ -360,7 +360,7 @@ async def _build_tree_file(index_paths: list[Path], out: Path) -> dict:
         list_file = f.name
     try:
         result = await trio.run_process(
-            [sys.executable, "-m", "shardfs.treebuild", list_file, str(out)],
+            [sys.executable, "-m", "shardfs.catalog.treebuild", list_file, str(out)],
             capture_stdout=True, capture_stderr=True, check=False,
         )
     finally:

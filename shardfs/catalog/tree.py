@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardfs.shardindex import KIND_DIR, KIND_FILE, KIND_LINK, ShardIndex
+from shardfs.catalog.shardindex import KIND_DIR, KIND_FILE, KIND_LINK, ShardIndex
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import trio
 
-from shardfs.progress import ProgressLine
+from shardfs.util.progress import ProgressLine
 
 log = logging.getLogger(__name__)
 STATS_XATTR = "user.shardfs.stats"

@@ -9,13 +9,13 @@ from urllib.parse import unquote, urlsplit
 
 import trio
 
-from shardfs.aioutil import first_error
-from shardfs.catalog import CatalogError, scan_stream, stat_all
-from shardfs.progress import ProgressLine
-from shardfs.resolve import resolve_sources
-from shardfs.shardindex import INDEX_SUFFIX, encode_index
+from shardfs.catalog.catalog import CatalogError, scan_stream, stat_all
+from shardfs.catalog.resolve import resolve_sources
+from shardfs.catalog.shardindex import INDEX_SUFFIX, encode_index
+from shardfs.catalog.tar import TarError
 from shardfs.sources import ShardInfo, SourceError, Sources, SourceSettings
-from shardfs.tar import TarError
+from shardfs.util.aioutil import first_error
+from shardfs.util.progress import ProgressLine
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from shardfs.tar import Member, _symlink_inside, normalize_path
+from shardfs.catalog.tar import Member, _symlink_inside, normalize_path
 
 INDEX_FORMAT = "shardfs-index/1"
 INDEX_SUFFIX = ".shardfs.idx"

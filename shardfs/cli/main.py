@@ -110,7 +110,7 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
 
 def mount_settings(args: argparse.Namespace) -> dict:
     """Merge defaults, --config / -o config=, -o options and flags (in that order)."""
-    from shardfs.config import load_file, merge, parse_mount_options, validate
+    from shardfs.cli.config import load_file, merge, parse_mount_options, validate
 
     option_layer: dict = {}
     config_file = args.config
@@ -141,9 +141,9 @@ def mount_settings(args: argparse.Namespace) -> dict:
 
 
 def _mount_config(args: argparse.Namespace):
-    from shardfs.config import resolve_credentials
-    from shardfs.daemon import MountConfig
-    from shardfs.reader import ReadPolicy
+    from shardfs.cli.config import resolve_credentials
+    from shardfs.daemon.lifecycle import MountConfig
+    from shardfs.read.reader import ReadPolicy
     from shardfs.sources import SourceSettings
 
     s = mount_settings(args)
@@ -170,14 +170,14 @@ def _mount_config(args: argparse.Namespace):
 def run_mount_foreground(args: argparse.Namespace) -> int:
     import trio
 
-    from shardfs.aioutil import first_error
-    from shardfs.cache import CacheError, ShardCache
-    from shardfs.catalog import CatalogError
-    from shardfs.config import ConfigError
-    from shardfs.daemon import serve
-    from shardfs.mountpoint import MountpointError, prepare_mountpoint
-    from shardfs.notify import sd_notify
+    from shardfs.catalog.catalog import CatalogError
+    from shardfs.cli.config import ConfigError
+    from shardfs.daemon.lifecycle import serve
+    from shardfs.daemon.mountpoint import MountpointError, prepare_mountpoint
+    from shardfs.daemon.notify import sd_notify
+    from shardfs.read.cache import CacheError, ShardCache
     from shardfs.sources import SourceError
+    from shardfs.util.aioutil import first_error
 
     _setup_logging(args.log_level or "info")
     ready_fd = args.ready_fd
@@ -242,7 +242,7 @@ def run_mount_daemon(argv: list[str]) -> int:
 
 # -- other commands ------------------------------------------------------------------------
 def run_umount(args: argparse.Namespace) -> int:
-    from shardfs.mountpoint import MountpointError, unmount
+    from shardfs.daemon.mountpoint import MountpointError, unmount
 
     try:
         result = unmount(os.path.abspath(args.mountpoint), lazy=args.lazy)
@@ -256,7 +256,7 @@ def run_umount(args: argparse.Namespace) -> int:
 
 
 def run_index(args: argparse.Namespace) -> int:
-    from shardfs.indexcmd import write_indexes
+    from shardfs.cli.indexcmd import write_indexes
 
     _setup_logging(args.log_level)
     return write_indexes(absolute_specs(args.sources), Path(args.output),
@@ -321,13 +321,13 @@ def main(argv: list[str] | None = None) -> None:
         from shardfs.pack import run_pack
         code = run_pack(args)
     elif args.command == "stats":
-        from shardfs.control import run_stats
+        from shardfs.daemon.control import run_stats
         code = run_stats(args)
     elif args.command == "warm":
-        from shardfs.control import run_warm
+        from shardfs.daemon.control import run_warm
         code = run_warm(args)
     elif args.command == "demo":
-        from shardfs.demo import run_demo
+        from shardfs.cli.demo import run_demo
         code = run_demo(args)
     else:  # pragma: no cover - argparse enforces the choices
         code = 2

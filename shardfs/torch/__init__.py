@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler, Subset
 
-from shardfs.dirmap import PREFIX as DIRMAP_PREFIX
-from shardfs.dirmap import decode_page
+from shardfs.catalog.dirmap import PREFIX as DIRMAP_PREFIX
+from shardfs.catalog.dirmap import decode_page
 
 __all__ = [
     "DistributedShardSampler",

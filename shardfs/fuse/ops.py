@@ -15,11 +15,11 @@ from collections.abc import Callable
 import pyfuse3
 from cachetools import LRUCache
 
-from shardfs.dirmap import PREFIX as PAGE_PREFIX
-from shardfs.dirmap import encode_pages
-from shardfs.reader import Reader, ReadError
-from shardfs.shardindex import KIND_DIR, KIND_FILE, KIND_LINK
-from shardfs.tree import Tree
+from shardfs.catalog.dirmap import PREFIX as PAGE_PREFIX
+from shardfs.catalog.dirmap import encode_pages
+from shardfs.catalog.shardindex import KIND_DIR, KIND_FILE, KIND_LINK
+from shardfs.catalog.tree import Tree
+from shardfs.read.reader import Reader, ReadError
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from shardfs.sizes import UNITS_HELP, parse_size
+from shardfs.util.sizes import UNITS_HELP, parse_size
 
 
 class ConfigError(ValueError):

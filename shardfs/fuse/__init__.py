@@ -1,0 +1,5 @@
+"""Answering FUSE requests: pyfuse3 Operations and everything pyfuse3-specific.
+
+This is what runs in every process that serves the mount. It reads the immutable tree and the
+cache files; it holds no policy — what to fetch is asked of `shardfs.read`.
+"""

@@ -1,0 +1,1 @@
+"""Small helpers with no shardfs dependencies: byte sizes, progress lines, trio utilities."""
