@@ -1,8 +1,13 @@
 """pyfuse3 Operations: translates FUSE requests to tree lookups and reader calls; no policy.
 
 Metadata never touches the network: the tree is in memory and immutable, so entries and
-attributes get long kernel timeouts and readdir (always readdirplus in pyfuse3) carries full
-attributes. Files are opened with keep_cache so the page cache absorbs repeated reads.
+attributes get kernel timeouts longer than any training run and readdir (always readdirplus
+in pyfuse3) carries full attributes.
+
+Files need no OPEN: when our pyfuse3 shim is in effect (`no_open`), OPEN is answered with
+ENOSYS once, after which the kernel sends no OPEN or RELEASE for the life of the mount, keeps
+file pages cached across opens, and READ carries the inode (the shim puts it in `fh`). Without
+the shim, files are opened with keep_cache and the handle is the inode, so `read` is the same.
 """
 
 from __future__ import annotations
@@ -10,23 +15,35 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
-import pyfuse3
+import pyfuse3  # after the shim: shardfs.fuse's __init__ loads it first
 from cachetools import LRUCache
 
 from shardfs.catalog.dirmap import PREFIX as PAGE_PREFIX
 from shardfs.catalog.dirmap import encode_pages
 from shardfs.catalog.shardindex import KIND_DIR, KIND_FILE, KIND_LINK
 from shardfs.catalog.tree import Tree
-from shardfs.read.reader import Reader, ReadError
+from shardfs.read.reader import ReadError
 
 log = logging.getLogger(__name__)
 
-TIMEOUT = 24 * 3600.0  # seconds; the data is immutable for the life of the mount
+# Seconds the kernel may cache entries and attributes: the tree is immutable for the life of
+# the mount, so longer than any training run (a year).
+TIMEOUT = 365 * 24 * 3600.0
 XATTR_PREFIX = b"user.shardfs."
 FILE_XATTRS = (b"user.shardfs.shard", b"user.shardfs.offset", b"user.shardfs.size")
 STATS_XATTR = b"user.shardfs.stats"  # on the root: JSON counters, read by `shardfs stats`
+
+
+class MemberReader(Protocol):
+    """Where file bytes come from: the daemon's Reader, or a worker's RemoteReader."""
+
+    dataset_bytes: int
+
+    async def read(self, shard: int, member_off: int, member_size: int, off: int,
+                   size: int) -> bytes | bytearray: ...
 
 
 def _erofs() -> pyfuse3.FUSEError:
@@ -34,8 +51,8 @@ def _erofs() -> pyfuse3.FUSEError:
 
 
 class ShardFS(pyfuse3.Operations):
-    def __init__(self, tree: Tree, reader: Reader, shard_urls: list[str], *, uid: int,
-                 gid: int, stats_json: Callable[[], bytes] | None = None) -> None:
+    def __init__(self, tree: Tree, reader: MemberReader | None, shard_urls: list[str], *, uid: int,
+                 gid: int, stats_json: Callable[[], Awaitable[bytes]] | None = None) -> None:
         super().__init__()
         self.tree = tree
         self.reader = reader
@@ -43,6 +60,8 @@ class ShardFS(pyfuse3.Operations):
         self.uid = uid
         self.gid = gid
         self.stats_json = stats_json
+        self.no_open = False  # set once mounted: True when the shim passes inodes on READ
+        self.opens = 0  # OPEN requests received (with no_open: the first one only)
         # Directory inode -> its file->shard xattr pages. Readers go one directory at a time
         # (listxattr, then each page), so a few entries suffice and memory stays flat.
         self._pages: LRUCache = LRUCache(maxsize=8)
@@ -129,6 +148,11 @@ class ShardFS(pyfuse3.Operations):
 
     # -- data ------------------------------------------------------------------------------
     async def open(self, inode, flags, ctx):
+        self.opens += 1
+        if self.no_open:
+            # The kernel stops sending OPEN/RELEASE from here on. The mount is read-only
+            # (`ro`), so the VFS itself refuses opens for writing.
+            raise pyfuse3.FUSEError(errno.ENOSYS)
         self._check(inode)
         if flags & os.O_ACCMODE != os.O_RDONLY or flags & (os.O_TRUNC | os.O_APPEND):
             raise _erofs()
@@ -138,9 +162,11 @@ class ShardFS(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)
 
     async def read(self, fh, off, size):
-        ref = self.tree.file_ref(fh)
+        # fh is the inode: our handle from open(), or put there by the shim (no OPEN).
+        i = fh - 1
+        tree = self.tree
         try:
-            return await self.reader.read(ref.shard, ref.offset, ref.size, off, size)
+            return await self.reader.read(tree.shard[i], tree.offset[i], tree.size[i], off, size)
         except ReadError as exc:
             log.error("EIO for %s: %s", self.tree.path(fh).decode(errors="replace"), exc)
             raise pyfuse3.FUSEError(errno.EIO) from None
@@ -181,8 +207,6 @@ class ShardFS(pyfuse3.Operations):
             if name == FILE_XATTRS[0]:
                 return self.shard_urls[ref.shard].encode("utf-8", "surrogateescape")
             return str(ref.offset if name == FILE_XATTRS[1] else ref.size).encode()
-        if name == STATS_XATTR and inode == pyfuse3.ROOT_INODE and self.stats_json is not None:
-            return self.stats_json()
         if kind == KIND_DIR and name.startswith(PAGE_PREFIX):
             page = name[len(PAGE_PREFIX):]
             pages = self._dir_pages(inode)
@@ -192,6 +216,8 @@ class ShardFS(pyfuse3.Operations):
 
     async def getxattr(self, inode, name, ctx):
         self._check(inode)
+        if name == STATS_XATTR and inode == pyfuse3.ROOT_INODE and self.stats_json is not None:
+            return await self.stats_json()
         value = self._xattr_value(inode, name)
         if value is None:
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)

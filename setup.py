@@ -1,0 +1,25 @@
+"""Build step for the one C file of shardfs: the pyfuse3/libfuse3 shim (docs/pyfuse3.md).
+
+Everything else is in pyproject.toml. The shim is optional: if it cannot be built, shardfs
+still works, answering OPEN as before (the slower open-based read path).
+"""
+
+import shlex
+import subprocess
+
+from setuptools import Extension, setup
+
+
+def fuse3_cflags() -> list[str]:
+    try:
+        out = subprocess.run(["pkg-config", "--cflags", "fuse3"], capture_output=True,
+                             text=True, check=True).stdout
+        return shlex.split(out)
+    except (OSError, subprocess.CalledProcessError):
+        return ["-I/usr/include/fuse3"]
+
+
+setup(ext_modules=[
+    Extension("shardfs.fuse._shim", ["shardfs/fuse/_shim.c"], extra_compile_args=fuse3_cflags(),
+              libraries=["dl"], optional=True),
+])

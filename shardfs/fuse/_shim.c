@@ -1,0 +1,131 @@
+/*
+ * shardfs's shim between pyfuse3 and libfuse3 (our code; see docs/pyfuse3.md).
+ *
+ * Loaded with RTLD_GLOBAL before pyfuse3 is imported, so that pyfuse3's references to the
+ * functions below bind here; each one forwards to the real libfuse3 function.
+ *
+ * 1. fuse_session_new: wraps the READ callback. When the filesystem answers OPEN with ENOSYS
+ *    the kernel stops sending OPEN/RELEASE and every READ arrives with fh == 0; pyfuse3 passes
+ *    only fi->fh to Operations.read, so the wrapper copies the inode into fi->fh first.
+ * 2. fuse_session_receive_buf: several processes may read one FUSE connection (cloned
+ *    /dev/fuse fds). A non-blocking fd then answers EAGAIN when another process took the
+ *    request first; pyfuse3 would raise, so EAGAIN is reported as EINTR, which pyfuse3 treats
+ *    as "nothing to do, wait again".
+ * 3. shardfs_shim_process_one: receives and processes one request synchronously (used to
+ *    answer INIT before worker processes are forked). Call it holding the GIL (ctypes.PyDLL):
+ *    pyfuse3's callbacks expect it.
+ *
+ * No libfuse3 link at build time: the real functions are looked up in the already loaded
+ * libfuse3 (pyfuse3 loaded it) on first use.
+ */
+#define FUSE_USE_VERSION 31
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#include <fuse_lowlevel.h>
+
+typedef struct fuse_session *(*session_new_fn)(struct fuse_args *, const struct fuse_lowlevel_ops *,
+                                               size_t, void *);
+typedef int (*receive_buf_fn)(struct fuse_session *, struct fuse_buf *);
+typedef void (*process_buf_fn)(struct fuse_session *, const struct fuse_buf *);
+typedef void (*read_fn)(fuse_req_t, fuse_ino_t, size_t, off_t, struct fuse_file_info *);
+
+static read_fn real_read;
+static void *patched_ops;          /* our copy of the caller's ops, READ replaced */
+static struct fuse_session *last_session;
+static int sessions_patched;
+
+static void *real(const char *name)
+{
+    static void *libfuse;
+    if (libfuse == NULL)
+        libfuse = dlopen("libfuse3.so.3", RTLD_NOW | RTLD_NOLOAD);
+    if (libfuse == NULL)
+        return NULL;
+    void *fn = dlvsym(libfuse, name, "FUSE_3.0");
+    return fn != NULL ? fn : dlsym(libfuse, name);
+}
+
+static void read_with_inode(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
+                            struct fuse_file_info *fi)
+{
+    if (fi != NULL && fi->fh == 0)
+        fi->fh = ino;
+    real_read(req, ino, size, off, fi);
+}
+
+struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_lowlevel_ops *op,
+                                      size_t op_size, void *userdata)
+{
+    session_new_fn next = (session_new_fn)real("fuse_session_new");
+    if (next == NULL)
+        return NULL;
+    size_t read_end = offsetof(struct fuse_lowlevel_ops, read) + sizeof(read_fn);
+    if (op == NULL || op_size < read_end || op->read == NULL)
+        return next(args, op, op_size, userdata);
+    void *copy = malloc(op_size);
+    if (copy == NULL)
+        return next(args, op, op_size, userdata);
+    memcpy(copy, op, op_size);
+    real_read = op->read;
+    ((struct fuse_lowlevel_ops *)copy)->read = read_with_inode;
+    struct fuse_session *se = next(args, copy, op_size, userdata);
+    if (se != NULL) {
+        free(patched_ops);   /* libfuse copied the ops into the session */
+        patched_ops = copy;
+        last_session = se;
+        sessions_patched++;
+    } else {
+        free(copy);
+    }
+    return se;
+}
+
+int fuse_session_receive_buf(struct fuse_session *se, struct fuse_buf *buf)
+{
+    static receive_buf_fn next;
+    if (next == NULL)
+        next = (receive_buf_fn)real("fuse_session_receive_buf");
+    if (next == NULL)
+        return -ENOSYS;
+    int res = next(se, buf);
+    return res == -EAGAIN ? -EINTR : res;
+}
+
+/* How many sessions were created through the wrapper: 0 means the shim is not in effect. */
+int shardfs_shim_sessions(void)
+{
+    return sessions_patched;
+}
+
+/* The /dev/fuse descriptor of the last session (-1 if none). */
+int shardfs_shim_session_fd(void)
+{
+    typedef int (*fd_fn)(struct fuse_session *);
+    fd_fn session_fd = (fd_fn)real("fuse_session_fd");
+    return last_session != NULL && session_fd != NULL ? session_fd(last_session) : -1;
+}
+
+/* Receive and process one request of the last session; returns receive_buf's result. */
+int shardfs_shim_process_one(void)
+{
+    if (last_session == NULL)
+        return -ENOTCONN;
+    receive_buf_fn receive = (receive_buf_fn)real("fuse_session_receive_buf");
+    process_buf_fn process = (process_buf_fn)real("fuse_session_process_buf");
+    if (receive == NULL || process == NULL)
+        return -ENOSYS;
+    struct fuse_buf buf;
+    memset(&buf, 0, sizeof(buf));
+    int res;
+    do {
+        res = receive(last_session, &buf);
+    } while (res == -EINTR);
+    if (res > 0)
+        process(last_session, &buf);
+    free(buf.mem);
+    return res;
+}
