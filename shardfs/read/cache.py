@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +85,7 @@ class ShardCache:
         self._lock_fd: int | None = None
         self.evictions = 0
         self.evicted_bytes = 0
+        self.on_evict: Callable[[str], None] | None = None  # told the key of each eviction
 
     # -- lifecycle -------------------------------------------------------------------------
     def open(self) -> None:
@@ -189,11 +191,18 @@ class ShardCache:
                 return True
         return False
 
+    def touch(self, key: str) -> None:
+        """Mark a complete shard most recently used (read by another process)."""
+        if key in self._complete:
+            self._complete.move_to_end(key)
+
     def _evict(self, shard: CachedShard) -> None:
         del self._complete[shard.key]
         if shard.fd is not None:
             os.close(shard.fd)
         (self.shards_dir / shard.key).unlink(missing_ok=True)
+        if self.on_evict is not None:
+            self.on_evict(shard.key)
         self.evictions += 1
         self.evicted_bytes += shard.size
         log.info("evicted shard %s (%d bytes) to stay within budget", shard.key, shard.size)

@@ -22,7 +22,6 @@ import hashlib
 import heapq
 import itertools
 import logging
-import os
 import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
@@ -33,10 +32,13 @@ from cachetools import LRUCache
 from shardfs.catalog.catalog import Catalog
 from shardfs.catalog.codecs import CodecError, decompressor
 from shardfs.read.cache import DISK_FULL, PartFile, ShardCache, pwrite_all
+from shardfs.read.diskread import DiskReads
+from shardfs.read.states import ShardStates
 from shardfs.sources import ShardChanged, SourceError, Sources
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
+MIN_PATIENCE = 0.02  # seconds; below this, waiting on a moving frontier is always right
 
 
 @dataclass(slots=True)
@@ -49,6 +51,11 @@ class ReadPolicy:
     # shards a locality-preserving sampler has already finished as still in use.
     working_set_reads: int | None = None
     member_block: int = 4 * MiB  # larger members are fetched in blocks of this size
+    # A read whose bytes an in-progress whole-shard fetch will not deliver within about two
+    # member-read round trips (judged by the fetch's measured rate) reads its member instead,
+    # while the fetch goes on — as long as such duplicate bytes stay under this fraction of
+    # the bytes of whole-shard fetches started (bytes fetched / read stays near 1).
+    early_member_fraction: float = 0.05
     member_cache: int = 64 * MiB  # RAM for recently fetched members/blocks
     prefetch: str = "touched"  # "touched": shards once read; "all": warm all if they fit
 
@@ -62,6 +69,8 @@ class ReaderStats:
     waits: int = 0  # reads that waited for a fetch's frontier
     member_fetches: int = 0
     member_bytes: int = 0
+    early_member_reads: int = 0  # member reads instead of waiting on a slow frontier
+    early_member_bytes: int = 0  # ...their bytes, which the whole-shard fetch brings again
     shard_fetches_started: int = 0
     shard_fetches_done: int = 0
     shard_bytes: int = 0
@@ -80,11 +89,15 @@ class Fetch:
         self.shard = shard
         self.part = part
         self.arrived = 0
+        self.began = time.monotonic()
+        self.first_byte: float | None = None  # monotonic time of the first chunk
         self.failed: BaseException | None = None
         self._waiters: list[tuple[int, int, trio.Event]] = []
         self._seq = itertools.count()
 
     def advance(self, n: int) -> None:
+        if self.first_byte is None:
+            self.first_byte = time.monotonic()
         self.arrived += n
         while self._waiters and self._waiters[0][0] <= self.arrived:
             heapq.heappop(self._waiters)[2].set()
@@ -94,6 +107,20 @@ class Fetch:
         for _, _, event in self._waiters:
             event.set()
         self._waiters.clear()
+
+    def eta(self, end: int) -> float | None:
+        """Seconds until the frontier passes `end` at the rate measured so far (None: no
+        rate yet)."""
+        if self.first_byte is None or self.arrived < 64 * 1024:
+            return None
+        elapsed = time.monotonic() - self.first_byte
+        if elapsed <= 0:
+            return None
+        return max(0, end - self.arrived) * elapsed / self.arrived
+
+    @property
+    def ttfb(self) -> float | None:
+        return None if self.first_byte is None else self.first_byte - self.began
 
     async def wait_for(self, end: int) -> None:
         if self.arrived < end and self.failed is None:
@@ -119,7 +146,7 @@ class _PendingBlock:
 
 class Reader:
     def __init__(self, catalog: Catalog, cache: ShardCache, sources: Sources,
-                 policy: ReadPolicy | None = None) -> None:
+                 policy: ReadPolicy | None = None, *, states: ShardStates | None = None) -> None:
         self.catalog = catalog
         self.cache = cache
         self.sources = sources
@@ -145,6 +172,17 @@ class Reader:
         files = catalog.tree.count_files()
         per_shard = files // max(1, len(catalog.shards))
         self.window = self.policy.working_set_reads or min(512, max(32, per_shard))
+        self.disk = DiskReads()
+        # What is on disk, for worker processes (see states.py); kept in step with the cache.
+        self.states = states or ShardStates(len(catalog.shards))
+        self._shards_of_key: dict[str, list[int]] = {}
+        for shard, key in enumerate(catalog.keys):
+            self._shards_of_key.setdefault(key, []).append(shard)
+            if cache.has(key):
+                self.states.complete(shard)
+        cache.on_evict = self._evicted
+        self._member_rtt: float | None = None  # seconds per member read, moving average
+        self._whole_bytes_started = 0  # bytes of all whole-shard fetches started
         self.started = time.monotonic()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -160,13 +198,47 @@ class Reader:
             task_status.started()
             await trio.sleep_forever()
 
+    def _evicted(self, key: str) -> None:
+        for shard in self._shards_of_key.get(key, ()):
+            self.states.gone(shard)
+
+    def note_reads(self, shards: list[int], nbytes: int, cache_hits: int,
+                   frontier_hits: int) -> None:
+        """Reads a worker process served from the cache files itself: they count in the
+        working set, the LRU order and the stats as if they had been read here."""
+        stats = self.stats
+        stats.reads += len(shards)
+        stats.bytes_served += nbytes
+        stats.cache_hits += cache_hits
+        stats.frontier_hits += frontier_hits
+        keys = self.catalog.keys
+        for shard in shards:
+            self._note_access(shard)
+            self.cache.touch(keys[shard])
+
     def _dataset_fits(self) -> bool:
         return self.dataset_bytes <= self.cache.budget
 
     # -- the read path ---------------------------------------------------------------------
     async def read(self, shard: int, member_off: int, member_size: int, off: int,
-                   size: int) -> bytes:
+                   size: int) -> bytes | bytearray:
         """Bytes [off, off+size) of a member (clipped to its end); ReadError -> EIO."""
+        data = await self._read(shard, member_off, member_size, off, size, True)
+        assert data is not None
+        return data
+
+    async def read_or_locate(self, shard: int, member_off: int, member_size: int, off: int,
+                             size: int) -> bytes | bytearray | None:
+        """For FUSE worker processes: as `read`, but None (instead of the bytes) once they are
+        on local disk in the shard's cache file — `states` says where — so the worker reads
+        them itself; bytes only when they came from a member read."""
+        return await self._read(shard, member_off, member_size, off, size, False)
+
+    async def _local(self, fd: int, size: int, start: int, want: bool) -> bytes | bytearray | None:
+        return await self.disk.pread(fd, size, start) if want else None
+
+    async def _read(self, shard: int, member_off: int, member_size: int, off: int, size: int,
+                    want: bool) -> bytes | bytearray | None:
         if off >= member_size or size <= 0:
             return b""
         size = min(size, member_size - off)
@@ -180,45 +252,76 @@ class Reader:
         cached = self.cache.get(key)
         if cached is not None:
             stats.cache_hits += 1
-            return os.pread(cached.fd, size, start)  # type: ignore[arg-type]
+            return await self._local(cached.fd, size, start, want)  # type: ignore[arg-type]
         if self.codecs[shard] is not None:
-            return await self._read_compressed(shard, key, start, end)
+            return await self._read_compressed(shard, key, start, end, want)
         fetch = self.fetches.get(shard) or self._maybe_start(shard)
         if fetch is not None and fetch.failed is None:
             if end <= fetch.arrived:
                 stats.frontier_hits += 1
-                return os.pread(fetch.part.fd, size, start)
+                return await self._local(fetch.part.fd, size, start, want)
             if start - fetch.arrived <= self.policy.wait_ahead:
-                data = await self._wait_and_read(fetch, key, start, end)
-                if data is not None:
-                    return data
+                member_bytes = min(member_size, self.policy.member_block)
+                if await self._wait(fetch, key, start, end, member_bytes):
+                    return await self._local(fetch.part.fd, size, start, want)
         return await self._read_blocks(shard, member_off, member_size, start, end)
 
-    async def _wait_and_read(self, fetch: Fetch, key: str, start: int, end: int) -> bytes | None:
-        """Wait for a fetch's frontier to pass `end`; None if the fetch died of a local cause."""
+    def _patience(self, fetch: Fetch) -> float:
+        """How long a read waits on a frontier before reading its member instead: about two
+        member-read round trips (measured; before any, the fetch's time to first byte)."""
+        rtt = self._member_rtt if self._member_rtt is not None else fetch.ttfb
+        return max(MIN_PATIENCE, 2 * (rtt if rtt is not None else 0.05))
+
+    def _early_allowed(self, nbytes: int) -> bool:
+        allowance = self.policy.early_member_fraction * self._whole_bytes_started
+        return self.stats.early_member_bytes + nbytes <= allowance
+
+    def _count_early(self, nbytes: int) -> None:
+        self.stats.early_member_reads += 1
+        self.stats.early_member_bytes += nbytes
+
+    async def _wait(self, fetch: Fetch, key: str, start: int, end: int,
+                    member_bytes: int | None) -> bool:
+        """Wait for a fetch's frontier to pass `end`: True when the bytes are in its part
+        file (read them before the next await). False: read the member instead — the fetch
+        died of a local cause, or (when `member_bytes`, what a member read would fetch, is
+        given) it would take longer than a member read."""
         self.stats.waits += 1
         self.cache.pin(key)  # the shard may complete meanwhile; it must not be evicted under us
         try:
+            if member_bytes is not None:
+                patience = self._patience(fetch)
+                eta = fetch.eta(end)
+                if eta is not None and eta > patience and self._early_allowed(member_bytes):
+                    self._count_early(member_bytes)
+                    return False
+                with trio.move_on_after(patience):
+                    await fetch.wait_for(end)
+                if fetch.arrived < end and fetch.failed is None:
+                    eta = fetch.eta(end)  # the rate is known better by now
+                    if (eta is None or eta > patience) and self._early_allowed(member_bytes):
+                        self._count_early(member_bytes)
+                        return False
             await fetch.wait_for(end)
-            if fetch.failed is not None:
-                # Our bytes arrived, but the fetch failed before this task ran again and its
-                # part file is closed (its fd number may already name another file).
-                return None
-            return os.pread(fetch.part.fd, end - start, start)
+            # Our bytes arrived; but if the fetch failed before this task ran again, its part
+            # file is closed (its fd number may already name another file).
+            return fetch.failed is None
         except FetchFailed as exc:
             if isinstance(exc.cause, SourceError):
                 self.stats.eio += 1
                 raise ReadError(str(exc.cause)) from None
-            return None  # e.g. the local disk filled up: fall back to member reads
+            return False  # e.g. the local disk filled up: fall back to member reads
         finally:
             self.cache.unpin(key)
 
-    async def _read_compressed(self, shard: int, key: str, start: int, end: int) -> bytes:
+    async def _read_compressed(self, shard: int, key: str, start: int, end: int,
+                               want: bool) -> bytes | bytearray | None:
         """A compressed shard has no member reads: wait for (or start) its whole fetch."""
         while True:
             cached = self.cache.get(key)
             if cached is not None:
-                return os.pread(cached.fd, end - start, start)  # type: ignore[arg-type]
+                fd: int = cached.fd  # type: ignore[assignment]
+                return await self._local(fd, end - start, start, want)
             fetch = self.fetches.get(shard)
             if fetch is None and len(self.fetches) < self.policy.max_fetches:
                 fetch = self._start(shard)
@@ -235,12 +338,11 @@ class Reader:
                 continue
             if fetch.failed is None and end <= fetch.arrived:
                 self.stats.frontier_hits += 1
-                return os.pread(fetch.part.fd, end - start, start)
-            data = await self._wait_and_read(fetch, key, start, end)
-            if data is None:
+                return await self._local(fetch.part.fd, end - start, start, want)
+            if not await self._wait(fetch, key, start, end, None):
                 self.stats.eio += 1
                 raise ReadError(f"{self.catalog.shards[shard].url}: {fetch.failed}")
-            return data
+            return await self._local(fetch.part.fd, end - start, start, want)
 
     def _note_access(self, shard: int) -> None:
         recent, count = self._recent, self._recent_count
@@ -281,6 +383,7 @@ class Reader:
             return None
         fetch = Fetch(shard, part)
         self.fetches[shard] = fetch
+        self._whole_bytes_started += self.sizes[shard]
         self._queue.pop(shard, None)
         self.stats.shard_fetches_started += 1
         assert self._nursery is not None, "Reader.run() must be started before reads"
@@ -339,6 +442,7 @@ class Reader:
             if digest is not None and digest.hexdigest() != expected:
                 raise ShardChanged(f"{info.url}: content differs from its index (sha256)")
             await self.cache.commit(fetch.part)
+            self.states.complete(shard)
             self.stats.shard_fetches_done += 1
             self.failed.discard(shard)
             took = time.monotonic() - began
@@ -350,22 +454,24 @@ class Reader:
             log.error("fetching shard %s failed: %s", info.url, exc)
             fetch.fail(exc)
             self.cache.abort(fetch.part, key)
+            self.states.gone(shard)
             if isinstance(exc, OSError) and exc.errno in DISK_FULL:
                 self.cache.disk_full()  # fit the budget to the disk; waiters read members
         except BaseException as exc:  # cancelled at shutdown: release waiters, drop the part
             fetch.fail(exc)
             self.cache.abort(fetch.part, key)
+            self.states.gone(shard)
             raise
         finally:
             del self.fetches[shard]
             self._forced.discard(shard)
             self._start_queued()
 
-    @staticmethod
-    def _append(fetch: Fetch, data: bytes) -> None:
+    def _append(self, fetch: Fetch, data: bytes) -> None:
         if fetch.arrived + len(data) > fetch.part.size:  # never write past the reservation
             raise ShardChanged(f"shard holds more than the {fetch.part.size} bytes indexed")
         pwrite_all(fetch.part.fd, data, fetch.arrived)  # all of it, or OSError: no holes
+        self.states.arrived(fetch.shard, fetch.arrived + len(data))  # written, then announced
         fetch.advance(len(data))
 
     def warm(self, shards: list[int]) -> dict[str, int | list[int]]:
@@ -447,6 +553,7 @@ class Reader:
     async def _fetch_range(self, shard: int, start: int, end: int) -> bytes:
         info = self.catalog.shards[shard]
         async with self._member_limiter:
+            began = time.monotonic()
             try:
                 chunks = [c async for c in self.sources.for_url(info.url).stream(info, start, end)]
             except SourceError as exc:
@@ -454,6 +561,8 @@ class Reader:
                 self.stats.eio += 1
                 log.error("reading %s [%d, %d) failed: %s", info.url, start, end, exc)
                 raise ReadError(str(exc)) from None
+        took = time.monotonic() - began
+        self._member_rtt = took if self._member_rtt is None else 0.8 * self._member_rtt + 0.2 * took
         self.stats.member_fetches += 1
         self.stats.member_bytes += end - start
         return b"".join(chunks)

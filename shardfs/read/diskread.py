@@ -1,0 +1,65 @@
+"""Reading cache files without stalling the loop that answers FUSE requests.
+
+A `pread` of bytes in the page cache takes microseconds; one that misses it waits for the disk,
+and on the one thread that serves every request that wait would hold up all of them. So each
+read first asks for the bytes with RWF_NOWAIT (the kernel answers EAGAIN instead of waiting),
+and only a read that would block goes to a worker thread, where many disk reads can be in
+flight at once.
+"""
+
+from __future__ import annotations
+
+import os
+
+import trio
+
+# Threads doing blocking disk reads at once: enough to keep an NVMe queue busy.
+DISK_THREADS = 32
+_nowait_supported = hasattr(os, "RWF_NOWAIT")
+
+
+def read_if_cached(fd: int, size: int, offset: int) -> bytes | bytearray | None:
+    """The bytes if the page cache holds all of them, else None (never blocks on the disk)."""
+    global _nowait_supported
+    if not _nowait_supported:
+        return None
+    buf = bytearray(size)
+    try:
+        n = os.preadv(fd, [buf], offset, os.RWF_NOWAIT)
+    except BlockingIOError:
+        return None
+    except OSError:  # EOPNOTSUPP on a filesystem without RWF_NOWAIT: threads from now on
+        _nowait_supported = False
+        return None
+    return buf if n == size else None  # partly cached (or short): a thread reads it whole
+
+
+def _pread_and_close(fd: int, size: int, offset: int) -> bytes:
+    try:
+        return os.pread(fd, size, offset)
+    finally:
+        os.close(fd)
+
+
+class DiskReads:
+    """Reads of cache files for one event loop, counted by how they were served."""
+
+    def __init__(self, threads: int = DISK_THREADS) -> None:
+        self._limiter = trio.CapacityLimiter(threads)
+        self.inline = 0  # served from the page cache without leaving the loop
+        self.threaded = 0  # went to a thread because they would have waited for the disk
+
+    async def pread(self, fd: int, size: int, offset: int) -> bytes | bytearray:
+        """`size` bytes at `offset` of `fd`: from the page cache inline, else in a thread.
+
+        The thread reads a duplicate of `fd`: the original may be closed meanwhile (the shard
+        evicted, a fetch aborted) and its number reused, while the duplicate still names the
+        same file, whose bytes at a given offset never change once written."""
+        data = read_if_cached(fd, size, offset)
+        if data is not None:
+            self.inline += 1
+            return data
+        dup = os.dup(fd)
+        self.threaded += 1
+        return await trio.to_thread.run_sync(_pread_and_close, dup, size, offset,
+                                             limiter=self._limiter)
