@@ -147,6 +147,7 @@ OPTIONS: dict[str, Option] = {o.key: o for o in (
     Option("max_member_fetches", _positive_int, 32, "a whole number >= 1"),
     Option("prefetch", _choice("touched", "all"), "touched", "touched or all"),
     Option("index_parallel", _positive_int, 8, "a whole number >= 1"),
+    Option("workers", _positive_int, None, "a whole number >= 1"),
     Option("warm_while_indexing", _bool, True, "true or false"),
     Option("allow_other", _bool, False, "true or false"),
     Option("uid", _id, None, "a numeric uid"),

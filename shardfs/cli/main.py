@@ -40,6 +40,11 @@ def default_cache_dir(mountpoint: str) -> Path:
     return Path(base) / "shardfs" / tag
 
 
+def default_workers() -> int:
+    """FUSE worker processes by default: one per core this process may use, at most 8."""
+    return max(1, min(8, len(os.sched_getaffinity(0))))
+
+
 def default_cache_size(cache_dir: Path) -> int:
     """80 % of the free space where the cache lives (counting what it holds), at most 50 GiB."""
     probe = cache_dir
@@ -61,7 +66,7 @@ def absolute_specs(specs: list[str]) -> list[str]:
 # Flags that map 1:1 onto config keys; their argparse default is None ("not given") so that
 # a config file or -o option is only overridden by flags the user really typed.
 _FLAG_KEYS = ("cache_dir", "cache_size", "timeout", "deadline", "max_fetches", "prefetch",
-              "index_parallel", "log_level", "log_file", "metrics_listen", "uid", "gid",
+              "index_parallel", "workers", "log_level", "log_file", "metrics_listen", "uid", "gid",
               "s3_endpoint", "s3_region", "s3_profile", "s3_addressing", "ais_endpoint")
 
 
@@ -87,6 +92,8 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch", choices=("touched", "all"),
                    help="fetch shards once read (touched, default) or warm all that fit (all)")
     p.add_argument("--index-parallel", help="shards indexed at once (default 8)")
+    p.add_argument("--workers", help="processes answering FUSE requests (default: the "
+                   "machine's cores, at most 8; 1: the daemon alone)")
     p.add_argument("--no-warm", action="store_true",
                    help="do not keep the bytes streamed for indexing in the cache")
     p.add_argument("--allow-other", action="store_true",
@@ -161,6 +168,7 @@ def _mount_config(args: argparse.Namespace):
         policy=ReadPolicy(max_fetches=s["max_fetches"],
                           max_member_fetches=s["max_member_fetches"], prefetch=s["prefetch"]),
         index_parallel=s["index_parallel"], warm_while_indexing=s["warm_while_indexing"],
+        workers=s["workers"] or default_workers(),
         allow_other=s["allow_other"],
         uid=os.getuid() if s["uid"] is None else s["uid"],
         gid=os.getgid() if s["gid"] is None else s["gid"],
@@ -168,11 +176,10 @@ def _mount_config(args: argparse.Namespace):
 
 
 def run_mount_foreground(args: argparse.Namespace) -> int:
-    import trio
 
     from shardfs.catalog.catalog import CatalogError
     from shardfs.cli.config import ConfigError
-    from shardfs.daemon.lifecycle import serve
+    from shardfs.daemon.lifecycle import run as run_daemon
     from shardfs.daemon.mountpoint import MountpointError, prepare_mountpoint
     from shardfs.daemon.notify import sd_notify
     from shardfs.read.cache import CacheError, ShardCache
@@ -183,6 +190,7 @@ def run_mount_foreground(args: argparse.Namespace) -> int:
     ready_fd = args.ready_fd
     try:
         cfg = _mount_config(args)
+        cfg.detached = ready_fd is not None
         _setup_logging(cfg.log_level)
         cfg.mountpoint = prepare_mountpoint(cfg.mountpoint)
         cache = ShardCache(cfg.cache_dir, cfg.cache_size)
@@ -195,7 +203,7 @@ def run_mount_foreground(args: argparse.Namespace) -> int:
         sd_notify("READY=1", f"STATUS={summary}")
         if ready_fd is not None:
             # Detach from the caller's terminal before telling it we are ready.
-            log_file = cfg.log_file or str(cfg.cache_dir / "shardfs.log")
+            log_file = cfg.log_path
             _setup_logging(cfg.log_level, log_file)
             fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             os.dup2(fd, 1)
@@ -206,7 +214,7 @@ def run_mount_foreground(args: argparse.Namespace) -> int:
 
     try:
         with first_error():
-            trio.run(serve, cfg, cache, on_ready)
+            run_daemon(cfg, cache, on_ready)
     except (CatalogError, SourceError) as exc:
         print(f"shardfs: error: {exc}", file=sys.stderr)
         return 1

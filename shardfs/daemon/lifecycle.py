@@ -13,16 +13,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyfuse3
 import trio
 
 from shardfs.catalog.catalog import Catalog, open_catalog
 from shardfs.catalog.resolve import resolve_sources
 from shardfs.daemon.control import control_address, serve_control
+from shardfs.daemon.mountpoint import is_mounted
 from shardfs.daemon.notify import sd_notify
+from shardfs.daemon.workers import WorkerPool, Zygote, worker_address
+from shardfs.fuse import session as fuse_session
+from shardfs.fuse import shim
 from shardfs.fuse.ops import ShardFS
+from shardfs.fuse.worker import WorkerSetup, run_worker
 from shardfs.read.cache import ShardCache
 from shardfs.read.reader import Reader, ReadPolicy
+from shardfs.read.states import ShardStates
 from shardfs.sources import Sources, SourceSettings
 from shardfs.util.progress import ProgressLine
 
@@ -47,6 +52,12 @@ class MountConfig:
     log_file: str | None = None
     metrics_listen: str | None = None
     max_tasks: int = 256  # concurrent FUSE requests in flight (readers waiting on fetches)
+    workers: int = 1  # FUSE worker processes; 1: the daemon serves requests itself
+    detached: bool = False  # daemonized: output goes to log_path once ready
+
+    @property
+    def log_path(self) -> str:
+        return self.log_file or str(self.cache_dir / "shardfs.log")
 
     @property
     def control_socket(self) -> str:
@@ -89,6 +100,8 @@ class Mounted:
     started: float = field(default_factory=time.monotonic)
     throughput: Throughput = field(default_factory=Throughput)
     latest: dict[str, Any] = field(default_factory=dict)  # read by the metrics thread
+    workers: WorkerPool | None = None
+    ops: ShardFS | None = None  # when the daemon answers FUSE requests itself
 
     def snapshot(self) -> dict[str, Any]:
         rs, catalog, cache = self.reader.stats, self.catalog, self.cache
@@ -96,6 +109,11 @@ class Mounted:
         return {
             "mountpoint": self.cfg.mountpoint,
             "pid": os.getpid(),
+            "workers": self.workers.pids if self.workers is not None else [],
+            "worker_restarts": self.workers.restarts if self.workers is not None else 0,
+            # OPEN requests: with the shim in effect only the first one (answered ENOSYS)
+            "opens": (self.ops.opens if self.ops is not None else 0)
+            + (self.workers.opens if self.workers is not None else 0),
             "uptime_s": round(time.monotonic() - self.started, 3),
             "sources": self.cfg.specs,
             "cache_dir": str(self.cfg.cache_dir),
@@ -120,8 +138,16 @@ class Mounted:
             "hit_ratio": round((rs.cache_hits + rs.frontier_hits) / rs.reads, 4)
             if rs.reads else None,
             "reader": asdict(rs),
+            # cache file reads: from the page cache on the loop, or in a thread (disk)
+            "disk_reads": {"inline": self.reader.disk.inline,
+                           "threaded": self.reader.disk.threaded},
             "source": asdict(self.sources.stats()),
         }
+
+    async def snapshot_json(self) -> bytes:
+        if self.workers is not None:
+            await self.workers.flush()  # count the reads workers served until now
+        return json.dumps(self.snapshot()).encode()
 
     def status_line(self) -> str:
         s = self.snapshot()
@@ -134,6 +160,8 @@ class Mounted:
         """Control socket requests: stats, warm, progress."""
         cmd = request.get("cmd")
         if cmd == "stats":
+            if self.workers is not None:
+                await self.workers.flush()
             return self.snapshot()
         if cmd == "warm":
             tree = self.catalog.tree
@@ -166,8 +194,41 @@ def _indexing_progress(line: ProgressLine) -> Callable[[str, int, int], None]:
     return update
 
 
-async def serve(cfg: MountConfig, cache: ShardCache,
-                on_ready: Callable[[str], None]) -> None:
+def run(cfg: MountConfig, cache: ShardCache, on_ready: Callable[[str], None]) -> None:
+    """Index, mount and serve until unmounted or signalled (the daemon's whole life).
+
+    Three phases: the catalog (a trio loop of its own: network, indexing), the mount (no loop:
+    with workers, INIT is answered and the worker zygote forked here, before any thread of
+    the serving loop exists), then serving (a second trio loop)."""
+    catalog = trio.run(_open_catalog, cfg, cache)
+    ops = ShardFS(catalog.tree, None, [s.url for s in catalog.shards], uid=cfg.uid,
+                  gid=cfg.gid)
+    ops.no_open = fuse_session.mount(ops, cfg.mountpoint, fuse_options(cfg))
+    states = ShardStates(len(catalog.shards))
+    zygote = None
+    try:
+        if cfg.workers > 1:
+            if ops.no_open:
+                fuse_session.answer_init()
+                setup = WorkerSetup(ops, states, cache.shards_dir, catalog.keys,
+                                    sum(catalog.data_sizes or [s.size for s in catalog.shards]),
+                                    worker_address(cfg.control_socket), cfg.max_tasks)
+                zygote = Zygote(lambda: run_worker(setup), keep_fds=(shim.session_fd(),),
+                                log_path=cfg.log_path if cfg.detached else None)
+                zygote.start()
+            else:
+                log.warning("--workers %d needs the pyfuse3 shim, which is not in effect: "
+                            "serving from this one process", cfg.workers)
+        trio.run(_serve, cfg, cache, catalog, ops, states, zygote, on_ready)
+    finally:
+        sd_notify("STOPPING=1")
+        fuse_session.close(unmount=True)
+        if zygote is not None:
+            zygote.stop()
+        log.info("unmounted %s", cfg.mountpoint)
+
+
+async def _open_catalog(cfg: MountConfig, cache: ShardCache) -> Catalog:
     sources = Sources(cfg.settings)
     try:
         urls = await resolve_sources(cfg.specs, sources)
@@ -177,25 +238,30 @@ async def serve(cfg: MountConfig, cache: ShardCache,
                                      parallel=cfg.index_parallel,
                                      warm=cfg.warm_while_indexing)
         progress.close()
-        report = catalog.tree.report
-        if report.shadowed:
-            log.warning("%d paths appear in more than one shard; the later shard wins",
-                        report.shadowed)
-        if report.conflicts:
-            log.warning("%d files are also used as directories by other members; "
-                        "shown as directories", report.conflicts)
-        mounted = Mounted(cfg, catalog, cache, Reader(catalog, cache, sources, cfg.policy),
-                          sources)
-        ops = ShardFS(catalog.tree, mounted.reader, [s.url for s in catalog.shards],
-                      uid=cfg.uid, gid=cfg.gid,
-                      stats_json=lambda: json.dumps(mounted.snapshot()).encode())
-        pyfuse3.init(ops, cfg.mountpoint, fuse_options(cfg))
-        try:
-            await _serve_mounted(mounted, on_ready)
-        finally:
-            sd_notify("STOPPING=1")
-            pyfuse3.close(unmount=True)
-            log.info("unmounted %s", cfg.mountpoint)
+    finally:
+        await sources.aclose()
+    report = catalog.tree.report
+    if report.shadowed:
+        log.warning("%d paths appear in more than one shard; the later shard wins",
+                    report.shadowed)
+    if report.conflicts:
+        log.warning("%d files are also used as directories by other members; "
+                    "shown as directories", report.conflicts)
+    return catalog
+
+
+async def _serve(cfg: MountConfig, cache: ShardCache, catalog: Catalog, ops: ShardFS,
+                 states: ShardStates, zygote: Zygote | None,
+                 on_ready: Callable[[str], None]) -> None:
+    sources = Sources(cfg.settings)
+    try:
+        reader = Reader(catalog, cache, sources, cfg.policy, states=states)
+        mounted = Mounted(cfg, catalog, cache, reader, sources)
+        if zygote is None:
+            ops.reader = reader
+            ops.stats_json = mounted.snapshot_json
+            mounted.ops = ops
+        await _serve_mounted(mounted, zygote, on_ready)
     finally:
         await sources.aclose()
 
@@ -224,19 +290,32 @@ def _watchdog_interval() -> float | None:
     return int(usec) / 2e6
 
 
-async def _serve_mounted(mounted: Mounted, on_ready: Callable[[str], None]) -> None:
+async def _serve_mounted(mounted: Mounted, zygote: Zygote | None,
+                         on_ready: Callable[[str], None]) -> None:
     cfg, catalog = mounted.cfg, mounted.catalog
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(mounted.reader.run)
-
-            async def fuse_main() -> None:
-                await pyfuse3.main(max_tasks=cfg.max_tasks)
-                log.info("the kernel ended the session (unmounted from outside)")
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(fuse_main)
             await nursery.start(serve_control, cfg.control_socket, mounted.handle)
+            if zygote is None:
+                async def fuse_main() -> None:
+                    await fuse_session.serve(cfg.max_tasks)
+                    log.info("the kernel ended the session (unmounted from outside)")
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(fuse_main)
+            else:
+                pool = WorkerPool(zygote, cfg.workers, mounted.reader,
+                                  worker_address(cfg.control_socket), mounted.snapshot_json,
+                                  lambda: is_mounted(cfg.mountpoint))
+                mounted.workers = pool
+
+                async def workers_main(*, task_status: trio.TaskStatus[None]
+                                       = trio.TASK_STATUS_IGNORED) -> None:
+                    await pool.run(task_status=task_status)  # started: every worker serves
+                    nursery.cancel_scope.cancel()  # returned: the mount went away
+
+                await nursery.start(workers_main)
             await _probe_ready(cfg.mountpoint)
             nursery.start_soon(_report_status, mounted)
             interval = _watchdog_interval()

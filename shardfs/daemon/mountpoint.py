@@ -51,3 +51,13 @@ def prepare_mountpoint(path: str) -> str:
         raise MountpointError(f"mountpoint {path} is busy: something is already mounted there "
                               f"(unmount it first: shardfs umount {path})")
     return path
+
+
+def is_mounted(path: str) -> bool:
+    """Whether `path` is a mountpoint in this process's mount namespace."""
+    target = os.path.abspath(path)
+    try:
+        with open("/proc/self/mounts") as f:
+            return any(line.split()[1] == target for line in f)
+    except OSError:
+        return False

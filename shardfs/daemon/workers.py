@@ -1,0 +1,258 @@
+"""FUSE worker processes, seen from the daemon: forking them, serving their requests, replacing
+the ones that die.
+
+Process layout with `--workers N` (N > 1):
+
+    daemon (supervisor)   owns the mount, network, cache budget, eviction, control socket;
+    │                     never reads FUSE requests itself
+    └── zygote            forked right after INIT, before the daemon starts any thread;
+        ├── worker 1      forks a worker whenever the daemon asks (at start, and to replace
+        ├── ...           one that died), so workers never come from a threaded process
+        └── worker N      each serves FUSE requests on its own clone of the connection
+
+Workers connect to the daemon's worker socket (abstract namespace, same user only) and send
+`read` calls for bytes not yet on disk plus batched notes of the reads they served themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from shardfs.daemon.control import _peer_allowed
+from shardfs.read.reader import Reader, ReadError
+from shardfs.util.rpc import Channel, ChannelClosed
+
+log = logging.getLogger(__name__)
+
+
+def worker_address(control_address: str) -> str:
+    """The workers' socket, beside the control socket (printable form without the '@')."""
+    return control_address.lstrip("@") + "/workers"
+
+
+class Zygote:
+    """A small forked process that forks FUSE workers on request."""
+
+    def __init__(self, run_worker: Callable[[], int], *, keep_fds: tuple[int, ...],
+                 log_path: str | None) -> None:
+        self._run_worker = run_worker
+        self._keep_fds = keep_fds  # all other descriptors are closed in the zygote
+        self._log_path = log_path  # where stdout/stderr go once the daemon has detached
+        self.pid = 0
+        self._cmd_w = -1
+        self._pid_r = -1
+
+    def start(self) -> None:
+        cmd_r, cmd_w = os.pipe()
+        pid_r, pid_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the zygote
+            try:
+                os.close(cmd_w)
+                os.close(pid_r)
+                self._serve(cmd_r, pid_w)
+            finally:
+                os._exit(0)
+        os.close(cmd_r)
+        os.close(pid_w)
+        self.pid, self._cmd_w, self._pid_r = pid, cmd_w, pid_r
+
+    def _detach_fds(self, cmd_r: int, pid_w: int) -> None:
+        """Keep only what workers need: not the readiness pipe (the `shardfs mount` parent
+        waits for its end of file), the cache lock, or the caller's terminal once detached."""
+        keep = {0, 1, 2, cmd_r, pid_w, *self._keep_fds}
+        for name in os.listdir("/proc/self/fd"):
+            fd = int(name)
+            if fd not in keep:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        if self._log_path is not None:
+            null = os.open(os.devnull, os.O_RDONLY)
+            log_fd = os.open(self._log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            os.dup2(null, 0)
+            os.dup2(log_fd, 1)
+            os.dup2(log_fd, 2)
+            os.close(null)
+            os.close(log_fd)
+
+    def _serve(self, cmd_r: int, pid_w: int) -> None:
+        self._detach_fds(cmd_r, pid_w)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped automatically
+        children: list[int] = []
+        while os.read(cmd_r, 1):  # one byte per worker wanted; end of file: stop
+            child = os.fork()
+            if child == 0:
+                os.close(cmd_r)
+                os.close(pid_w)
+                os._exit(self._run_worker())
+            children.append(child)
+            os.write(pid_w, struct.pack("i", child))
+        for child in children:  # the daemon is gone or done: so are its workers
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGTERM)
+
+    async def spawn(self) -> int:
+        """Fork one more worker; its pid."""
+        os.write(self._cmd_w, b"w")
+        data = await trio.to_thread.run_sync(os.read, self._pid_r, 4)
+        if len(data) != 4:
+            raise RuntimeError("the worker zygote exited")
+        return struct.unpack("i", data)[0]
+
+    def stop(self) -> None:
+        """Ask the zygote to stop its workers and exit; reap it."""
+        if self._cmd_w >= 0:
+            os.close(self._cmd_w)
+            os.close(self._pid_r)
+            self._cmd_w = self._pid_r = -1
+        if self.pid:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(self.pid, 0)
+            self.pid = 0
+
+
+class WorkerPool:
+    """The daemon's side of its workers: keeps `count` of them serving while mounted."""
+
+    def __init__(self, zygote: Zygote, count: int, reader: Reader, address: str,
+                 stats_json: Callable[[], Any], still_mounted: Callable[[], bool]) -> None:
+        self.zygote = zygote
+        self.count = count
+        self.reader = reader
+        self.address = address
+        self.stats_json = stats_json
+        self.still_mounted = still_mounted
+        self.serving: dict[int, Channel] = {}  # workers that said hello, in order
+        self._flush_seq = 0
+        self._flushed: dict[int, trio.Event] = {}  # pid -> set when its notes are in
+        self.restarts = 0
+        self.opens = 0  # OPEN requests the workers answered
+        self._all_serving = trio.Event()
+        self._unmounted = trio.Event()
+
+    @property
+    def pids(self) -> list[int]:
+        return list(self.serving)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Listen, start the workers, and return (via task_status) once all of them serve.
+        Keeps replacing workers that die; returns when the mount went away."""
+        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        await sock.bind("\0" + self.address)
+        sock.listen(64)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._accept, sock, nursery)
+            for _ in range(self.count):
+                await self.zygote.spawn()
+            await self._all_serving.wait()
+            task_status.started()
+            await self._unmounted.wait()
+            nursery.cancel_scope.cancel()
+
+    async def _accept(self, sock: trio.socket.SocketType, nursery: trio.Nursery) -> None:
+        while True:
+            conn, _ = await sock.accept()
+            if not _peer_allowed(conn):  # type: ignore[arg-type]
+                conn.close()
+                continue
+            nursery.start_soon(self._serve_worker, Channel(trio.SocketStream(conn)))
+
+    async def _serve_worker(self, channel: Channel) -> None:
+        pid = None
+        try:
+            async with trio.open_nursery() as calls:
+                try:
+                    while True:
+                        message = await channel.receive()
+                        if message[0] == "call":
+                            calls.start_soon(self._answer, channel, message[1], message[2:])
+                        elif message[1] == "reads":
+                            self._note_reads(*message[2:])
+                        elif message[1] == "flushed":
+                            if message[2] == self._flush_seq and pid in self._flushed:
+                                self._flushed[pid].set()
+                        elif message[1] == "hello":
+                            pid = message[2]
+                            self.serving[pid] = channel
+                            log.info("FUSE worker %d serving (%d of %d)", pid,
+                                     len(self.serving), self.count)
+                            if len(self.serving) >= self.count:
+                                self._all_serving.set()
+                except ChannelClosed:
+                    pass
+                calls.cancel_scope.cancel()  # nobody is left to answer
+        finally:
+            if pid is not None:
+                self.serving.pop(pid, None)
+                flushed = self._flushed.pop(pid, None)
+                if flushed is not None:
+                    flushed.set()
+            await channel.aclose()
+            await self._worker_gone(pid)
+
+    async def flush(self, timeout: float = 1.0) -> None:
+        """Have every worker send the notes of the reads it served so far (so that stats
+        count them); gives up on a worker after `timeout`."""
+        self._flush_seq += 1
+        self._flushed = {pid: trio.Event() for pid in self.serving}
+        for channel in list(self.serving.values()):
+            with contextlib.suppress(ChannelClosed):
+                await channel.send(("flush", self._flush_seq))
+        with trio.move_on_after(timeout):
+            for event in list(self._flushed.values()):
+                await event.wait()
+
+    def _note_reads(self, shards: list[int], nbytes: int, cache_hits: int, frontier_hits: int,
+                    inline: int, threaded: int, opens: int) -> None:
+        self.reader.note_reads(shards, nbytes, cache_hits, frontier_hits)
+        self.opens += opens
+        self.reader.disk.inline += inline
+        self.reader.disk.threaded += threaded
+
+    async def _answer(self, channel: Channel, rid: int, request: tuple) -> None:
+        answer: tuple
+        if request[0] == "read":
+            shard, member_off, member_size, off, size, want_bytes = request[1:]
+            try:
+                if want_bytes:
+                    data = await self.reader.read(shard, member_off, member_size, off, size)
+                else:
+                    data = await self.reader.read_or_locate(shard, member_off, member_size,
+                                                            off, size)
+                answer = ("disk",) if data is None else ("data", bytes(data))
+            except ReadError as exc:
+                answer = ("eio", str(exc))
+            except Exception as exc:  # never let one request take the daemon down
+                log.exception("answering a worker's read failed")
+                answer = ("eio", f"{type(exc).__name__}: {exc}")
+        elif request[0] == "stats":
+            answer = ("data", await self.stats_json())
+        else:
+            answer = ("eio", f"unknown request {request[0]!r}")
+        with contextlib.suppress(ChannelClosed):
+            await channel.send(("answer", rid, answer))
+
+    async def _worker_gone(self, pid: int | None) -> None:
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # a worker without its connection is no use
+        if not self.still_mounted():
+            log.info("the kernel ended the session (unmounted from outside)")
+            self._unmounted.set()
+            return
+        log.warning("FUSE worker %s exited; starting another", pid)
+        self.restarts += 1
+        with contextlib.suppress(RuntimeError):
+            await self.zygote.spawn()

@@ -1,0 +1,209 @@
+"""Node-scale reads: no OPEN round trip, cache-file reads off the loop, early member reads while
+a whole-shard fetch is slow, and several FUSE worker processes on one mount (real mounts, real
+processes, real signals)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from shardfs.devtools.nginx import Nginx
+from tests.conftest import Mounter
+from tests.faultproxy import Fault, FaultProxy
+from tests.reliability import RandomDataset, make_dataset, pid_alive, read_all
+
+
+@pytest.fixture(scope="module")
+def nodedata(tmp_path_factory: pytest.TempPathFactory) -> RandomDataset:
+    """~8 MB: 800 random files of ~10 KB in 8 class dirs, shards of ~640 KB."""
+    return make_dataset(tmp_path_factory.mktemp("nodedata"), files=800, mean_kb=10,
+                        shard_kb=640, seed=11)
+
+
+def file_sources(ds: RandomDataset) -> list[str]:
+    return [ds.pattern(f"file://{ds.shard_dir}")]
+
+
+def assert_all_right(ds: RandomDataset, mnt: Path, *, threads: int = 8) -> None:
+    result = read_all(mnt, ds.sha, threads=threads)
+    assert not result.wrong, result.wrong[:5]
+    assert not result.errors, list(result.errors.items())[:5]
+    assert result.files == len(ds.sha)
+
+
+def wait_until(cond, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def logs(m) -> str:
+    """What the daemon said: on the terminal until ready, then in its log file."""
+    return m.stderr + m.log()
+
+
+def drop_pages(path: Path) -> None:
+    """Evict one file's pages from the page cache (FUSE files included)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_rereads_never_reach_the_daemon(nodedata, mounter: Mounter, workers: str):
+    m = mounter.mount(file_sources(nodedata), None, None, "--no-warm", "--workers", workers)
+    assert "serving reads without OPEN requests" in logs(m)
+    assert_all_right(nodedata, m.mountpoint)
+    first = m.stats()["reader"]["reads"]
+    assert first >= len(nodedata.sha) - 1  # one READ per non-empty file at least
+    assert_all_right(nodedata, m.mountpoint)  # open/read/close again: page cache only
+    stats = m.stats()
+    assert stats["reader"]["reads"] == first
+    # OPEN is answered ENOSYS once; opens racing with that first answer may also arrive.
+    assert stats["opens"] <= 16, stats["opens"]
+
+
+def test_without_the_shim_files_are_opened_as_before(nodedata, mounter: Mounter, monkeypatch):
+    monkeypatch.setenv("SHARDFS_NO_SHIM", "1")  # the daemon inherits it
+    m = mounter.mount(file_sources(nodedata), None, None, "--no-warm", "--workers", "2")
+    log = logs(m)
+    assert "pyfuse3 shim not in effect (disabled by SHARDFS_NO_SHIM)" in log
+    assert "serving from this one process" in log
+    assert_all_right(nodedata, m.mountpoint)
+    stats = m.stats()
+    assert stats["workers"] == []
+    assert stats["reader"]["reads"] >= len(nodedata.sha) - 1
+    assert stats["opens"] >= len(nodedata.sha)  # the open-based path: every open is asked
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_cache_file_reads_that_would_block_go_to_threads(nodedata, mounter: Mounter,
+                                                         workers: str):
+    m = mounter.mount(file_sources(nodedata), None, None, "--no-warm", "--workers", workers)
+    assert_all_right(nodedata, m.mountpoint)
+    wait_until(lambda: m.stats()["shards_cached"] == len(nodedata.names), "every shard cached")
+    before = m.stats()["disk_reads"]
+    # Out of the page cache: the cache files (so reads must wait for the disk) and the files
+    # of the mount (so the kernel asks the daemon again).
+    for shard in (m.cache_dir / "shards").iterdir():
+        drop_pages(shard)
+    for rel in nodedata.sha:
+        drop_pages(m.mountpoint / rel)
+    assert_all_right(nodedata, m.mountpoint)
+    after = m.stats()["disk_reads"]
+    assert after["threaded"] > before["threaded"], (before, after)
+
+
+def test_reads_do_not_wait_for_a_stalled_whole_shard_fetch(nodedata, nginx: Nginx,
+                                                          mounter: Mounter):
+    """Whole-shard GETs stall after 32 KiB; reads of members further in are served by member
+    reads (up to the duplicate-bytes allowance) instead of waiting for the stall to end."""
+    nodedata.publish(nginx.root / "data")
+    with FaultProxy(nginx.port) as proxy:
+        m = mounter.mount([nodedata.pattern(f"{proxy.url}/data")], None, None, "--no-warm",
+                          "--workers", "1", "--timeout", "30", "--deadline", "60")
+        # Member reads (~10 KB, at most ~60 KB) never reach the 32 KiB mark... mostly; the
+        # shard GETs (~640 KB) all do.
+        proxy.set_fault(Fault(stall_s=6.0, stall_after=32 * 1024))
+        last = [nodedata.files_of_shard(i)[-1] for i in range(len(nodedata.names))]
+        results: dict[str, bytes | int] = {}
+
+        def read(rel: str) -> None:
+            try:
+                results[rel] = (m.mountpoint / rel).read_bytes()
+            except OSError as exc:
+                results[rel] = exc.errno or -1
+
+        threads = [threading.Thread(target=read, args=(rel,)) for rel in last]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        proxy.clear()
+        stats = m.stats()["reader"]
+        assert stats["early_member_reads"] >= 1, stats
+        # Never more duplicate bytes than the allowance (5 % of whole-shard bytes started).
+        started = stats["shard_fetches_started"] * max(s.size for s in nodedata.shards.shards)
+        assert stats["early_member_bytes"] <= 0.05 * started
+        for rel in last:
+            data = results[rel]
+            assert isinstance(data, bytes), (rel, data)
+            assert len(data) == nodedata.sizes[rel]
+
+
+# -- worker processes ------------------------------------------------------------------------
+def mount_pids(m) -> tuple[int, list[int]]:
+    stats = m.stats()
+    return stats["pid"], stats["workers"]
+
+
+def test_workers_serve_one_mount_and_stats_add_up(nodedata, mounter: Mounter):
+    m = mounter.mount(file_sources(nodedata), None, None, "--no-warm", "--workers", "3")
+    daemon, workers = mount_pids(m)
+    assert daemon == m.pid and len(workers) == 3
+    for pid in workers:
+        assert pid_alive(pid)
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert b"shardfs" in cmd
+    assert_all_right(nodedata, m.mountpoint, threads=12)
+    stats = m.stats()
+    assert stats["bytes_served"] == nodedata.nbytes
+    assert stats["reader"]["shard_fetches_started"] == len(nodedata.names)  # one per shard
+    assert stats["hit_ratio"] is not None
+    # The same numbers through the control socket (`shardfs stats --json`).
+    out = subprocess.run([sys.executable, "-m", "shardfs", "stats", "--json",
+                          str(m.mountpoint)], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["workers"] == workers
+
+
+def test_worker_killed_mid_read_loses_nothing(nodedata, mounter: Mounter):
+    m = mounter.mount(file_sources(nodedata), None, None, "--no-warm", "--workers", "2")
+    _, workers = mount_pids(m)
+    victim = workers[0]
+    killer = threading.Timer(0.15, os.kill, args=(victim, 9))
+    killer.start()
+    try:
+        assert_all_right(nodedata, m.mountpoint, threads=8)  # 0 wrong bytes, no read errors
+        # And again from the disk cache, with the page cache of the mount dropped.
+        for rel in nodedata.sha:
+            drop_pages(m.mountpoint / rel)
+        assert_all_right(nodedata, m.mountpoint, threads=8)
+    finally:
+        killer.join()
+    assert not pid_alive(victim)
+    wait_until(lambda: len(mount_pids(m)[1]) == 2, "a replacement worker", timeout=10)
+    stats = m.stats()
+    assert stats["worker_restarts"] >= 1
+    assert victim not in stats["workers"]
+
+
+def test_unmount_from_outside_ends_every_process(nodedata, mounter: Mounter):
+    m = mounter.mount(file_sources(nodedata), None, None, "--no-warm", "--workers", "2")
+    daemon, workers = mount_pids(m)
+    assert_all_right(nodedata, m.mountpoint)
+    subprocess.run(["fusermount3", "-u", str(m.mountpoint)], check=True)
+    for pid in [daemon, *workers]:
+        wait_until(lambda pid=pid: not pid_alive(pid), f"process {pid} to exit", timeout=10)
+    assert "unmounted from outside" in logs(m)
+
+
+def test_sigterm_to_the_daemon_unmounts_and_stops_workers(nodedata, mounter: Mounter):
+    m = mounter.mount(file_sources(nodedata), None, None, "--no-warm", "--workers", "2")
+    daemon, workers = mount_pids(m)
+    os.kill(daemon, 15)
+    for pid in [daemon, *workers]:
+        wait_until(lambda pid=pid: not pid_alive(pid), f"process {pid} to exit", timeout=10)
+    assert not os.path.ismount(m.mountpoint)
