@@ -1,4 +1,5 @@
-"""`python -m bench run [--quick] [...]` and `python -m bench report RECORD.json --docs PAGE`."""
+"""`python -m bench run [--quick] [...]`, `python -m bench node [...]` and
+`python -m bench report RECORD.json --docs PAGE`."""
 
 from __future__ import annotations
 
@@ -21,7 +22,14 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("record")
     report.add_argument("--docs", default="docs/benchmarks.md")
     report.add_argument("--png", default=None)
+    from bench.node import add_arguments as add_node_arguments
+    from bench.node import node_command
+
+    node = sub.add_parser("node", help="many reader processes against one mount vs ext4")
+    add_node_arguments(node)
     args = parser.parse_args(argv)
+    if args.command == "node":
+        return node_command(args, argv[1:])
     if args.command == "run":
         if args.argv is None:
             args.argv = "python -m bench " + " ".join(argv)

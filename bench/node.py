@@ -1,0 +1,320 @@
+"""The "node" scenario: many reader processes against one mount, as a GPU node's DataLoader
+workers are, against the same files on local ext4 in the same run.
+
+`python -m bench node [--files 20000] [--kb 24] [--shards 16] [--readers 1,4,8]
+[--workers 1] [--docs docs/benchmarks.md]`
+
+Each reader process opens, reads and closes every file of its share of one shuffled list.
+Phases per reader count P:
+- ext4 warm (page cache holds the files) and ext4 dropped (`drop_caches` first);
+- shardfs cold from `file://` (fresh cache dir: the daemon copies shards from the source while
+  serving), then page cache dropped (the shard cache on disk, `drop_caches` first), then warm
+  (a second pass over the page cache);
+- shardfs cold from HTTP (nginx on loopback, no latency, no bandwidth cap).
+Daemon CPU (utime+stime of every process of the mount) per file read is recorded with each
+shardfs phase. Run as root (mounts, drop_caches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.procs import CLK_TCK, unmount
+
+SHARDFS = [sys.executable, "-m", "shardfs"]
+MARK_BEGIN = "<!-- node scenario: begin -->"
+MARK_END = "<!-- node scenario: end -->"
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def make_files(root: Path, n: int, kb: float, seed: int = 0) -> list[str]:
+    """`n` files of about `kb` KiB in 100 class directories (random bytes: size matters here,
+    not content)."""
+    rng = random.Random(seed)
+    names = []
+    for i in range(n):
+        rel = f"c{i % 100:03d}/f{i:07d}.bin"
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        size = max(1, int(rng.gauss(kb * 1024, kb * 256)))
+        path.write_bytes(rng.randbytes(size))
+        names.append(rel)
+    return names
+
+
+def _reader(root: str, names: list[str], ready_w: int, go_r: int, out_w: int) -> None:
+    os.write(ready_w, b"r")
+    os.read(go_r, 1)
+    t0 = time.monotonic()
+    total = 0
+    for rel in names:
+        with open(os.path.join(root, rel), "rb", buffering=0) as f:
+            while chunk := f.read(1 << 20):
+                total += len(chunk)
+    os.write(out_w, json.dumps({"s": time.monotonic() - t0, "bytes": total}).encode())
+
+
+def read_all(root: Path, names: list[str], procs: int, seed: int) -> dict:
+    """Files/s with `procs` processes each reading its share of one shuffled list."""
+    order = names[:]
+    random.Random(seed).shuffle(order)
+    shares = [order[i::procs] for i in range(procs)]
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    outs, pids = [], []
+    for share in shares:
+        out_r, out_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _reader(str(root), share, ready_w, go_r, out_w)
+            finally:
+                os._exit(0)
+        os.close(out_w)
+        outs.append(out_r)
+        pids.append(pid)
+    for _ in pids:
+        os.read(ready_r, 1)
+    t0 = time.monotonic()
+    os.write(go_w, b"g" * procs)
+    results = []
+    for out_r in outs:
+        data = b""
+        while chunk := os.read(out_r, 4096):
+            data += chunk
+        os.close(out_r)
+        results.append(json.loads(data))
+    wall = time.monotonic() - t0
+    for pid in pids:
+        os.waitpid(pid, 0)
+    for fd in (ready_r, ready_w, go_r, go_w):
+        os.close(fd)
+    return {"files_per_s": round(len(names) / wall, 1), "wall_s": round(wall, 3),
+            "bytes": sum(r["bytes"] for r in results)}
+
+
+def _cpu_ticks(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError):
+            pass
+    return total
+
+
+def _mount_pids(pid: int) -> list[int]:
+    """The daemon and its worker processes."""
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
+                         text=True).stdout
+    return [pid, *(int(p) for p in out.split())]
+
+
+class Mount:
+    def __init__(self, sources: list[str], mountpoint: Path, cache_dir: Path,
+                 workers: int) -> None:
+        args = [*SHARDFS, "mount", *sources, str(mountpoint), "--cache-dir", str(cache_dir),
+                "--no-warm"]
+        if workers != 1:
+            args += ["--workers", str(workers)]
+        result = subprocess.run(args, capture_output=True, text=True, timeout=600)
+        match = re.search(r"daemon pid (\d+)", result.stdout)
+        if result.returncode != 0 or not match:
+            raise RuntimeError(f"mount failed: {result.stdout}{result.stderr}")
+        self.pid = int(match.group(1))
+        self.mountpoint = mountpoint
+
+    def cpu_ticks(self) -> int:
+        return _cpu_ticks(_mount_pids(self.pid))
+
+    def stats(self) -> dict:
+        return json.loads(os.getxattr(self.mountpoint, "user.shardfs.stats"))
+
+    def close(self) -> None:
+        unmount(self.mountpoint)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and Path(f"/proc/{self.pid}").exists():
+            time.sleep(0.05)
+
+
+def _measured(mount: Mount, names: list[str], procs: int, seed: int) -> dict:
+    before = mount.cpu_ticks()
+    rec = read_all(mount.mountpoint, names, procs, seed)
+    used = (mount.cpu_ticks() - before) / CLK_TCK
+    rec["daemon_cpu_us_per_file"] = round(1e6 * used / len(names), 1)
+    return rec
+
+
+def run(args: argparse.Namespace) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="shardfs-node-", dir=args.workdir))
+    record: dict = {"params": vars(args).copy(), "phases": []}
+    nginx = None
+    try:
+        src = work / "files"
+        names = make_files(src, args.files, args.kb)
+        from shardfs.pack import pack
+
+        shards = work / "shards"
+        per_shard = -(-args.files // args.shards)
+        result = pack(src, shards, prefix="node", samples_per_shard=per_shard)
+        pattern = result.pattern
+        shard_paths = sorted(str(p) for p in shards.glob("node-*.tar"))
+        file_sources = [f"file://{p}" for p in shard_paths]
+        from shardfs.devtools.nginx import Nginx
+
+        nginx = Nginx(shards, work / "nginx").start()
+        http_sources = [f"{nginx.url}/{Path(p).name}" for p in shard_paths]
+        record["dataset"] = {"files": len(names), "shards": len(shard_paths),
+                             "bytes": sum(os.path.getsize(p) for p in shard_paths),
+                             "pattern": pattern}
+        mnt = work / "mnt"
+        mnt.mkdir()
+
+        def phase(name: str, procs: int, rec: dict) -> None:
+            rec.update(phase=name, readers=procs, workers=args.workers)
+            record["phases"].append(rec)
+            print(f"  P={procs} {name}: {rec['files_per_s']:.0f} files/s"
+                  + (f", daemon {rec['daemon_cpu_us_per_file']} us/file"
+                     if "daemon_cpu_us_per_file" in rec else ""), flush=True)
+
+        for procs in args.readers:
+            seed = procs
+            read_all(src, names, procs, seed)  # warm the page cache
+            phase("ext4 warm", procs, read_all(src, names, procs, seed))
+            drop_caches()
+            phase("ext4 dropped", procs, read_all(src, names, procs, seed))
+
+            cache = work / f"cache-file-{procs}"
+            mount = Mount(file_sources, mnt, cache, args.workers)
+            try:
+                drop_caches()
+                phase("shardfs cold file://", procs, _measured(mount, names, procs, seed))
+                drop_caches()
+                phase("shardfs dropped", procs, _measured(mount, names, procs, seed))
+                _measured(mount, names, procs, seed)
+                phase("shardfs warm", procs, _measured(mount, names, procs, seed))
+                record.setdefault("stats", {})[f"P={procs}"] = mount.stats()
+            finally:
+                mount.close()
+            shutil.rmtree(cache, ignore_errors=True)
+
+            cache = work / f"cache-http-{procs}"
+            mount = Mount(http_sources, mnt, cache, args.workers)
+            try:
+                drop_caches()
+                phase("shardfs cold http", procs, _measured(mount, names, procs, seed))
+            finally:
+                mount.close()
+            shutil.rmtree(cache, ignore_errors=True)
+    finally:
+        if nginx is not None:
+            nginx.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    return record
+
+
+def ratios(record: dict) -> list[dict]:
+    """Per (readers, workers): shardfs phases against ext4 of the same run."""
+    rows = []
+    by = {(p["readers"], p["phase"]): p for p in record["phases"]}
+    for procs in sorted({p["readers"] for p in record["phases"]}):
+        def fps(name: str, procs: int = procs) -> float | None:
+            p = by.get((procs, name))
+            return p["files_per_s"] if p else None
+
+        def cpu(name: str, procs: int = procs) -> float | None:
+            p = by.get((procs, name))
+            return p.get("daemon_cpu_us_per_file") if p else None
+
+        rows.append({"readers": procs, "ext4_warm": fps("ext4 warm"),
+                     "ext4_dropped": fps("ext4 dropped"),
+                     "warm": fps("shardfs warm"), "dropped": fps("shardfs dropped"),
+                     "cold_file": fps("shardfs cold file://"),
+                     "cold_http": fps("shardfs cold http"),
+                     "cpu_warm": cpu("shardfs warm"), "cpu_dropped": cpu("shardfs dropped"),
+                     "cpu_cold": cpu("shardfs cold file://")})
+    return rows
+
+
+def render(record: dict, command: str) -> str:
+    ds = record["dataset"]
+    workers = record["params"]["workers"]
+    lines = [MARK_BEGIN, "", f"### Node scenario (workers={workers})", "",
+             f"`{command}` — {ds['files']} files in {ds['shards']} shards "
+             f"({ds['bytes'] / 1e6:.0f} MB), P reader processes each opening, reading and "
+             "closing its share of one shuffled list; files/s, ratio to ext4 in brackets "
+             "(warm vs ext4 warm; dropped and cold vs ext4 dropped); daemon CPU per file.", "",
+             "| P | ext4 warm | ext4 dropped | shardfs warm | shardfs dropped | cold file:// "
+             "| cold HTTP | daemon µs/file (warm / dropped / cold) |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def cell(v: float | None, ref: float | None) -> str:
+        if v is None:
+            return "–"
+        return f"{v:,.0f} ({v / ref:.2f}x)" if ref else f"{v:,.0f}"
+
+    for r in ratios(record):
+        lines.append(
+            f"| {r['readers']} | {r['ext4_warm']:,.0f} | {r['ext4_dropped']:,.0f} | "
+            f"{cell(r['warm'], r['ext4_warm'])} | {cell(r['dropped'], r['ext4_dropped'])} | "
+            f"{cell(r['cold_file'], r['ext4_dropped'])} | "
+            f"{cell(r['cold_http'], r['ext4_dropped'])} | "
+            f"{r['cpu_warm']} / {r['cpu_dropped']} / {r['cpu_cold']} |")
+    lines += ["", MARK_END]
+    return "\n".join(lines)
+
+
+def write_docs(page: Path, section: str) -> None:
+    text = page.read_text() if page.exists() else ""
+    if MARK_BEGIN in text and MARK_END in text:
+        head, rest = text.split(MARK_BEGIN, 1)
+        tail = rest.split(MARK_END, 1)[1]
+        text = head + section + tail
+    else:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    page.write_text(text)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--files", type=int, default=20000)
+    p.add_argument("--kb", type=float, default=24.0, help="mean file size in KiB")
+    p.add_argument("--shards", type=int, default=16)
+    p.add_argument("--readers", default="1,4,8", help="reader process counts, comma-separated")
+    p.add_argument("--workers", type=int, default=1, help="shardfs --workers")
+    p.add_argument("--workdir", default=None, help="where data, shards and caches go")
+    p.add_argument("--out", default="bench/out", help="where the JSON record goes")
+    p.add_argument("--docs", default=None, help="also update this page's node section")
+
+
+def node_command(args: argparse.Namespace, argv: list[str]) -> int:
+    args.readers = [int(x) for x in str(args.readers).split(",")]
+    if os.geteuid() != 0:
+        print("bench node: run as root (drop_caches, mounts)", file=sys.stderr)
+        return 2
+    record = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"node-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(record, indent=1))
+    command = "python -m bench node " + " ".join(argv)
+    section = render(record, command.strip())
+    print(section)
+    if args.docs:
+        write_docs(Path(args.docs), section)
+    print(f"record: {path}")
+    return 0
