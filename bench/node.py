@@ -228,6 +228,63 @@ def run(args: argparse.Namespace) -> dict:
     return record
 
 
+def make_meta(root: Path, n: int, classes: int = 1000) -> None:
+    """`n` empty `.jpg` files in `classes` class directories (an ImageNet-shaped namespace)."""
+    for i in range(n):
+        d = root / f"n{i % classes:05d}"
+        if i < classes:
+            d.mkdir(parents=True)
+        (d / f"f{i:07d}.jpg").touch()
+
+
+def _timed_walk(root: Path) -> dict:
+    t0 = time.monotonic()
+    files = sum(len(f) for _, _, f in os.walk(root))
+    walk = time.monotonic() - t0
+    drop_caches()
+    from torchvision.datasets import ImageFolder
+
+    t0 = time.monotonic()
+    ds = ImageFolder(str(root))
+    imagefolder = time.monotonic() - t0
+    return {"files": files, "walk_s": round(walk, 3), "imagefolder_s": round(imagefolder, 3),
+            "imagefolder_files": len(ds)}
+
+
+def run_meta(args: argparse.Namespace) -> dict:
+    """os.walk and ImageFolder(root) after drop_caches: ext4 vs a fresh shardfs mount, and
+    the time a remount takes."""
+    work = Path(tempfile.mkdtemp(prefix="shardfs-meta-", dir=args.workdir))
+    try:
+        src = work / "files"
+        make_meta(src, args.meta)
+        from shardfs.pack import pack
+
+        pack(src, work / "shards", prefix="meta", samples_per_shard=max(1, args.meta // 16))
+        sources = sorted(f"file://{p}" for p in (work / "shards").glob("meta-*.tar"))
+        mnt, cache = work / "mnt", work / "cache"
+        mnt.mkdir()
+        Mount(sources, mnt, cache, args.workers).close()  # index once
+        drop_caches()
+        rec = {"files": args.meta, "ext4": _timed_walk(src)}
+        t0 = time.monotonic()
+        mount = Mount(sources, mnt, cache, args.workers)
+        rec["remount_s"] = round(time.monotonic() - t0, 3)
+        try:
+            drop_caches()
+            rec["shardfs"] = _timed_walk(mnt)
+        finally:
+            mount.close()
+        rec["walk_ratio"] = round(rec["shardfs"]["walk_s"] / rec["ext4"]["walk_s"], 2)
+        rec["imagefolder_ratio"] = round(
+            rec["shardfs"]["imagefolder_s"] / rec["ext4"]["imagefolder_s"], 2)
+        print(f"  meta {args.meta} files: os.walk {rec['walk_ratio']}x ext4, ImageFolder "
+              f"{rec['imagefolder_ratio']}x ext4, remount {rec['remount_s']} s", flush=True)
+        return rec
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def ratios(record: dict) -> list[dict]:
     """Per (readers, workers): shardfs phases against ext4 of the same run."""
     rows = []
@@ -252,7 +309,7 @@ def ratios(record: dict) -> list[dict]:
 
 
 def render(record: dict, command: str) -> str:
-    ds = record["dataset"]
+    ds = record["dataset"] or {"files": 0, "shards": 0, "bytes": 0}
     workers = record["params"]["workers"]
     lines = [MARK_BEGIN, "", f"### Node scenario (workers={workers})", "",
              f"`{command}` — {ds['files']} files in {ds['shards']} shards "
@@ -275,6 +332,15 @@ def render(record: dict, command: str) -> str:
             f"{cell(r['cold_file'], r['ext4_dropped'])} | "
             f"{cell(r['cold_http'], r['ext4_dropped'])} | "
             f"{r['cpu_warm']} / {r['cpu_dropped']} / {r['cpu_cold']} |")
+    meta = record.get("meta")
+    if meta:
+        e, s = meta["ext4"], meta["shardfs"]
+        lines += ["", f"Metadata after `drop_caches`, {meta['files']:,} files in 1,000 "
+                  f"directories: `os.walk` {s['walk_s']} s vs ext4 {e['walk_s']} s "
+                  f"({meta['walk_ratio']}x); `ImageFolder(root)` {s['imagefolder_s']} s vs "
+                  f"{e['imagefolder_s']} s ({meta['imagefolder_ratio']}x); remount with "
+                  f"the index cached {meta['remount_s']} s (the `shardfs mount` command, "
+                  "start to ready)."]
     lines += ["", MARK_END]
     return "\n".join(lines)
 
@@ -296,6 +362,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shards", type=int, default=16)
     p.add_argument("--readers", default="1,4,8", help="reader process counts, comma-separated")
     p.add_argument("--workers", type=int, default=1, help="shardfs --workers")
+    p.add_argument("--meta", type=int, default=0,
+                   help="also time os.walk/ImageFolder over this many empty files (0: skip)")
+    p.add_argument("--skip-reads", action="store_true", help="only the metadata part")
     p.add_argument("--workdir", default=None, help="where data, shards and caches go")
     p.add_argument("--out", default="bench/out", help="where the JSON record goes")
     p.add_argument("--docs", default=None, help="also update this page's node section")
@@ -306,7 +375,10 @@ def node_command(args: argparse.Namespace, argv: list[str]) -> int:
     if os.geteuid() != 0:
         print("bench node: run as root (drop_caches, mounts)", file=sys.stderr)
         return 2
-    record = run(args)
+    record = {"params": vars(args).copy(), "phases": [], "dataset": {}} if args.skip_reads \
+        else run(args)
+    if args.meta:
+        record["meta"] = run_meta(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"node-{time.strftime('%Y%m%d-%H%M%S')}.json"

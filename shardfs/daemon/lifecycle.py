@@ -110,6 +110,7 @@ class Mounted:
             "mountpoint": self.cfg.mountpoint,
             "pid": os.getpid(),
             "workers": self.workers.pids if self.workers is not None else [],
+            "worker_count": len(self.workers.pids) if self.workers is not None else 0,
             "worker_restarts": self.workers.restarts if self.workers is not None else 0,
             # OPEN requests: with the shim in effect only the first one (answered ENOSYS)
             "opens": (self.ops.opens if self.ops is not None else 0)

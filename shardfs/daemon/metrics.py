@@ -27,6 +27,15 @@ _METRICS = (
     ("shardfs_eio", ("reader", "eio"), "counter", "Reads that failed with EIO"),
     ("shardfs_source_requests", ("source", "requests"), "counter", "Requests to sources"),
     ("shardfs_source_retries", ("source", "retries"), "counter", "Retried requests"),
+    ("shardfs_workers", ("worker_count",), "gauge", "FUSE worker processes serving"),
+    ("shardfs_worker_restarts", ("worker_restarts",), "counter", "Workers replaced"),
+    ("shardfs_opens", ("opens",), "counter", "OPEN requests (one, with the shim)"),
+    ("shardfs_disk_reads_inline", ("disk_reads", "inline"), "counter",
+     "Cache-file reads served from the page cache without a thread"),
+    ("shardfs_disk_reads_threaded", ("disk_reads", "threaded"), "counter",
+     "Cache-file reads that went to a thread (would have waited for the disk)"),
+    ("shardfs_early_member_reads", ("reader", "early_member_reads"), "counter",
+     "Member reads instead of waiting on a slow whole-shard fetch"),
 )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -35,6 +36,7 @@ TIMEOUT = 365 * 24 * 3600.0
 XATTR_PREFIX = b"user.shardfs."
 FILE_XATTRS = (b"user.shardfs.shard", b"user.shardfs.offset", b"user.shardfs.size")
 STATS_XATTR = b"user.shardfs.stats"  # on the root: JSON counters, read by `shardfs stats`
+_S_IFREG_RO = stat.S_IFREG | 0o444  # read-only mount: files are readable, never writable
 
 
 class MemberReader(Protocol):
@@ -68,21 +70,27 @@ class ShardFS(pyfuse3.Operations):
 
     # -- metadata --------------------------------------------------------------------------
     def _attr(self, ino: int) -> pyfuse3.EntryAttributes:
+        # On the path of every LOOKUP and of every entry of READDIRPLUS: kept lean (plain
+        # array reads, no helper calls for the common case of a file).
         tree = self.tree
+        i = ino - 1
         attr = pyfuse3.EntryAttributes()
         attr.st_ino = ino
-        attr.generation = 0
         attr.entry_timeout = TIMEOUT
         attr.attr_timeout = TIMEOUT
-        attr.st_mode = tree.st_mode(ino)
+        if tree.kind[i] == KIND_FILE:
+            attr.st_mode = _S_IFREG_RO | (tree.mode[i] & 0o111)
+            size = tree.size[i]
+            attr.st_size = size
+            attr.st_blocks = (size + 511) >> 9
+        else:
+            attr.st_mode = tree.st_mode(ino)
+            attr.st_size = tree.st_size(ino)
         attr.st_nlink = 1
         attr.st_uid = self.uid
         attr.st_gid = self.gid
-        size = tree.st_size(ino)
-        attr.st_size = size
         attr.st_blksize = 1 << 17
-        attr.st_blocks = (size + 511) // 512
-        mtime_ns = tree.mtime[ino - 1] * 1_000_000_000
+        mtime_ns = tree.mtime[i] * 1_000_000_000
         attr.st_mtime_ns = mtime_ns
         attr.st_ctime_ns = mtime_ns
         attr.st_atime_ns = mtime_ns
@@ -124,10 +132,15 @@ class ShardFS(pyfuse3.Operations):
         return inode
 
     async def readdir(self, fh, start_id, token):
-        # Positions in the (immutable) child list are the stable readdir offsets.
+        # Positions in the (immutable) child list are the stable readdir offsets. A page of
+        # the reply holds a few dozen entries: walk the child array lazily from `start_id`.
         tree = self.tree
-        for pos, child in enumerate(tree.list_dir(fh, start_id), start=start_id):
-            if not pyfuse3.readdir_reply(token, tree.name(child), self._attr(child), pos + 1):
+        p = fh - 1
+        first, count, children = tree.child_start[p], tree.child_count[p], tree.children
+        reply, name, attr = pyfuse3.readdir_reply, tree.name, self._attr
+        for pos in range(start_id, count):
+            child = children[first + pos] + 1
+            if not reply(token, name(child), attr(child), pos + 1):
                 return
 
     async def releasedir(self, fh):
