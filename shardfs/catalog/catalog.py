@@ -38,6 +38,7 @@ from shardfs.catalog.tree import TREE_FORMAT, Tree
 from shardfs.read.cache import DISK_FULL, PartFile, ShardCache, pwrite_all, shard_key
 from shardfs.sources import ShardInfo, Source, SourceError, Sources
 from shardfs.util.aioutil import first_error
+from shardfs.util.sizes import format_size
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ class Catalog:
     codecs: list[str | None] = field(default_factory=list)  # compression of each shard
     skipped: dict[str, int] = field(default_factory=dict)  # members not exposed, by reason
     data_sizes: list[int] = field(default_factory=list)  # plain tar bytes (what is cached)
+    # Shards with no member reads: every read waits for the whole-shard fetch (compressed
+    # shards, and shards on servers that ignore Range requests).
+    whole_only: list[bool] = field(default_factory=list)
     indexed_bytes: int = 0  # bytes streamed to build indexes in this run
     warmed: int = 0  # shards cached while indexing
 
@@ -402,6 +406,33 @@ def _read_header(path: Path) -> dict:
     return header if isinstance(header, dict) else {}
 
 
+def check_budget(infos: list[ShardInfo], sizes: list[int], whole_only: list[bool],
+                 budget: int) -> None:
+    """Say once, with numbers, what the cache budget means for these shards."""
+    no_range = [info for info in infos if info.whole_only]
+    if no_range:
+        hosts = sorted({urlsplit(info.url).netloc for info in no_range})
+        log.warning("%d shards on %s: the server ignores Range requests, so they are read in "
+                    "whole-shard-only mode: a read waits for its shard's sequential download "
+                    "(no member reads), and the cache must hold the shards in use",
+                    len(no_range), ", ".join(hosts))
+    largest = max(sizes, default=0)
+    if largest <= budget:
+        return
+    name = infos[sizes.index(largest)].url
+    whole = [size for size, only in zip(sizes, whole_only, strict=True) if only and size > budget]
+    if whole:
+        log.warning("--cache-size %s is smaller than %d shards that can only be read whole "
+                    "(largest %s: %s): reads of them fail with EIO; give the cache at least "
+                    "the size of the shards in use", format_size(budget), len(whole),
+                    format_size(largest), name)
+    else:
+        log.warning("--cache-size %s is smaller than the largest shard (%s: %s): shards that "
+                    "do not fit are never cached whole, and every read of them becomes a "
+                    "separate request for that file; give the cache room for a few shards",
+                    format_size(budget), format_size(largest), name)
+
+
 async def open_catalog(urls: list[str], sources: Sources, cache: ShardCache, *,
                        progress: Progress | None = None, parallel: int = 8,
                        warm: bool = True) -> Catalog:
@@ -429,12 +460,14 @@ async def open_catalog(urls: list[str], sources: Sources, cache: ShardCache, *,
     if missing:  # the tree is cached but an index it came from is gone: rebuild next time
         tree_path.unlink(missing_ok=True)
         raise CatalogError(f"index of compressed shard {missing[0]} is missing; mount again")
+    whole_only = [c is not None or info.whole_only for c, info in zip(codecs, infos, strict=True)]
+    check_budget(infos, sizes, whole_only, cache.budget)
     skipped: dict[str, int] = {}
     for h in headers:
         for reason, count in (h.get("skipped") or {}).items():
             skipped[reason] = skipped.get(reason, 0) + int(count)
     return Catalog(shards=infos, keys=keys, sha256=[h.get("sha256") for h in headers],
                    skipped=skipped,
-                   tree=tree, codecs=codecs, data_sizes=sizes,
+                   tree=tree, codecs=codecs, data_sizes=sizes, whole_only=whole_only,
                    indexed_bytes=indexer.streamed if indexer else 0,
                    warmed=indexer.warmed if indexer else 0)

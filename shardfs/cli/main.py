@@ -7,31 +7,17 @@ import hashlib
 import logging
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 from shardfs import __version__
+from shardfs.cli.daemonize import READY_PREFIX
 
 log = logging.getLogger("shardfs")
-READY_PREFIX = "READY "
 
 
 class UsageError(Exception):
     """Bad input from the user: printed as `shardfs: error: ...`, exit status 1."""
-
-
-def _setup_logging(level: str, log_file: str | None = None) -> None:
-    handler: logging.Handler
-    handler = logging.FileHandler(log_file) if log_file else logging.StreamHandler(sys.stderr)
-    # journald adds its own timestamps; a terminal or file wants them.
-    under_journal = "JOURNAL_STREAM" in os.environ and not log_file
-    fmt = "%(levelname)s %(name)s: %(message)s" if under_journal else \
-        "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    handler.setFormatter(logging.Formatter(fmt))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
 
 
 def default_cache_dir(mountpoint: str) -> Path:
@@ -60,7 +46,8 @@ def absolute_specs(specs: list[str]) -> list[str]:
 # -- mount ---------------------------------------------------------------------------------
 # Flags that map 1:1 onto config keys; their argparse default is None ("not given") so that
 # a config file or -o option is only overridden by flags the user really typed.
-_FLAG_KEYS = ("cache_dir", "cache_size", "timeout", "deadline", "max_fetches", "prefetch",
+_FLAG_KEYS = ("cache_dir", "cache_size", "timeout", "deadline", "max_fetches",
+              "max_member_fetches", "prefetch",
               "index_parallel", "log_level", "log_file", "metrics_listen", "uid", "gid",
               "s3_endpoint", "s3_region", "s3_profile", "s3_addressing", "ais_endpoint")
 
@@ -84,11 +71,16 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deadline",
                    help="seconds without progress before a read fails with EIO (default 60)")
     p.add_argument("--max-fetches", help="whole-shard downloads at once (default 8)")
+    p.add_argument("--max-member-fetches", help="single-member (or block) requests at once, "
+                   "for reads that do not wait for a whole shard (default 32)")
     p.add_argument("--prefetch", choices=("touched", "all"),
                    help="fetch shards once read (touched, default) or warm all that fit (all)")
     p.add_argument("--index-parallel", help="shards indexed at once (default 8)")
     p.add_argument("--no-warm", action="store_true",
                    help="do not keep the bytes streamed for indexing in the cache")
+    p.add_argument("--nonempty", action="store_true",
+                   help="mount over a directory that has files in it (hiding them while "
+                   "mounted); refused otherwise")
     p.add_argument("--allow-other", action="store_true",
                    help="let other users access the mount (needs user_allow_other)")
     p.add_argument("--uid", help="owner shown for all files (default: the daemon's uid)")
@@ -108,6 +100,14 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
 
 
+def _looks_like_source(text: str) -> bool:
+    """A URL, a brace pattern or an existing file: what a lone argument names when the user
+    forgot the MOUNTPOINT (a mountpoint is a directory)."""
+    if "://" in text or "{" in text or os.path.isfile(text):
+        return True
+    return os.path.isdir(text) and any(Path(text).glob("*.tar*"))
+
+
 def mount_settings(args: argparse.Namespace) -> dict:
     """Merge defaults, --config / -o config=, -o options and flags (in that order)."""
     from shardfs.cli.config import load_file, merge, parse_mount_options, validate
@@ -124,6 +124,8 @@ def mount_settings(args: argparse.Namespace) -> dict:
         flags["warm_while_indexing"] = False
     if args.allow_other:
         flags["allow_other"] = True
+    if args.nonempty:
+        flags["nonempty"] = True
     positional = list(args.positional)
     if len(positional) >= 2:
         flags["sources"], flags["mountpoint"] = positional[:-1], positional[-1]
@@ -134,19 +136,21 @@ def mount_settings(args: argparse.Namespace) -> dict:
     if not settings["mountpoint"]:
         raise UsageError("no MOUNTPOINT given (on the command line or as 'mountpoint' in the "
                          "config file)")
+    if not settings["sources"] and len(positional) == 1 and _looks_like_source(positional[0]):
+        raise UsageError(f"no MOUNTPOINT given: {positional[0]!r} is taken as a SOURCE; "
+                         "usage: shardfs mount SOURCE... MOUNTPOINT")
     if not settings["sources"]:
         raise UsageError("no SOURCE given (on the command line or as 'sources' in the config "
                          "file)")
     return settings
 
 
-def _mount_config(args: argparse.Namespace):
+def _mount_config(s: dict):
     from shardfs.cli.config import resolve_credentials
     from shardfs.daemon.lifecycle import MountConfig
     from shardfs.read.reader import ReadPolicy
     from shardfs.sources import SourceSettings
 
-    s = mount_settings(args)
     mountpoint = s["mountpoint"]
     cache_dir = Path(s["cache_dir"]) if s["cache_dir"] else default_cache_dir(mountpoint)
     cache_size = s["cache_size"] or default_cache_size(cache_dir)
@@ -172,93 +176,102 @@ def run_mount_foreground(args: argparse.Namespace) -> int:
 
     from shardfs.catalog.catalog import CatalogError
     from shardfs.cli.config import ConfigError
-    from shardfs.daemon.lifecycle import serve
+    from shardfs.cli.foreground import (
+        Interrupted,
+        check_cache_budget,
+        remove_if_unused,
+        serve_until_signalled,
+    )
+    from shardfs.cli.logsetup import MountLog
     from shardfs.daemon.mountpoint import MountpointError, prepare_mountpoint
     from shardfs.daemon.notify import sd_notify
     from shardfs.read.cache import CacheError, ShardCache
     from shardfs.sources import SourceError
     from shardfs.util.aioutil import first_error
 
-    _setup_logging(args.log_level or "info")
-    ready_fd = args.ready_fd
+    daemonized = args.ready_fd is not None
+    mount_log = MountLog(args.log_level or "info")
+    created_cache_dir: Path | None = None
     try:
-        cfg = _mount_config(args)
-        _setup_logging(cfg.log_level)
-        cfg.mountpoint = prepare_mountpoint(cfg.mountpoint)
+        settings = mount_settings(args)
+        cfg = _mount_config(settings)
+        mount_log.set_level(cfg.log_level)
+        cfg.mountpoint = prepare_mountpoint(cfg.mountpoint, nonempty=settings["nonempty"])
+        if not cfg.cache_dir.exists():
+            created_cache_dir = cfg.cache_dir
         cache = ShardCache(cfg.cache_dir, cfg.cache_size)
         cache.open()
     except (UsageError, ConfigError, MountpointError, CacheError) as exc:
         print(f"shardfs: error: {exc}", file=sys.stderr)
+        if created_cache_dir is not None:
+            remove_if_unused(created_cache_dir)
         return 1
+    log_file = cfg.log_file or str(cfg.cache_dir / "shardfs.log")
+    if daemonized:
+        # Mount-time lines go to the waiting terminal and to the log the daemon keeps.
+        mount_log.add_file(log_file)
+    check_cache_budget(cfg.cache_dir, cfg.cache_size)
 
     def on_ready(summary: str) -> None:
         sd_notify("READY=1", f"STATUS={summary}")
-        if ready_fd is not None:
+        if daemonized:
             # Detach from the caller's terminal before telling it we are ready.
-            log_file = cfg.log_file or str(cfg.cache_dir / "shardfs.log")
-            _setup_logging(cfg.log_level, log_file)
+            mount_log.detach_terminal()
             fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
             os.close(fd)
-            os.write(ready_fd, (READY_PREFIX + summary + "\n").encode())
-            os.close(ready_fd)
+            os.write(args.ready_fd, (READY_PREFIX + summary + "\n").encode())
+            os.close(args.ready_fd)
 
+    code = 1
     try:
         with first_error():
-            trio.run(serve, cfg, cache, on_ready)
+            trio.run(serve_until_signalled, cfg, cache, on_ready)
+        code = 0
     except (CatalogError, SourceError) as exc:
         print(f"shardfs: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("shardfs: interrupted", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, Interrupted) as exc:
+        log.info("stopped by %s before the mount was ready", exc)
+        if not daemonized:  # a daemon's waiting parent says it, once
+            print("shardfs: interrupted", file=sys.stderr)
+        code = 130
     except RuntimeError as exc:  # pyfuse3.init failures (e.g. /dev/fuse missing)
         print(f"shardfs: error: cannot mount {cfg.mountpoint}: {exc}", file=sys.stderr)
-        return 1
     except OSError as exc:  # local trouble (disk, permissions): a message, not a traceback
         print(f"shardfs: error: {exc}", file=sys.stderr)
-        return 1
     finally:
         cache.close()
-    return 0
+        if code != 0 and created_cache_dir is not None:
+            mount_log.close_file()
+            remove_if_unused(created_cache_dir)
+    return code
 
 
 def run_mount_daemon(argv: list[str]) -> int:
     """Start the daemon as a detached child; return once the mount is ready (or failed)."""
-    read_fd, write_fd = os.pipe()
-    cmd = [sys.executable, "-m", "shardfs", *argv, "--foreground", "--ready-fd", str(write_fd)]
-    child = subprocess.Popen(cmd, pass_fds=(write_fd,), stdin=subprocess.DEVNULL,
-                             start_new_session=True)
-    os.close(write_fd)
-    with os.fdopen(read_fd, "rb") as ready:
-        message = ready.read().decode(errors="replace")
-    if message.startswith(READY_PREFIX):
-        print(f"shardfs: {message[len(READY_PREFIX):].strip()} (daemon pid {child.pid})")
-        return 0
-    code = child.wait()
-    return code or 1
+    from shardfs.cli.daemonize import run_daemon
+
+    return run_daemon(argv)
 
 
 # -- other commands ------------------------------------------------------------------------
 def run_umount(args: argparse.Namespace) -> int:
-    from shardfs.daemon.mountpoint import MountpointError, unmount
+    from shardfs.daemon.mountpoint import MountpointError, unmount_shardfs
 
     try:
-        result = unmount(os.path.abspath(args.mountpoint), lazy=args.lazy)
+        unmount_shardfs(args.mountpoint, lazy=args.lazy)
     except MountpointError as exc:
         print(f"shardfs: error: {exc}", file=sys.stderr)
-        return 1
-    if result.returncode != 0:
-        print(f"shardfs: error: {result.stderr.strip()}", file=sys.stderr)
         return 1
     return 0
 
 
 def run_index(args: argparse.Namespace) -> int:
     from shardfs.cli.indexcmd import write_indexes
+    from shardfs.cli.logsetup import setup_logging
 
-    _setup_logging(args.log_level)
+    setup_logging(args.log_level)
     return write_indexes(absolute_specs(args.sources), Path(args.output),
                          parallel=args.parallel)
 

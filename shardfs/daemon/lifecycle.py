@@ -232,7 +232,8 @@ async def _serve_mounted(mounted: Mounted, on_ready: Callable[[str], None]) -> N
 
             async def fuse_main() -> None:
                 await pyfuse3.main(max_tasks=cfg.max_tasks)
-                log.info("the kernel ended the session (unmounted from outside)")
+                log.info("%s was unmounted (shardfs umount, fusermount3 -u or umount)",
+                         cfg.mountpoint)
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(fuse_main)

@@ -1,0 +1,92 @@
+"""Stopping a daemonizing `shardfs mount` while it is still indexing (issue #13, item 1).
+
+The server is slow for real (a FaultProxy in front of nginx stalls every transfer after the
+first bytes), so the daemon is in the middle of indexing when the real signal reaches the
+real waiting parent. Afterwards nothing may be left: no daemon, no mount, no cache lock, no
+empty cache dir it created; and a retry with the same cache dir mounts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SHARDFS, Dataset, Mount, Mounter, _pid_alive, brace
+from tests.faultproxy import FaultProxy
+from tests.test_mount import publish
+
+STALL_AFTER = 64 * 1024  # bytes of each shard transfer before the proxy stalls it
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Pids whose command line contains `text` (our daemons name their mountpoint)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline and _pid_alive(int(entry)):
+            found.append(int(entry))
+    return found
+
+
+def _wait_for(predicate, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _scanning(proxy: FaultProxy) -> bool:
+    """A shard is being streamed for its index (a range longer than the 1-byte probe)."""
+    return any(r.headers.get("range", "").startswith("bytes=0-")
+               and r.headers.get("range") != "bytes=0-0" for r in proxy.requests)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
+                         ids=lambda s: signal.Signals(s).name)
+def test_signal_while_indexing_stops_the_daemon(signum: int, dataset: Dataset, nginx,
+                                                mounter: Mounter, tmp_path: Path):
+    publish(dataset, nginx.root)
+    mnt, cache = mounter.paths()
+    with FaultProxy(nginx.port) as proxy:
+        proxy.stall(120.0, after_bytes=STALL_AFTER)
+        source = brace(dataset, f"{proxy.url}/data")
+        parent = subprocess.Popen([*SHARDFS, "mount", source, str(mnt), "--cache-dir",
+                                   str(cache)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        try:
+            _wait_for(lambda: _scanning(proxy), "indexing to start")
+            daemons = [p for p in _processes_naming(str(mnt)) if p != parent.pid]
+            assert daemons, "the daemon should be running while indexing"
+            assert (cache / "lock").exists()
+            parent.send_signal(signum)
+            out, err = parent.communicate(timeout=60)
+        finally:
+            if parent.poll() is None:
+                parent.kill()
+                parent.wait()
+        assert parent.returncode == 130, err
+        assert err.strip().splitlines()[-1] == "shardfs: interrupted", err
+        assert "Traceback" not in err, err
+        assert err.count("shardfs: interrupted") == 1, err
+        for pid in daemons:
+            assert not _pid_alive(pid), f"daemon {pid} still running"
+        assert not os.path.ismount(mnt)
+        assert not cache.exists(), f"empty cache dir left: {list(cache.rglob('*'))}"
+        proxy.clear()
+        # The retry is not told that another daemon holds the cache dir.
+        result = mounter.run(source, str(mnt), "--cache-dir", str(cache))
+        m = mounter.adopt(Mount.from_result(result, mnt, cache))
+        rel, data = next(iter(dataset.files().items()))
+        assert (m.mountpoint / rel).read_bytes() == data
