@@ -308,7 +308,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
 async def stat_all(urls: list[str], sources: Sources, parallel: int = 32) -> list[ShardInfo]:
     """Size and validators of every shard, in parallel; one error message for all failures."""
     infos: list[ShardInfo | None] = [None] * len(urls)
-    errors: list[str] = []
+    errors: dict[int, str] = {}  # by shard position: the message names the first in order
     limiter = trio.CapacityLimiter(parallel)
 
     async def one(i: int, url: str) -> None:
@@ -316,7 +316,7 @@ async def stat_all(urls: list[str], sources: Sources, parallel: int = 32) -> lis
             try:
                 infos[i] = await sources.for_url(url).stat(url)
             except SourceError as exc:
-                errors.append(str(exc))
+                errors[i] = str(exc)
 
     with first_error():
         async with trio.open_nursery() as nursery:
@@ -325,7 +325,7 @@ async def stat_all(urls: list[str], sources: Sources, parallel: int = 32) -> lis
     if errors:
         more = f" (and {len(errors) - 1} more of {len(urls)} shards failed)" \
             if len(errors) > 1 else ""
-        raise CatalogError(errors[0] + more)
+        raise CatalogError(errors[min(errors)] + more)
     return [i for i in infos if i is not None]
 
 

@@ -85,7 +85,8 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    help="let other users access the mount (needs user_allow_other)")
     p.add_argument("--uid", help="owner shown for all files (default: the daemon's uid)")
     p.add_argument("--gid", help="group shown for all files (default: the daemon's gid)")
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                   help="how much the daemon logs (default info; debug adds every request)")
     p.add_argument("--log-file", help="log here once daemonized "
                    "(default: shardfs.log in the cache dir)")
     p.add_argument("--metrics-listen", metavar="HOST:PORT",
@@ -287,21 +288,30 @@ def build_parser() -> argparse.ArgumentParser:
     add_mount_arguments(mount)
 
     umount = sub.add_parser("umount", help="unmount a shardfs mount")
-    umount.add_argument("mountpoint", metavar="MOUNTPOINT")
-    umount.add_argument("-z", "--lazy", action="store_true", help="detach even if busy")
+    umount.add_argument("mountpoint", metavar="MOUNTPOINT",
+                        help="where a shardfs mount is (anything else is refused)")
+    umount.add_argument("-z", "--lazy", action="store_true",
+                        help="detach now even if busy; the daemon exits once the last file "
+                        "in the mount is closed")
 
     index = sub.add_parser("index", help="write index files to publish next to the shards")
-    index.add_argument("sources", nargs="+", metavar="SOURCE")
-    index.add_argument("-o", "--output", required=True, metavar="DIR")
-    index.add_argument("--parallel", type=int, default=8)
-    index.add_argument("--log-level", default="info")
+    index.add_argument("sources", nargs="+", metavar="SOURCE",
+                       help="shards, as for mount: URLs, paths, brace patterns, manifests")
+    index.add_argument("-o", "--output", required=True, metavar="DIR",
+                       help="write <shard name>.shardfs.idx here, one per shard, to upload "
+                       "next to the shards")
+    index.add_argument("--parallel", type=int, default=8,
+                       help="shards indexed at once (default 8)")
+    index.add_argument("--log-level", default="info",
+                       choices=("debug", "info", "warning", "error"),
+                       help="how much to log (default info)")
 
     pack = sub.add_parser("pack", help="turn a directory tree into WebDataset tar shards")
     from shardfs.pack import configure_pack_parser
     configure_pack_parser(pack)
 
     stats = sub.add_parser("stats", help="show a running mount's counters")
-    stats.add_argument("mountpoint", metavar="MOUNTPOINT")
+    stats.add_argument("mountpoint", metavar="MOUNTPOINT", help="a running shardfs mount")
     stats.add_argument("--json", action="store_true", help="print the raw JSON snapshot")
 
     warm = sub.add_parser("warm", help="fetch shards into the cache ahead of reading")
