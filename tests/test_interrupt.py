@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -71,13 +72,13 @@ def test_signal_while_indexing_stops_the_daemon(signum: int, dataset: Dataset, n
             assert daemons, "the daemon should be running while indexing"
             assert (cache / "lock").exists()
             parent.send_signal(signum)
-            out, err = parent.communicate(timeout=60)
+            _, err = parent.communicate(timeout=60)
         finally:
             if parent.poll() is None:
                 parent.kill()
                 parent.wait()
         assert parent.returncode == 130, err
-        assert err.strip().splitlines()[-1] == "shardfs: interrupted", err
+        assert err.splitlines()[-1] == "shardfs: interrupted", err  # on a line of its own
         assert "Traceback" not in err, err
         assert err.count("shardfs: interrupted") == 1, err
         for pid in daemons:
@@ -90,3 +91,47 @@ def test_signal_while_indexing_stops_the_daemon(signum: int, dataset: Dataset, n
         m = mounter.adopt(Mount.from_result(result, mnt, cache))
         rel, data = next(iter(dataset.files().items()))
         assert (m.mountpoint / rel).read_bytes() == data
+
+
+def test_progress_on_a_terminal_counts_bytes_and_ends_its_line(dataset: Dataset, nginx,
+                                                               mounter: Mounter):
+    """On a terminal the indexing line moves with the bytes streamed before any shard is
+    done, and the interrupt message starts on a line of its own."""
+    publish(dataset, nginx.root)
+    mnt, cache = mounter.paths()
+    master, slave = os.openpty()
+    output = bytearray()
+
+    def drain() -> None:
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO once the last writer has gone
+                return
+            if not chunk:
+                return
+            output.extend(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    with FaultProxy(nginx.port) as proxy:
+        proxy.stall(120.0, after_bytes=STALL_AFTER)
+        parent = subprocess.Popen([*SHARDFS, "mount", brace(dataset, f"{proxy.url}/data"),
+                                   str(mnt), "--cache-dir", str(cache)],
+                                  stdin=slave, stdout=slave, stderr=slave)
+        os.close(slave)
+        try:
+            _wait_for(lambda: b"streamed" in output, "the progress line to show bytes")
+            assert b"indexing shards: 0/" in output  # no shard done yet, bytes moving
+            parent.send_signal(signal.SIGINT)
+            parent.wait(timeout=60)
+        finally:
+            if parent.poll() is None:
+                parent.kill()
+                parent.wait()
+    reader.join(10)
+    os.close(master)
+    text = output.decode(errors="replace").replace("\r\n", "\n")
+    assert parent.returncode == 130, text
+    assert "\nshardfs: interrupted\n" in text, repr(text[-300:])
+    assert not os.path.ismount(mnt)

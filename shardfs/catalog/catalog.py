@@ -42,7 +42,7 @@ from shardfs.util.sizes import format_size
 
 log = logging.getLogger(__name__)
 
-Progress = Callable[[str, int, int], None]  # (phase, done, total)
+Progress = Callable[..., None]  # (phase, done, total[, detail])
 _LOCAL_READ = 256 * 1024
 
 
@@ -175,6 +175,7 @@ class _Indexer:
         self.streamed = 0
         self.warmed = 0
         self.done = 0
+        self.total = 0
 
     def _report(self, phase: str, done: int, total: int) -> None:
         if self.progress is not None:
@@ -182,6 +183,9 @@ class _Indexer:
 
     def _count(self, n: int) -> None:
         self.streamed += n
+        if self.progress is not None:  # bytes move long before the first shard is done
+            self.progress("index", self.done, self.total,
+                          f"{format_size(self.streamed)} streamed")
 
     async def index(self, info: ShardInfo, key: str) -> ShardIndex:
         """The index of one shard: cached, published or scanned, and cached afterwards."""
@@ -334,6 +338,7 @@ async def index_all(infos: list[ShardInfo], sources: Sources, cache: ShardCache 
                     on_index: Callable[[int, ShardIndex], None] | None = None) -> _Indexer:
     """Make sure every shard has an index (calling on_index with each), in parallel."""
     indexer = _Indexer(sources, cache, progress, warm)
+    indexer.total = len(infos)
     limiter = trio.CapacityLimiter(parallel)
     keys = [shard_key(info.identity) for info in infos]
 

@@ -6,6 +6,8 @@ import logging
 import os
 import sys
 
+from shardfs.util.progress import end_lines
+
 # Libraries that log every request at INFO (httpx: "HTTP Request: GET ..."): one line per
 # member read is noise at the default level. At --log-level debug httpx's request lines show.
 _CHATTY = {"httpx": logging.INFO, "httpcore": logging.WARNING, "hpack": logging.WARNING,
@@ -32,10 +34,18 @@ def _apply_level(level: str) -> None:
 def setup_logging(level: str, log_file: str | None = None) -> None:
     """One handler: a file if given, else stderr."""
     handler: logging.Handler
-    handler = logging.FileHandler(log_file) if log_file else logging.StreamHandler(sys.stderr)
+    handler = logging.FileHandler(log_file) if log_file else _TerminalHandler(sys.stderr)
     handler.setFormatter(_formatter(bool(log_file)))
     logging.getLogger().handlers[:] = [handler]
     _apply_level(level)
+
+
+class _TerminalHandler(logging.StreamHandler):
+    """stderr, starting on a fresh line when a progress line is drawn there."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        end_lines()
+        super().emit(record)
 
 
 class MountLog:
@@ -43,7 +53,7 @@ class MountLog:
     daemonizing) the log file from the first line on, so mount-time lines are kept too."""
 
     def __init__(self, level: str) -> None:
-        self._terminal = logging.StreamHandler(sys.stderr)
+        self._terminal = _TerminalHandler(sys.stderr)
         self._terminal.setFormatter(_formatter(False))
         self._file: logging.FileHandler | None = None
         logging.getLogger().handlers[:] = [self._terminal]

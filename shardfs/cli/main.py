@@ -189,6 +189,7 @@ def run_mount_foreground(args: argparse.Namespace) -> int:
     from shardfs.read.cache import CacheError, ShardCache
     from shardfs.sources import SourceError
     from shardfs.util.aioutil import first_error
+    from shardfs.util.progress import end_lines
 
     daemonized = args.ready_fd is not None
     mount_log = MountLog(args.log_level or "info")
@@ -231,22 +232,32 @@ def run_mount_foreground(args: argparse.Namespace) -> int:
             trio.run(serve_until_signalled, cfg, cache, on_ready)
         code = 0
     except (CatalogError, SourceError) as exc:
-        print(f"shardfs: error: {exc}", file=sys.stderr)
+        _say_error(str(exc))
     except (KeyboardInterrupt, Interrupted) as exc:
-        log.info("stopped by %s before the mount was ready", exc)
-        if not daemonized:  # a daemon's waiting parent says it, once
+        end_lines()
+        if daemonized:  # the waiting parent says it on the terminal, once
+            mount_log.detach_terminal()
+        else:
             print("shardfs: interrupted", file=sys.stderr)
+        log.info("stopped by %s before the mount was ready", exc or "SIGINT")
         code = 130
     except RuntimeError as exc:  # pyfuse3.init failures (e.g. /dev/fuse missing)
-        print(f"shardfs: error: cannot mount {cfg.mountpoint}: {exc}", file=sys.stderr)
+        _say_error(f"cannot mount {cfg.mountpoint}: {exc}")
     except OSError as exc:  # local trouble (disk, permissions): a message, not a traceback
-        print(f"shardfs: error: {exc}", file=sys.stderr)
+        _say_error(str(exc))
     finally:
         cache.close()
         if code != 0 and created_cache_dir is not None:
             mount_log.close_file()
             remove_if_unused(created_cache_dir)
     return code
+
+
+def _say_error(message: str) -> None:
+    from shardfs.util.progress import end_lines
+
+    end_lines()  # after a progress line drawn on the terminal, not glued to its end
+    print(f"shardfs: error: {message}", file=sys.stderr)
 
 
 def run_mount_daemon(argv: list[str]) -> int:

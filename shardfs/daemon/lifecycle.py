@@ -158,9 +158,9 @@ async def _probe_ready(mountpoint: str) -> None:
     await trio.to_thread.run_sync(os.statvfs, mountpoint)
 
 
-def _indexing_progress(line: ProgressLine) -> Callable[[str, int, int], None]:
-    def update(phase: str, done: int, total: int) -> None:
-        line.update(phase, done, total)
+def _indexing_progress(line: ProgressLine) -> Callable[..., None]:
+    def update(phase: str, done: int, total: int, detail: str = "") -> None:
+        line.update(phase, done, total, detail)
         sd_notify(f"STATUS=indexing shards: {done}/{total}")
 
     return update
