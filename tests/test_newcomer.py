@@ -25,6 +25,14 @@ def shardfs(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([*SHARDFS, *args], capture_output=True, text=True, timeout=timeout)
 
 
+def failed(mounter: Mounter, result: subprocess.CompletedProcess, mnt: Path,
+           cache: Path) -> bool:
+    """True if the mount command failed; a mount that wrongly succeeded is still torn down."""
+    if result.returncode == 0:
+        mounter.adopt(Mount.from_result(result, mnt, cache))
+    return result.returncode != 0
+
+
 # -- 2: one log line per HTTP request ---------------------------------------------------------
 def test_no_line_per_request_in_terminal_or_log(dataset: Dataset, nginx, mounter: Mounter):
     publish(dataset, nginx.root)
@@ -51,7 +59,7 @@ def test_first_contact_fails_fast(where: str, mounter: Mounter):
     began = time.monotonic()
     result = mounter.run(url, str(mnt), "--cache-dir", str(cache), "--deadline", "600")
     took = time.monotonic() - began
-    assert result.returncode == 1
+    assert failed(mounter, result, mnt, cache) and result.returncode == 1
     assert result.stderr.count("shardfs: error:") == 1, result.stderr
     assert "cannot connect to" in result.stderr and "/x-0.tar" in result.stderr, result.stderr
     assert "retrying" not in result.stderr, result.stderr
@@ -88,7 +96,7 @@ def test_nonempty_mountpoint_refused_unless_asked(dataset: Dataset, mounter: Mou
     (mnt / "precious.txt").write_text("mine")
     source = brace(dataset, str(dataset.shard_dir))
     result = mounter.run(source, str(mnt), "--cache-dir", str(cache))
-    assert result.returncode == 1 and "not empty" in result.stderr, result.stderr
+    assert failed(mounter, result, mnt, cache) and "not empty" in result.stderr, result.stderr
     assert "--nonempty" in result.stderr and not os.path.ismount(mnt)
     for extra in (["--nonempty"], ["-o", "nonempty"]):
         result = mounter.run(source, str(mnt), "--cache-dir", str(cache), *extra)
@@ -238,7 +246,7 @@ def test_directory_url_gets_a_hint(nginx, mounter: Mounter):
     (nginx.root / "data").mkdir()
     mnt, cache = mounter.paths()
     result = mounter.run(f"{nginx.url}/data/", str(mnt), "--cache-dir", str(cache))
-    assert result.returncode == 1
+    assert failed(mounter, result, mnt, cache)
     assert "directory listings are not a source" in result.stderr, result.stderr
 
 
@@ -252,7 +260,8 @@ def test_glob_with_index_files(dataset: Dataset, mounter: Mounter):
     lone = next(p for p in everything if p.endswith(".shardfs.idx"))
     mnt2, cache2 = mounter.paths()
     result = mounter.run(lone, str(mnt2), "--cache-dir", str(cache2))
-    assert result.returncode == 1 and "is a shardfs index file, not a shard" in result.stderr
+    assert failed(mounter, result, mnt2, cache2)
+    assert "is a shardfs index file, not a shard" in result.stderr
 
 
 def test_pack_names_the_flag(tmp_path: Path, dataset: Dataset):
