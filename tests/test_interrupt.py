@@ -21,7 +21,7 @@ from tests.conftest import SHARDFS, Dataset, Mount, Mounter, _pid_alive, brace
 from tests.faultproxy import FaultProxy
 from tests.test_mount import publish
 
-STALL_AFTER = 64 * 1024  # bytes of each shard transfer before the proxy stalls it
+STALL_AFTER = 4096  # bytes of each transfer before the proxy stalls it (every shard is larger)
 
 
 def _processes_naming(text: str) -> list[int]:
@@ -67,6 +67,7 @@ def test_signal_while_indexing_stops_the_daemon(signum: int, dataset: Dataset, n
                                    str(cache)], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)
         try:
+            assert min(s.path.stat().st_size for s in dataset.shards.shards) > STALL_AFTER
             _wait_for(lambda: _scanning(proxy), "indexing to start")
             daemons = [p for p in _processes_naming(str(mnt)) if p != parent.pid]
             assert daemons, "the daemon should be running while indexing"

@@ -7,6 +7,7 @@ import hashlib
 import logging
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -194,6 +195,10 @@ def run_mount_foreground(args: argparse.Namespace) -> int:
     daemonized = args.ready_fd is not None
     mount_log = MountLog(args.log_level or "info")
     created_cache_dir: Path | None = None
+    cache: ShardCache | None = None
+    # Until trio's own signal receiver takes over, a stop signal ends the set-up cleanly.
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _stop_setup)
     try:
         settings = mount_settings(args)
         cfg = _mount_config(settings)
@@ -203,16 +208,25 @@ def run_mount_foreground(args: argparse.Namespace) -> int:
             created_cache_dir = cfg.cache_dir
         cache = ShardCache(cfg.cache_dir, cfg.cache_size)
         cache.open()
-    except (UsageError, ConfigError, MountpointError, CacheError) as exc:
-        print(f"shardfs: error: {exc}", file=sys.stderr)
+        log_file = cfg.log_file or str(cfg.cache_dir / "shardfs.log")
+        if daemonized:
+            # Mount-time lines go to the waiting terminal and to the log the daemon keeps.
+            try:
+                mount_log.add_file(log_file)
+            except OSError as exc:
+                raise UsageError(f"cannot write the log file {log_file}: {exc.strerror}") \
+                    from None
+        check_cache_budget(cfg.cache_dir, cfg.cache_size)
+    except (UsageError, ConfigError, MountpointError, CacheError, KeyboardInterrupt) as exc:
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        if not (interrupted and daemonized):
+            print("shardfs: interrupted" if interrupted else f"shardfs: error: {exc}",
+                  file=sys.stderr)
+        if cache is not None:
+            cache.close()
         if created_cache_dir is not None:
             remove_if_unused(created_cache_dir)
-        return 1
-    log_file = cfg.log_file or str(cfg.cache_dir / "shardfs.log")
-    if daemonized:
-        # Mount-time lines go to the waiting terminal and to the log the daemon keeps.
-        mount_log.add_file(log_file)
-    check_cache_budget(cfg.cache_dir, cfg.cache_size)
+        return 130 if interrupted else 1
 
     def on_ready(summary: str) -> None:
         sd_notify("READY=1", f"STATUS={summary}")
@@ -246,11 +260,17 @@ def run_mount_foreground(args: argparse.Namespace) -> int:
     except OSError as exc:  # local trouble (disk, permissions): a message, not a traceback
         _say_error(str(exc))
     finally:
+        for signum in (signal.SIGTERM, signal.SIGHUP):  # trio gave them back: finish first
+            signal.signal(signum, signal.SIG_IGN)
         cache.close()
         if code != 0 and created_cache_dir is not None:
             mount_log.close_file()
             remove_if_unused(created_cache_dir)
     return code
+
+
+def _stop_setup(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _say_error(message: str) -> None:
