@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SHARDFS, Dataset, Mount, Mounter, _pid_alive, brace
+from tests.conftest import SHARDFS, Dataset, Mount, Mounter, _pid_alive, brace, stop_foreground
 from tests.faultproxy import FaultProxy
 from tests.test_mount import publish
 
@@ -138,4 +138,23 @@ def test_progress_on_a_terminal_counts_bytes_and_ends_its_line(dataset: Dataset,
     text = output.decode(errors="replace").replace("\r\n", "\n")
     assert parent.returncode == 130, text
     assert "\nshardfs: interrupted\n" in text, repr(text[-300:])
+    assert not os.path.ismount(mnt)
+
+
+def test_foreground_mount_unmounts_on_sighup(dataset: Dataset, mounter: Mounter):
+    """`shardfs mount -f` in a terminal that is closed (SIGHUP) unmounts cleanly, as on
+    Ctrl-C, instead of dying and leaving a stale mount."""
+    mnt, cache = mounter.paths()
+    proc = subprocess.Popen([*SHARDFS, "mount", "-f", brace(dataset, str(dataset.shard_dir)),
+                             str(mnt), "--cache-dir", str(cache)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: os.path.ismount(mnt) or proc.poll() is not None, "the mount")
+        assert os.path.ismount(mnt), proc.communicate()[1]
+        proc.send_signal(signal.SIGHUP)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        stop_foreground(proc, mnt)
+    assert proc.returncode == 0, err
+    assert "received SIGHUP: unmounting" in err
     assert not os.path.ismount(mnt)
