@@ -276,7 +276,7 @@ def _prepare_out(out: Path, prefix: str, force: bool) -> None:
     if existing and not force:
         more = f" and {len(existing) - 1} more" if len(existing) > 1 else ""
         raise PackError(f"refusing to overwrite {out / existing[0]}{more}; "
-                        f"use --force (force=True) to replace the '{prefix}' shards")
+                        f"use --force to replace the '{prefix}' shards")
     for name in existing:
         (out / name).unlink()
         index_path(out / name).unlink(missing_ok=True)

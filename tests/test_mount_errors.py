@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import http.server
 import io
 import os
 import signal
 import subprocess
 import sys
 import tarfile
-import threading
 import time
 from pathlib import Path
 
@@ -41,22 +39,6 @@ def test_unreachable_server(mounter: Mounter):
 
 def test_not_found(nginx, mounter: Mounter):
     _fails(mounter, f"{nginx.url}/missing-{{000..002}}.tar", expect="404")
-
-
-def test_server_without_range_support(tmp_path: Path, mounter: Mounter, dataset):
-    publish(dataset, tmp_path / "www", "")
-    handler = lambda *a: http.server.SimpleHTTPRequestHandler(  # noqa: E731
-        *a, directory=str(tmp_path / "www"))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}/train-000000.tar"
-        _fails(mounter, url, expect="range")
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
 
 
 def test_not_a_tar(tmp_path: Path, mounter: Mounter):

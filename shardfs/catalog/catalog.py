@@ -38,10 +38,11 @@ from shardfs.catalog.tree import TREE_FORMAT, Tree
 from shardfs.read.cache import DISK_FULL, PartFile, ShardCache, pwrite_all, shard_key
 from shardfs.sources import ShardInfo, Source, SourceError, Sources
 from shardfs.util.aioutil import first_error
+from shardfs.util.sizes import format_size
 
 log = logging.getLogger(__name__)
 
-Progress = Callable[[str, int, int], None]  # (phase, done, total)
+Progress = Callable[..., None]  # (phase, done, total[, detail])
 _LOCAL_READ = 256 * 1024
 
 
@@ -58,6 +59,9 @@ class Catalog:
     codecs: list[str | None] = field(default_factory=list)  # compression of each shard
     skipped: dict[str, int] = field(default_factory=dict)  # members not exposed, by reason
     data_sizes: list[int] = field(default_factory=list)  # plain tar bytes (what is cached)
+    # Shards with no member reads: every read waits for the whole-shard fetch (compressed
+    # shards, and shards on servers that ignore Range requests).
+    whole_only: list[bool] = field(default_factory=list)
     indexed_bytes: int = 0  # bytes streamed to build indexes in this run
     warmed: int = 0  # shards cached while indexing
 
@@ -171,6 +175,7 @@ class _Indexer:
         self.streamed = 0
         self.warmed = 0
         self.done = 0
+        self.total = 0
 
     def _report(self, phase: str, done: int, total: int) -> None:
         if self.progress is not None:
@@ -178,6 +183,9 @@ class _Indexer:
 
     def _count(self, n: int) -> None:
         self.streamed += n
+        if self.progress is not None:  # bytes move long before the first shard is done
+            self.progress("index", self.done, self.total,
+                          f"{format_size(self.streamed)} streamed")
 
     async def index(self, info: ShardInfo, key: str) -> ShardIndex:
         """The index of one shard: cached, published or scanned, and cached afterwards."""
@@ -304,7 +312,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
 async def stat_all(urls: list[str], sources: Sources, parallel: int = 32) -> list[ShardInfo]:
     """Size and validators of every shard, in parallel; one error message for all failures."""
     infos: list[ShardInfo | None] = [None] * len(urls)
-    errors: list[str] = []
+    errors: dict[int, str] = {}  # by shard position: the message names the first in order
     limiter = trio.CapacityLimiter(parallel)
 
     async def one(i: int, url: str) -> None:
@@ -312,7 +320,7 @@ async def stat_all(urls: list[str], sources: Sources, parallel: int = 32) -> lis
             try:
                 infos[i] = await sources.for_url(url).stat(url)
             except SourceError as exc:
-                errors.append(str(exc))
+                errors[i] = str(exc)
 
     with first_error():
         async with trio.open_nursery() as nursery:
@@ -321,7 +329,7 @@ async def stat_all(urls: list[str], sources: Sources, parallel: int = 32) -> lis
     if errors:
         more = f" (and {len(errors) - 1} more of {len(urls)} shards failed)" \
             if len(errors) > 1 else ""
-        raise CatalogError(errors[0] + more)
+        raise CatalogError(errors[min(errors)] + more)
     return [i for i in infos if i is not None]
 
 
@@ -330,6 +338,7 @@ async def index_all(infos: list[ShardInfo], sources: Sources, cache: ShardCache 
                     on_index: Callable[[int, ShardIndex], None] | None = None) -> _Indexer:
     """Make sure every shard has an index (calling on_index with each), in parallel."""
     indexer = _Indexer(sources, cache, progress, warm)
+    indexer.total = len(infos)
     limiter = trio.CapacityLimiter(parallel)
     keys = [shard_key(info.identity) for info in infos]
 
@@ -402,6 +411,33 @@ def _read_header(path: Path) -> dict:
     return header if isinstance(header, dict) else {}
 
 
+def check_budget(infos: list[ShardInfo], sizes: list[int], whole_only: list[bool],
+                 budget: int) -> None:
+    """Say once, with numbers, what the cache budget means for these shards."""
+    no_range = [info for info in infos if info.whole_only]
+    if no_range:
+        hosts = sorted({urlsplit(info.url).netloc for info in no_range})
+        log.warning("%d shards on %s: the server ignores Range requests, so they are read in "
+                    "whole-shard-only mode: a read waits for its shard's sequential download "
+                    "(no member reads), and the cache must hold the shards in use",
+                    len(no_range), ", ".join(hosts))
+    largest = max(sizes, default=0)
+    if largest <= budget:
+        return
+    name = infos[sizes.index(largest)].url
+    whole = [size for size, only in zip(sizes, whole_only, strict=True) if only and size > budget]
+    if whole:
+        log.warning("--cache-size %s is smaller than %d shards that can only be read whole "
+                    "(largest %s: %s): reads of them fail with EIO; give the cache at least "
+                    "the size of the shards in use", format_size(budget), len(whole),
+                    format_size(largest), name)
+    else:
+        log.warning("--cache-size %s is smaller than the largest shard (%s: %s): shards that "
+                    "do not fit are never cached whole, and every read of them becomes a "
+                    "separate request for that file; give the cache room for a few shards",
+                    format_size(budget), format_size(largest), name)
+
+
 async def open_catalog(urls: list[str], sources: Sources, cache: ShardCache, *,
                        progress: Progress | None = None, parallel: int = 8,
                        warm: bool = True) -> Catalog:
@@ -429,12 +465,14 @@ async def open_catalog(urls: list[str], sources: Sources, cache: ShardCache, *,
     if missing:  # the tree is cached but an index it came from is gone: rebuild next time
         tree_path.unlink(missing_ok=True)
         raise CatalogError(f"index of compressed shard {missing[0]} is missing; mount again")
+    whole_only = [c is not None or info.whole_only for c, info in zip(codecs, infos, strict=True)]
+    check_budget(infos, sizes, whole_only, cache.budget)
     skipped: dict[str, int] = {}
     for h in headers:
         for reason, count in (h.get("skipped") or {}).items():
             skipped[reason] = skipped.get(reason, 0) + int(count)
     return Catalog(shards=infos, keys=keys, sha256=[h.get("sha256") for h in headers],
                    skipped=skipped,
-                   tree=tree, codecs=codecs, data_sizes=sizes,
+                   tree=tree, codecs=codecs, data_sizes=sizes, whole_only=whole_only,
                    indexed_bytes=indexer.streamed if indexer else 0,
                    warmed=indexer.warmed if indexer else 0)

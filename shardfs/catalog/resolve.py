@@ -35,6 +35,7 @@ from urllib.parse import urljoin, urlsplit, urlunsplit
 import trio
 
 from shardfs.catalog.patterns import PatternError, expand_braces
+from shardfs.catalog.shardindex import INDEX_SUFFIX
 from shardfs.sources import NotFound, SourceError, Sources, to_url
 from shardfs.sources.file import file_path
 from shardfs.sources.s3 import split_bucket_url
@@ -53,17 +54,29 @@ class ResolveError(SourceError):
 async def resolve_sources(specs: list[str], sources: Sources) -> list[str]:
     """The shard URLs named by `specs`, in order (see the module docstring)."""
     urls: list[str] = []
-    for spec in specs:
-        try:
-            names = expand_braces(spec)
-        except PatternError as e:
-            raise ResolveError(str(e)) from None
-        braced = "{" in spec
-        for name in names:
-            urls.extend(await _resolve_name(spec, to_url(name), braced, sources))
+    named = [(spec, name) for spec in specs for name in _expand(spec)]
+    listed = {to_url(name) for _, name in named}
+    for spec, name in named:
+        url = to_url(name)
+        if _name_path(url).endswith(INDEX_SUFFIX):
+            # `mount shards/*` names the published index files too: they are found next to
+            # their shards anyway. One on its own is a mistake worth naming.
+            shard = url[: -len(INDEX_SUFFIX)]
+            if shard in listed:
+                continue
+            raise ResolveError(f"{spec}: {url} is a shardfs index file, not a shard; name the "
+                               f"shard ({shard}) and its index is used from next to it")
+        urls.extend(await _resolve_name(spec, url, "{" in spec, sources))
     if not urls:
         raise ResolveError("no shards: the SOURCE arguments name nothing")
     return urls
+
+
+def _expand(spec: str) -> list[str]:
+    try:
+        return expand_braces(spec)
+    except PatternError as e:
+        raise ResolveError(str(e)) from None
 
 
 def _scheme(url: str) -> str:

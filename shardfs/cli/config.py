@@ -150,6 +150,7 @@ OPTIONS: dict[str, Option] = {o.key: o for o in (
     Option("workers", _positive_int, None, "a whole number >= 1"),
     Option("warm_while_indexing", _bool, True, "true or false"),
     Option("allow_other", _bool, False, "true or false"),
+    Option("nonempty", _bool, False, "true or false"),
     Option("uid", _id, None, "a numeric uid"),
     Option("gid", _id, None, "a numeric gid"),
     Option("log_level", _choice("debug", "info", "warning", "error"), "info",

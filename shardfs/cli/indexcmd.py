@@ -16,6 +16,7 @@ from shardfs.catalog.tar import TarError
 from shardfs.sources import ShardInfo, SourceError, Sources, SourceSettings
 from shardfs.util.aioutil import first_error
 from shardfs.util.progress import ProgressLine
+from shardfs.util.sizes import format_size
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +35,18 @@ async def _write_all(specs: list[str], out: Path, parallel: int) -> int:
         if len(set(names)) != len(names):
             raise CatalogError("two shards have the same file name; index them separately")
         limiter = trio.CapacityLimiter(parallel)
-        done = 0
+        done = streamed = 0
+
+        def count(n: int) -> None:
+            nonlocal streamed
+            streamed += n
+            progress.update("index", done, len(infos), f"{format_size(streamed)} streamed")
 
         async def one(info: ShardInfo, name: str) -> None:
             nonlocal done
             async with limiter:
                 try:
-                    index = await scan_stream(sources.for_url(info.url), info, None,
-                                              lambda n: None)
+                    index = await scan_stream(sources.for_url(info.url), info, None, count)
                 except TarError as exc:
                     raise CatalogError(f"{info.url}: not a usable tar shard: {exc}") from None
             await trio.Path(out / name).write_bytes(encode_index(index))
@@ -52,9 +57,9 @@ async def _write_all(specs: list[str], out: Path, parallel: int) -> int:
             async with trio.open_nursery() as nursery:
                 for info, name in zip(infos, names, strict=True):
                     nursery.start_soon(one, info, name)
-        progress.close()
         return len(infos)
     finally:
+        progress.close()
         await sources.aclose()
 
 

@@ -7,31 +7,18 @@ import hashlib
 import logging
 import os
 import shutil
-import subprocess
+import signal
 import sys
 from pathlib import Path
 
 from shardfs import __version__
+from shardfs.cli.daemonize import READY_PREFIX
 
 log = logging.getLogger("shardfs")
-READY_PREFIX = "READY "
 
 
 class UsageError(Exception):
     """Bad input from the user: printed as `shardfs: error: ...`, exit status 1."""
-
-
-def _setup_logging(level: str, log_file: str | None = None) -> None:
-    handler: logging.Handler
-    handler = logging.FileHandler(log_file) if log_file else logging.StreamHandler(sys.stderr)
-    # journald adds its own timestamps; a terminal or file wants them.
-    under_journal = "JOURNAL_STREAM" in os.environ and not log_file
-    fmt = "%(levelname)s %(name)s: %(message)s" if under_journal else \
-        "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    handler.setFormatter(logging.Formatter(fmt))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
 
 
 def default_cache_dir(mountpoint: str) -> Path:
@@ -65,8 +52,9 @@ def absolute_specs(specs: list[str]) -> list[str]:
 # -- mount ---------------------------------------------------------------------------------
 # Flags that map 1:1 onto config keys; their argparse default is None ("not given") so that
 # a config file or -o option is only overridden by flags the user really typed.
-_FLAG_KEYS = ("cache_dir", "cache_size", "timeout", "deadline", "max_fetches", "prefetch",
-              "index_parallel", "workers", "log_level", "log_file", "metrics_listen", "uid", "gid",
+_FLAG_KEYS = ("cache_dir", "cache_size", "timeout", "deadline", "max_fetches",
+              "max_member_fetches", "prefetch", "index_parallel", "workers",
+              "log_level", "log_file", "metrics_listen", "uid", "gid",
               "s3_endpoint", "s3_region", "s3_profile", "s3_addressing", "ais_endpoint")
 
 
@@ -89,6 +77,8 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deadline",
                    help="seconds without progress before a read fails with EIO (default 60)")
     p.add_argument("--max-fetches", help="whole-shard downloads at once (default 8)")
+    p.add_argument("--max-member-fetches", help="single-member (or block) requests at once, "
+                   "for reads that do not wait for a whole shard (default 32)")
     p.add_argument("--prefetch", choices=("touched", "all"),
                    help="fetch shards once read (touched, default) or warm all that fit (all)")
     p.add_argument("--index-parallel", help="shards indexed at once (default 8)")
@@ -96,11 +86,15 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    "machine's cores, at most 8; 1: the daemon alone)")
     p.add_argument("--no-warm", action="store_true",
                    help="do not keep the bytes streamed for indexing in the cache")
+    p.add_argument("--nonempty", action="store_true",
+                   help="mount over a directory that has files in it (hiding them while "
+                   "mounted); refused otherwise")
     p.add_argument("--allow-other", action="store_true",
                    help="let other users access the mount (needs user_allow_other)")
     p.add_argument("--uid", help="owner shown for all files (default: the daemon's uid)")
     p.add_argument("--gid", help="group shown for all files (default: the daemon's gid)")
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                   help="how much the daemon logs (default info; debug adds every request)")
     p.add_argument("--log-file", help="log here once daemonized "
                    "(default: shardfs.log in the cache dir)")
     p.add_argument("--metrics-listen", metavar="HOST:PORT",
@@ -113,6 +107,14 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    help="bucket in the path or the host name (auto: path on custom endpoints)")
     p.add_argument("--ais-endpoint", help="AIStore gateway for ais:// (default: $AIS_ENDPOINT)")
     p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+
+
+def _looks_like_source(text: str) -> bool:
+    """A URL, a brace pattern or an existing file: what a lone argument names when the user
+    forgot the MOUNTPOINT (a mountpoint is a directory)."""
+    if "://" in text or "{" in text or os.path.isfile(text):
+        return True
+    return os.path.isdir(text) and any(Path(text).glob("*.tar*"))
 
 
 def mount_settings(args: argparse.Namespace) -> dict:
@@ -131,6 +133,8 @@ def mount_settings(args: argparse.Namespace) -> dict:
         flags["warm_while_indexing"] = False
     if args.allow_other:
         flags["allow_other"] = True
+    if args.nonempty:
+        flags["nonempty"] = True
     positional = list(args.positional)
     if len(positional) >= 2:
         flags["sources"], flags["mountpoint"] = positional[:-1], positional[-1]
@@ -141,19 +145,21 @@ def mount_settings(args: argparse.Namespace) -> dict:
     if not settings["mountpoint"]:
         raise UsageError("no MOUNTPOINT given (on the command line or as 'mountpoint' in the "
                          "config file)")
+    if not settings["sources"] and len(positional) == 1 and _looks_like_source(positional[0]):
+        raise UsageError(f"no MOUNTPOINT given: {positional[0]!r} is taken as a SOURCE; "
+                         "usage: shardfs mount SOURCE... MOUNTPOINT")
     if not settings["sources"]:
         raise UsageError("no SOURCE given (on the command line or as 'sources' in the config "
                          "file)")
     return settings
 
 
-def _mount_config(args: argparse.Namespace):
+def _mount_config(s: dict):
     from shardfs.cli.config import resolve_credentials
     from shardfs.daemon.lifecycle import MountConfig
     from shardfs.read.reader import ReadPolicy
     from shardfs.sources import SourceSettings
 
-    s = mount_settings(args)
     mountpoint = s["mountpoint"]
     cache_dir = Path(s["cache_dir"]) if s["cache_dir"] else default_cache_dir(mountpoint)
     cache_size = s["cache_size"] or default_cache_size(cache_dir)
@@ -179,94 +185,130 @@ def run_mount_foreground(args: argparse.Namespace) -> int:
 
     from shardfs.catalog.catalog import CatalogError
     from shardfs.cli.config import ConfigError
+    from shardfs.cli.foreground import check_cache_budget, remove_if_unused
+    from shardfs.cli.logsetup import MountLog
+    from shardfs.daemon.lifecycle import Interrupted
     from shardfs.daemon.lifecycle import run as run_daemon
     from shardfs.daemon.mountpoint import MountpointError, prepare_mountpoint
     from shardfs.daemon.notify import sd_notify
     from shardfs.read.cache import CacheError, ShardCache
     from shardfs.sources import SourceError
     from shardfs.util.aioutil import first_error
+    from shardfs.util.progress import end_lines
 
-    _setup_logging(args.log_level or "info")
-    ready_fd = args.ready_fd
+    daemonized = args.ready_fd is not None
+    mount_log = MountLog(args.log_level or "info")
+    created_cache_dir: Path | None = None
+    cache: ShardCache | None = None
+    # Until trio's own signal receiver takes over, a stop signal ends the set-up cleanly.
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _stop_setup)
     try:
-        cfg = _mount_config(args)
-        cfg.detached = ready_fd is not None
-        _setup_logging(cfg.log_level)
-        cfg.mountpoint = prepare_mountpoint(cfg.mountpoint)
+        settings = mount_settings(args)
+        cfg = _mount_config(settings)
+        cfg.detached = daemonized
+        mount_log.set_level(cfg.log_level)
+        cfg.mountpoint = prepare_mountpoint(cfg.mountpoint, nonempty=settings["nonempty"])
+        if not cfg.cache_dir.exists():
+            created_cache_dir = cfg.cache_dir
         cache = ShardCache(cfg.cache_dir, cfg.cache_size)
         cache.open()
-    except (UsageError, ConfigError, MountpointError, CacheError) as exc:
-        print(f"shardfs: error: {exc}", file=sys.stderr)
-        return 1
+        log_file = cfg.log_path
+        if daemonized:
+            # Mount-time lines go to the waiting terminal and to the log the daemon keeps.
+            try:
+                mount_log.add_file(log_file)
+            except OSError as exc:
+                raise UsageError(f"cannot write the log file {log_file}: {exc.strerror}") \
+                    from None
+        check_cache_budget(cfg.cache_dir, cfg.cache_size)
+    except (UsageError, ConfigError, MountpointError, CacheError, KeyboardInterrupt) as exc:
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        if not (interrupted and daemonized):
+            print("shardfs: interrupted" if interrupted else f"shardfs: error: {exc}",
+                  file=sys.stderr)
+        if cache is not None:
+            cache.close()
+        if created_cache_dir is not None:
+            remove_if_unused(created_cache_dir)
+        return 130 if interrupted else 1
 
     def on_ready(summary: str) -> None:
         sd_notify("READY=1", f"STATUS={summary}")
-        if ready_fd is not None:
+        if daemonized:
             # Detach from the caller's terminal before telling it we are ready.
-            log_file = cfg.log_path
-            _setup_logging(cfg.log_level, log_file)
+            mount_log.detach_terminal()
             fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
             os.close(fd)
-            os.write(ready_fd, (READY_PREFIX + summary + "\n").encode())
-            os.close(ready_fd)
+            os.write(args.ready_fd, (READY_PREFIX + summary + "\n").encode())
+            os.close(args.ready_fd)
 
+    code = 1
     try:
         with first_error():
             run_daemon(cfg, cache, on_ready)
+        code = 0
     except (CatalogError, SourceError) as exc:
-        print(f"shardfs: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("shardfs: interrupted", file=sys.stderr)
-        return 130
+        _say_error(str(exc))
+    except (KeyboardInterrupt, Interrupted) as exc:
+        end_lines()
+        if daemonized:  # the waiting parent says it on the terminal, once
+            mount_log.detach_terminal()
+        else:
+            print("shardfs: interrupted", file=sys.stderr)
+        log.info("stopped by %s before the mount was ready", exc or "SIGINT")
+        code = 130
     except RuntimeError as exc:  # pyfuse3.init failures (e.g. /dev/fuse missing)
-        print(f"shardfs: error: cannot mount {cfg.mountpoint}: {exc}", file=sys.stderr)
-        return 1
+        _say_error(f"cannot mount {cfg.mountpoint}: {exc}")
     except OSError as exc:  # local trouble (disk, permissions): a message, not a traceback
-        print(f"shardfs: error: {exc}", file=sys.stderr)
-        return 1
+        _say_error(str(exc))
     finally:
+        for signum in (signal.SIGTERM, signal.SIGHUP):  # trio gave them back: finish first
+            signal.signal(signum, signal.SIG_IGN)
         cache.close()
-    return 0
+        if code != 0 and created_cache_dir is not None:
+            mount_log.close_file()
+            remove_if_unused(created_cache_dir)
+    return code
+
+
+def _stop_setup(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _say_error(message: str) -> None:
+    from shardfs.util.progress import end_lines
+
+    end_lines()  # after a progress line drawn on the terminal, not glued to its end
+    print(f"shardfs: error: {message}", file=sys.stderr)
 
 
 def run_mount_daemon(argv: list[str]) -> int:
     """Start the daemon as a detached child; return once the mount is ready (or failed)."""
-    read_fd, write_fd = os.pipe()
-    cmd = [sys.executable, "-m", "shardfs", *argv, "--foreground", "--ready-fd", str(write_fd)]
-    child = subprocess.Popen(cmd, pass_fds=(write_fd,), stdin=subprocess.DEVNULL,
-                             start_new_session=True)
-    os.close(write_fd)
-    with os.fdopen(read_fd, "rb") as ready:
-        message = ready.read().decode(errors="replace")
-    if message.startswith(READY_PREFIX):
-        print(f"shardfs: {message[len(READY_PREFIX):].strip()} (daemon pid {child.pid})")
-        return 0
-    code = child.wait()
-    return code or 1
+    from shardfs.cli.daemonize import run_daemon
+
+    return run_daemon(argv)
 
 
 # -- other commands ------------------------------------------------------------------------
 def run_umount(args: argparse.Namespace) -> int:
-    from shardfs.daemon.mountpoint import MountpointError, unmount
+    from shardfs.daemon.mountpoint import MountpointError, unmount_shardfs
 
     try:
-        result = unmount(os.path.abspath(args.mountpoint), lazy=args.lazy)
+        unmount_shardfs(args.mountpoint, lazy=args.lazy)
     except MountpointError as exc:
         print(f"shardfs: error: {exc}", file=sys.stderr)
-        return 1
-    if result.returncode != 0:
-        print(f"shardfs: error: {result.stderr.strip()}", file=sys.stderr)
         return 1
     return 0
 
 
 def run_index(args: argparse.Namespace) -> int:
     from shardfs.cli.indexcmd import write_indexes
+    from shardfs.cli.logsetup import setup_logging
 
-    _setup_logging(args.log_level)
+    setup_logging(args.log_level)
     return write_indexes(absolute_specs(args.sources), Path(args.output),
                          parallel=args.parallel)
 
@@ -282,21 +324,30 @@ def build_parser() -> argparse.ArgumentParser:
     add_mount_arguments(mount)
 
     umount = sub.add_parser("umount", help="unmount a shardfs mount")
-    umount.add_argument("mountpoint", metavar="MOUNTPOINT")
-    umount.add_argument("-z", "--lazy", action="store_true", help="detach even if busy")
+    umount.add_argument("mountpoint", metavar="MOUNTPOINT",
+                        help="where a shardfs mount is (anything else is refused)")
+    umount.add_argument("-z", "--lazy", action="store_true",
+                        help="detach now even if busy; the daemon exits once the last file "
+                        "in the mount is closed")
 
     index = sub.add_parser("index", help="write index files to publish next to the shards")
-    index.add_argument("sources", nargs="+", metavar="SOURCE")
-    index.add_argument("-o", "--output", required=True, metavar="DIR")
-    index.add_argument("--parallel", type=int, default=8)
-    index.add_argument("--log-level", default="info")
+    index.add_argument("sources", nargs="+", metavar="SOURCE",
+                       help="shards, as for mount: URLs, paths, brace patterns, manifests")
+    index.add_argument("-o", "--output", required=True, metavar="DIR",
+                       help="write <shard name>.shardfs.idx here, one per shard, to upload "
+                       "next to the shards")
+    index.add_argument("--parallel", type=int, default=8,
+                       help="shards indexed at once (default 8)")
+    index.add_argument("--log-level", default="info",
+                       choices=("debug", "info", "warning", "error"),
+                       help="how much to log (default info)")
 
     pack = sub.add_parser("pack", help="turn a directory tree into WebDataset tar shards")
     from shardfs.pack import configure_pack_parser
     configure_pack_parser(pack)
 
     stats = sub.add_parser("stats", help="show a running mount's counters")
-    stats.add_argument("mountpoint", metavar="MOUNTPOINT")
+    stats.add_argument("mountpoint", metavar="MOUNTPOINT", help="a running shardfs mount")
     stats.add_argument("--json", action="store_true", help="print the raw JSON snapshot")
 
     warm = sub.add_parser("warm", help="fetch shards into the cache ahead of reading")

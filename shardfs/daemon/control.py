@@ -24,6 +24,7 @@ from typing import Any
 
 import trio
 
+from shardfs.daemon.mountpoint import shardfs_root
 from shardfs.util.progress import ProgressLine
 
 log = logging.getLogger(__name__)
@@ -173,25 +174,19 @@ def run_stats(args: argparse.Namespace) -> int:
     return 0
 
 
-def mount_root(path: str) -> str:
-    """The mountpoint a path lives under."""
-    path = os.path.abspath(path)
-    while not os.path.ismount(path):
-        path = os.path.dirname(path)
-    return path
-
-
 def run_warm(args: argparse.Namespace) -> int:
     try:
         for path in args.paths:
             if not os.path.exists(path):
                 raise ControlError(f"{path} does not exist")
-        mountpoint = mount_root(args.paths[0])
+        mountpoint = shardfs_root(args.paths[0])
+        if mountpoint is None:
+            raise ControlError(f"{os.path.abspath(args.paths[0])} is not in a shardfs mount")
         snapshot = read_stats(mountpoint)
         rel = []
         for path in args.paths:
-            full = os.path.abspath(path)
-            if mount_root(full) != mountpoint:
+            full = os.path.realpath(path)
+            if shardfs_root(full) != mountpoint:
                 raise ControlError(f"{path} is not under the mount {mountpoint}")
             rel.append(os.path.relpath(full, mountpoint))
         sock = snapshot["control_socket"]

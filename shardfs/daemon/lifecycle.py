@@ -8,7 +8,7 @@ import os
 import signal
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from shardfs.sources import Sources, SourceSettings
 from shardfs.util.progress import ProgressLine
 
 log = logging.getLogger(__name__)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal closed
 STATUS_INTERVAL = 5.0  # seconds between STATUS= updates to systemd and metrics snapshots
 
 
@@ -187,12 +188,34 @@ async def _probe_ready(mountpoint: str) -> None:
     await trio.to_thread.run_sync(os.statvfs, mountpoint)
 
 
-def _indexing_progress(line: ProgressLine) -> Callable[[str, int, int], None]:
-    def update(phase: str, done: int, total: int) -> None:
-        line.update(phase, done, total)
+def _indexing_progress(line: ProgressLine) -> Callable[..., None]:
+    def update(phase: str, done: int, total: int, detail: str = "") -> None:
+        line.update(phase, done, total, detail)
         sd_notify(f"STATUS=indexing shards: {done}/{total}")
 
     return update
+
+
+class Interrupted(Exception):
+    """A stop signal arrived before the mount was ready."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+
+
+async def _interruptible(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    """`fn(*args)`, cancelled by SIGINT/SIGTERM/SIGHUP, which then raise Interrupted: fetches
+    in flight are aborted and their partial files dropped."""
+    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+        async with trio.open_nursery() as nursery:
+            async def watch() -> None:
+                async for signum in signals:
+                    raise Interrupted(signum)
+
+            nursery.start_soon(watch)
+            result = await fn(*args)
+            nursery.cancel_scope.cancel()
+    return result
 
 
 def run(cfg: MountConfig, cache: ShardCache, on_ready: Callable[[str], None]) -> None:
@@ -201,7 +224,8 @@ def run(cfg: MountConfig, cache: ShardCache, on_ready: Callable[[str], None]) ->
     Three phases: the catalog (a trio loop of its own: network, indexing), the mount (no loop:
     with workers, INIT is answered and the worker zygote forked here, before any thread of
     the serving loop exists), then serving (a second trio loop)."""
-    catalog = trio.run(_open_catalog, cfg, cache)
+    indexing_sources = Sources(cfg.settings)
+    catalog = trio.run(_interruptible, _open_catalog, cfg, cache, indexing_sources)
     ops = ShardFS(catalog.tree, None, [s.url for s in catalog.shards], uid=cfg.uid,
                   gid=cfg.gid)
     ops.no_open = fuse_session.mount(ops, cfg.mountpoint, fuse_options(cfg))
@@ -220,7 +244,7 @@ def run(cfg: MountConfig, cache: ShardCache, on_ready: Callable[[str], None]) ->
             else:
                 log.warning("--workers %d needs the pyfuse3 shim, which is not in effect: "
                             "serving from this one process", cfg.workers)
-        trio.run(_serve, cfg, cache, catalog, ops, states, zygote, on_ready)
+        trio.run(_serve, cfg, cache, catalog, ops, states, zygote, on_ready, indexing_sources)
     finally:
         sd_notify("STOPPING=1")
         fuse_session.close(unmount=True)
@@ -229,8 +253,7 @@ def run(cfg: MountConfig, cache: ShardCache, on_ready: Callable[[str], None]) ->
         log.info("unmounted %s", cfg.mountpoint)
 
 
-async def _open_catalog(cfg: MountConfig, cache: ShardCache) -> Catalog:
-    sources = Sources(cfg.settings)
+async def _open_catalog(cfg: MountConfig, cache: ShardCache, sources: Sources) -> Catalog:
     try:
         urls = await resolve_sources(cfg.specs, sources)
         progress = ProgressLine("indexing shards")
@@ -253,8 +276,8 @@ async def _open_catalog(cfg: MountConfig, cache: ShardCache) -> Catalog:
 
 async def _serve(cfg: MountConfig, cache: ShardCache, catalog: Catalog, ops: ShardFS,
                  states: ShardStates, zygote: Zygote | None,
-                 on_ready: Callable[[str], None]) -> None:
-    sources = Sources(cfg.settings)
+                 on_ready: Callable[[str], None], indexing_sources: Sources) -> None:
+    sources = Sources(cfg.settings, after=indexing_sources)
     try:
         reader = Reader(catalog, cache, sources, cfg.policy, states=states)
         mounted = Mounted(cfg, catalog, cache, reader, sources)
@@ -294,14 +317,15 @@ def _watchdog_interval() -> float | None:
 async def _serve_mounted(mounted: Mounted, zygote: Zygote | None,
                          on_ready: Callable[[str], None]) -> None:
     cfg, catalog = mounted.cfg, mounted.catalog
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(mounted.reader.run)
             await nursery.start(serve_control, cfg.control_socket, mounted.handle)
             if zygote is None:
                 async def fuse_main() -> None:
                     await fuse_session.serve(cfg.max_tasks)
-                    log.info("the kernel ended the session (unmounted from outside)")
+                    log.info("%s was unmounted (shardfs umount, fusermount3 -u or umount)",
+                             cfg.mountpoint)
                     nursery.cancel_scope.cancel()
 
                 nursery.start_soon(fuse_main)

@@ -5,14 +5,50 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import shutil
 import subprocess
 
 log = logging.getLogger(__name__)
 
 
+FSTYPE = "fuse.shardfs"
+
+
 class MountpointError(Exception):
     """The mountpoint cannot be used; the message says why and what to do."""
+
+
+def _unescape(field: str) -> str:
+    """Mount paths in /proc/self/mountinfo escape space, tab, newline and backslash in octal."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def mounted_fstype(path: str) -> str | None:
+    """The filesystem type mounted exactly at `path` (the topmost one), or None."""
+    path = os.path.realpath(path)
+    found = None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                sep = fields.index("-")
+                if _unescape(fields[4]) == path:
+                    found = fields[sep + 1]  # later lines are mounted on top of earlier ones
+    except OSError:
+        return None
+    return found
+
+
+def shardfs_root(path: str) -> str | None:
+    """The shardfs mountpoint that `path` lives under, or None."""
+    path = os.path.realpath(path)
+    while True:
+        if mounted_fstype(path) == FSTYPE:
+            return path
+        if path == "/":
+            return None
+        path = os.path.dirname(path)
 
 
 def is_stale(path: str) -> bool:
@@ -34,7 +70,27 @@ def unmount(path: str, *, lazy: bool = False) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, check=False)
 
 
-def prepare_mountpoint(path: str) -> str:
+def unmount_shardfs(path: str, *, lazy: bool = False) -> None:
+    """`shardfs umount`: unmount a shardfs mount, and nothing else."""
+    path = os.path.abspath(path)
+    fstype = mounted_fstype(path)
+    if fstype is None:
+        if not os.path.exists(path):
+            raise MountpointError(f"{path} does not exist")
+        raise MountpointError(f"{path} is not mounted")
+    if fstype != FSTYPE:
+        raise MountpointError(f"{path} is not a shardfs mount (it is {fstype}); not touching it")
+    result = unmount(path, lazy=lazy)
+    if result.returncode != 0:
+        reason = result.stderr.strip()
+        if "busy" in reason.lower():
+            raise MountpointError(f"{path} is busy (a process has a file open or its working "
+                                  f"directory in it); stop it, or detach now and unmount "
+                                  f"when it lets go: shardfs umount --lazy {path}")
+        raise MountpointError(f"cannot unmount {path}: {reason}")
+
+
+def prepare_mountpoint(path: str, *, nonempty: bool = False) -> str:
     """Absolute path of a usable mountpoint; cleans a stale mount left by a crashed daemon."""
     path = os.path.abspath(path)
     if is_stale(path):
@@ -50,6 +106,17 @@ def prepare_mountpoint(path: str) -> str:
     if os.path.ismount(path):
         raise MountpointError(f"mountpoint {path} is busy: something is already mounted there "
                               f"(unmount it first: shardfs umount {path})")
+    if not nonempty:
+        try:
+            entries = sorted(os.listdir(path))
+        except OSError as exc:
+            raise MountpointError(f"mountpoint {path} cannot be listed: {exc.strerror}") \
+                from None
+        if entries:
+            raise MountpointError(
+                f"mountpoint {path} is not empty ({len(entries)} entries, e.g. {entries[0]!r}); "
+                "mounting would hide them: use an empty directory, or --nonempty "
+                "(-o nonempty) to mount over them")
     return path
 
 

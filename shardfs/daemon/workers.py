@@ -87,6 +87,7 @@ class Zygote:
     def _serve(self, cmd_r: int, pid_w: int) -> None:
         self._detach_fds(cmd_r, pid_w)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped automatically
         children: list[int] = []
@@ -249,7 +250,7 @@ class WorkerPool:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)  # a worker without its connection is no use
         if not self.still_mounted():
-            log.info("the kernel ended the session (unmounted from outside)")
+            log.info("the mount was unmounted (shardfs umount, fusermount3 -u or umount)")
             self._unmounted.set()
             return
         log.warning("FUSE worker %s exited; starting another", pid)

@@ -89,6 +89,7 @@ async def _serve(setup: WorkerSetup) -> None:
 def run_worker(setup: WorkerSetup) -> int:
     """The body of a forked worker process; returns its exit status."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the daemon's to handle
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     try:

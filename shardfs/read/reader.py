@@ -167,6 +167,8 @@ class Reader:
         # decompressed into the cache).
         self.sizes = catalog.data_sizes or [info.size for info in catalog.shards]
         self.codecs = catalog.codecs or [None] * len(catalog.shards)
+        # Shards read only whole (compressed, or on a server without Range support).
+        self.whole_only = catalog.whole_only or [c is not None for c in self.codecs]
         self._slot_waiters: dict[int, trio.Event] = {}  # compressed shards waiting to start
         self.dataset_bytes = sum(self.sizes)
         files = catalog.tree.count_files()
@@ -253,7 +255,7 @@ class Reader:
         if cached is not None:
             stats.cache_hits += 1
             return await self._local(cached.fd, size, start, want)  # type: ignore[arg-type]
-        if self.codecs[shard] is not None:
+        if self.whole_only[shard]:
             return await self._read_compressed(shard, key, start, end, want)
         fetch = self.fetches.get(shard) or self._maybe_start(shard)
         if fetch is not None and fetch.failed is None:
@@ -316,7 +318,8 @@ class Reader:
 
     async def _read_compressed(self, shard: int, key: str, start: int, end: int,
                                want: bool) -> bytes | bytearray | None:
-        """A compressed shard has no member reads: wait for (or start) its whole fetch."""
+        """A compressed shard, or one on a server without Range support, has no member
+        reads: wait for (or start) its whole fetch."""
         while True:
             cached = self.cache.get(key)
             if cached is not None:
@@ -327,9 +330,11 @@ class Reader:
                 fetch = self._start(shard)
                 if fetch is None:
                     self.stats.eio += 1
+                    what = "compressed shard" if self.codecs[shard] else \
+                        "shard (its server ignores Range requests)"
                     raise ReadError(f"{self.catalog.shards[shard].url}: the cache cannot hold "
-                                    f"this compressed shard ({self.sizes[shard]} bytes "
-                                    "decompressed); give it a larger --cache-size")
+                                    f"this {what}, {self.sizes[shard]} bytes, which can only "
+                                    "be read whole; give it a larger --cache-size")
             if fetch is None:  # every slot busy: queue it ahead of the policy and wait
                 self._forced.add(shard)
                 self._queue[shard] = None

@@ -61,18 +61,26 @@ def to_url(spec: str) -> str:
 class Sources:
     """One source per kind, created on first use and shared by all shards."""
 
-    def __init__(self, settings: SourceSettings | None = None) -> None:
+    def __init__(self, settings: SourceSettings | None = None, *,
+                 after: Sources | None = None) -> None:
+        """`after`: the closed Sources of an earlier event loop of this daemon (indexing runs
+        in a loop of its own): its counters carry on here, and servers that answered it are
+        not "first contact" any more."""
         self.settings = settings or SourceSettings()
         self._http: HttpSource | None = None
         self._file: FileSource | None = None
         self._s3: S3Source | None = None
         self._ais: AisSource | None = None
+        self._earlier = after.stats() if after is not None else SourceStats()
+        self._answered = after.answered() if after is not None else set()
+        self._closed: list[Source] = []  # sources closed by aclose(): their counters remain
 
     def for_url(self, url: str) -> Source:
         scheme = urlsplit(url).scheme.lower()
         if scheme in ("http", "https"):
             if self._http is None:
                 self._http = HttpSource(self.settings)
+                self._http.answered |= self._answered
             return self._http
         if scheme == "file":
             if self._file is None:
@@ -92,10 +100,7 @@ class Sources:
     def stats(self) -> SourceStats:
         """Counters of all sources, summed."""
         total = SourceStats()
-        for source in (self._http, self._file, self._s3, self._ais):
-            if source is None:
-                continue
-            s = source.stats
+        for s in [self._earlier] + [source.stats for source in self._open() + self._closed]:
             total.requests += s.requests
             total.bytes_received += s.bytes_received
             total.retries += s.retries
@@ -104,9 +109,17 @@ class Sources:
                 total.by_status[status] = total.by_status.get(status, 0) + count
         return total
 
+    def _open(self) -> list[Source]:
+        return [s for s in (self._http, self._file, self._s3, self._ais) if s is not None]
+
+    def answered(self) -> set[str]:
+        """Servers (scheme://host:port) that have answered a request."""
+        return self._answered.union(*(getattr(s, "answered", set())
+                                      for s in self._open() + self._closed))
+
     async def aclose(self) -> None:
-        opened = (self._http, self._file, self._s3, self._ais)
+        opened = self._open()
         self._http = self._file = self._s3 = self._ais = None
         for source in opened:
-            if source is not None:
-                await source.aclose()
+            self._closed.append(source)
+            await source.aclose()

@@ -16,7 +16,7 @@ class NotFound(SourceError):
 
 
 class RangeNotSupported(SourceError):
-    """The server ignores Range requests, so members cannot be read without whole downloads."""
+    """The server stopped honouring Range requests it honoured at mount time."""
 
 
 class ShardChanged(SourceError):
@@ -35,6 +35,9 @@ class ShardInfo:
     size: int
     etag: str | None = None
     last_modified: str | None = None
+    # The server ignores Range requests: the shard can only be read whole, from its start
+    # (no member reads; the reader waits for its whole-shard fetch, as for compressed shards).
+    whole_only: bool = False
 
     @property
     def identity(self) -> str:
@@ -88,9 +91,10 @@ class Source(Protocol):
     stats: SourceStats
 
     async def stat(self, url: str) -> ShardInfo:
-        """Size and validators of a shard; checks the source can serve byte ranges.
+        """Size and validators of a shard, and whether it can be read by byte ranges
+        (`whole_only` when not).
 
-        Raises NotFound, RangeNotSupported, Unreachable, SourceError."""
+        Raises NotFound, Unreachable, SourceError."""
         ...
 
     def stream(self, shard: ShardInfo, start: int, end: int) -> AsyncIterator[bytes]:

@@ -7,6 +7,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Callable
+from urllib.parse import urlsplit
 
 import httpx
 import trio
@@ -38,6 +39,31 @@ class _Retry(Exception):
     def __init__(self, reason: str, retry_after: float | None = None) -> None:
         super().__init__(reason)
         self.retry_after = retry_after
+
+
+class _RetryWarnings:
+    """At most one retry warning per host per interval; the next one says how many were not
+    shown. A server that is down for a minute gave dozens of identical lines per shard."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._last: dict[str, float] = {}
+        self._hidden: dict[str, int] = {}
+
+    def warn(self, url: str, message: str) -> None:
+        host = urlsplit(url).netloc or url
+        now = time.monotonic()
+        last = self._last.get(host)
+        if last is not None and now - last < self.interval:
+            self._hidden[host] = self._hidden.get(host, 0) + 1
+            return
+        hidden = self._hidden.pop(host, 0)
+        self._last[host] = now
+        more = f" ({hidden} more retries on {host} not shown)" if hidden else ""
+        log.warning("%s%s", message, more)
+
+
+RETRY_WARNINGS = _RetryWarnings(interval=10.0)
 
 
 class _Patience:
@@ -88,7 +114,8 @@ class _Patience:
         if failure.retry_after is not None:
             delay = max(delay, failure.retry_after)  # the server knows best, within the deadline
         self._stats.retries += 1
-        log.warning("%s: %s; retrying in %.2f s", self._url, failure, min(delay, remaining))
+        RETRY_WARNINGS.warn(self._url, f"{self._url}: {failure}; retrying in "
+                                       f"{min(delay, remaining):.2f} s")
         await trio.sleep(min(delay, remaining))
 
 
@@ -100,6 +127,10 @@ class HttpSource:
         self.stats = SourceStats()
         # URL -> (when it ran out of deadline, its last progress); see _Patience.
         self._down: dict[str, tuple[float, float]] = {}
+        # Servers (scheme://host:port) that have answered at least once. A refused connection
+        # or an unknown host on first contact is a wrong URL or a server that is not running:
+        # it fails at once. Retries with backoff are for servers that answered before.
+        self.answered: set[str] = set()
         s = self.settings
         self._client = httpx.AsyncClient(
             # No pool timeout: waiting for one of our own connections is not a server failure.
@@ -132,6 +163,7 @@ class HttpSource:
         # GET of one byte rather than HEAD: it proves the server honours Range.
         async with self._request(url, {"Range": "bytes=0-0"}) as resp:
             status = resp.status_code
+            whole_only = False
             if status == 206:
                 size = _parse_content_range(resp, url)[2]
             elif status == 416:
@@ -139,18 +171,21 @@ class HttpSource:
             elif status == 200 and resp.headers.get("content-length") == "0":
                 size = 0  # an empty object: nothing to range over
             elif status == 200:
-                raise RangeNotSupported(
-                    f"{url}: the server ignored a Range request (HTTP 200 instead of 206); "
-                    "shardfs needs a server that supports Range requests"
-                )
+                # No Range support (python -m http.server, some CDNs and proxies): the shard
+                # can still be read whole. Its size must be known; the body is not read
+                # (closing the response drops the connection).
+                size = _content_length(resp, url)
+                whole_only = True
             else:
                 raise self._status_error(resp, url)
-            await self._read_small(resp, url)  # let the connection be reused
+            if not whole_only:
+                await self._read_small(resp, url)  # let the connection be reused
             return ShardInfo(
                 url=url,
                 size=size,
                 etag=resp.headers.get("etag"),
                 last_modified=resp.headers.get("last-modified"),
+                whole_only=whole_only,
             )
 
     # -- stream -------------------------------------------------------------------------------
@@ -164,16 +199,29 @@ class HttpSource:
         chunk = self.settings.chunk_size
         while pos < end:
             try:
-                async with self._request(shard.url, _range_headers(shard, pos, end)) as resp:
+                headers = _whole_headers(shard) if shard.whole_only \
+                    else _range_headers(shard, pos, end)
+                async with self._request(shard.url, headers) as resp:
                     stop = await self._check_partial(resp, shard, pos, end)
+                    # A whole-only shard is always sent from byte 0: skip what we already
+                    # yielded (a resumed transfer) or what the caller did not ask for.
+                    at = 0 if shard.whole_only else pos
                     async for data in resp.aiter_raw():
                         self.stats.bytes_received += len(data)
+                        if at < pos:
+                            skip = min(len(data), pos - at)
+                            at += skip
+                            data = data[skip:]
+                        data = data[: stop - pos]
+                        at += len(data)
                         for i in range(0, len(data), chunk):
                             piece = data[i : i + chunk]
                             pos += len(piece)
                             yield piece
                             # After the yield: time the consumer spends is not our stall.
                             patience.progress()
+                        if pos >= stop:
+                            break
                     if pos < stop:
                         raise self._retry(f"response ended at byte {pos}, expected {stop}")
             except _Retry as failure:
@@ -196,6 +244,12 @@ class HttpSource:
             raise ShardChanged(f"{url}: changed since mount time (HTTP 412, validator mismatch)")
         if status == 416:
             raise ShardChanged(f"{url}: bytes {pos}-{end - 1} no longer exist (HTTP 416)")
+        if status == 200 and shard.whole_only:
+            total = _content_length(resp, url)
+            if total != shard.size:
+                raise ShardChanged(f"{url}: size is now {total}, was {shard.size} at mount time")
+            self._check_validators(resp, shard)
+            return end
         if status == 200:
             self._check_validators(resp, shard)
             raise RangeNotSupported(
@@ -268,7 +322,7 @@ class HttpSource:
             return self._retry(f"HTTP {status} {resp.reason_phrase}", retry_after)
         self.stats.errors += 1
         if status in GONE:
-            return NotFound(f"{url}: not found (HTTP {status})")
+            return NotFound(f"{url}: not found (HTTP {status}){_directory_hint(url)}")
         return SourceError(f"{url}: unexpected HTTP {status} {resp.reason_phrase}")
 
 
@@ -287,14 +341,23 @@ class _Attempt:
     async def __aenter__(self) -> httpx.Response:
         src = self._source
         src.stats.requests += 1
+        request = None
         try:
             request = self._build()
             self._resp = await src._client.send(request, stream=True)
         except (httpx.UnsupportedProtocol, httpx.InvalidURL) as e:
             src.stats.errors += 1
             raise SourceError(f"{self._url}: {e}") from e
+        except httpx.ConnectError as e:
+            origin = _origin(request.url) if request is not None else None
+            if origin is not None and origin not in src.answered:
+                src.stats.errors += 1
+                raise Unreachable(f"{self._url}: cannot connect to {origin} ({_describe(e)}); "
+                                  "check the URL and that the server is running") from None
+            raise src._retry(_describe(e)) from e
         except httpx.TransportError as e:
             raise src._retry(_describe(e)) from e
+        src.answered.add(_origin(request.url))
         by_status = src.stats.by_status
         by_status[self._resp.status_code] = by_status.get(self._resp.status_code, 0) + 1
         return self._resp
@@ -305,6 +368,38 @@ class _Attempt:
             await self._resp.aclose()
         if isinstance(exc, httpx.TransportError):
             raise self._source._retry(_describe(exc)) from exc
+
+
+def _directory_hint(url: str) -> str:
+    """A URL that names a directory gets 403/404 from most servers: say what to give instead."""
+    path = urlsplit(url).path
+    if path.endswith("/") or "." not in path.rsplit("/", 1)[-1]:
+        return ("; if this is a directory: HTTP directory listings are not a source, name the "
+                "shards with a brace pattern (.../train-{000000..000099}.tar) or a manifest "
+                "(.txt, one URL per line)")
+    return ""
+
+
+def _origin(url: httpx.URL) -> str:
+    return f"{url.scheme}://{url.netloc.decode('ascii', 'replace')}"
+
+
+def _whole_headers(shard: ShardInfo) -> dict[str, str]:
+    """A plain GET of the whole shard, conditional on the version seen at mount time."""
+    if shard.etag and not shard.etag.startswith("W/"):
+        return {"If-Match": shard.etag}
+    if shard.last_modified:
+        return {"If-Unmodified-Since": shard.last_modified}
+    return {}
+
+
+def _content_length(resp: httpx.Response, url: str) -> int:
+    value = resp.headers.get("content-length", "")
+    if not value.isdigit():
+        raise SourceError(f"{url}: the server ignores Range requests and sends no "
+                          "Content-Length, so the shard's size cannot be known; serve it "
+                          "from a server that supports Range requests")
+    return int(value)
 
 
 def _range_headers(shard: ShardInfo, start: int, end: int) -> dict[str, str]:
