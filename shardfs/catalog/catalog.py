@@ -91,6 +91,7 @@ def scan_local_file(path: str) -> ShardIndex:
             index.extend(scanner.feed(chunk))
     scanner.finish()
     index.skipped = dict(scanner.skipped)
+    index.notes = dict(scanner.notes)
     return index
 
 
@@ -115,6 +116,7 @@ def _scan_local_compressed(path: str, codec: str) -> ShardIndex:
     scanner.finish()
     index.sha256, index.tar_size = digest.hexdigest(), tar_size
     index.skipped = dict(scanner.skipped)
+    index.notes = dict(scanner.notes)
     return index
 
 
@@ -157,6 +159,7 @@ async def scan_stream(
     scanner.finish()
     index.sha256 = digest.hexdigest()
     index.skipped = dict(scanner.skipped)
+    index.notes = dict(scanner.notes)
     return index
 
 
@@ -430,9 +433,14 @@ async def open_catalog(urls: list[str], sources: Sources, cache: ShardCache, *,
         tree_path.unlink(missing_ok=True)
         raise CatalogError(f"index of compressed shard {missing[0]} is missing; mount again")
     skipped: dict[str, int] = {}
+    notes: dict[str, int] = {}
     for h in headers:
         for reason, count in (h.get("skipped") or {}).items():
             skipped[reason] = skipped.get(reason, 0) + int(count)
+        for kind, count in (h.get("notes") or {}).items():
+            notes[kind] = notes.get(kind, 0) + int(count)
+    if notes:
+        log.info("member names or headers fixed up as GNU tar does: %s", notes)
     return Catalog(shards=infos, keys=keys, sha256=[h.get("sha256") for h in headers],
                    skipped=skipped,
                    tree=tree, codecs=codecs, data_sizes=sizes,

@@ -20,6 +20,7 @@ from shardfs.catalog.dirmap import encode_pages
 from shardfs.catalog.shardindex import KIND_DIR, KIND_FILE, KIND_LINK
 from shardfs.catalog.tree import Tree
 from shardfs.read.reader import Reader, ReadError
+from shardfs.read.sparse import read_sparse
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,8 @@ class ShardFS(pyfuse3.Operations):
     async def read(self, fh, off, size):
         ref = self.tree.file_ref(fh)
         try:
+            if self.tree.sparse and fh - 1 in self.tree.sparse:  # holes read as zeros
+                return await read_sparse(self.reader, ref, self.tree.sparse[fh - 1], off, size)
             return await self.reader.read(ref.shard, ref.offset, ref.size, off, size)
         except ReadError as exc:
             log.error("EIO for %s: %s", self.tree.path(fh).decode(errors="replace"), exc)
