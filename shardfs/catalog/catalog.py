@@ -25,7 +25,7 @@ from urllib.parse import unquote, urlsplit
 
 import trio
 
-from shardfs.catalog.codecs import CodecError, codec_for, decompressor
+from shardfs.catalog.codecs import CodecError, Decompressor, codec_for, decompressor
 from shardfs.catalog.shardindex import (
     INDEX_SUFFIX,
     IndexFormatError,
@@ -116,8 +116,18 @@ def _scan_local_compressed(path: str, codec: str) -> ShardIndex:
     scanner.finish()
     index.sha256, index.tar_size = digest.hexdigest(), tar_size
     index.skipped = dict(scanner.skipped)
-    index.notes = dict(scanner.notes)
+    index.notes = _notes(scanner, plain, path)
     return index
+
+
+def _notes(scanner: TarScanner, plain: Decompressor, name: str) -> dict[str, int]:
+    """The scanner's fix-ups, plus trailing garbage after the compressed stream (logged)."""
+    notes = dict(scanner.notes)
+    if plain.trailing_garbage:
+        log.warning("%s: %d bytes after the end of the compressed data ignored (as gzip and "
+                    "GNU tar do)", name, plain.trailing_garbage)
+        notes["compressed-trailing-garbage"] = 1
+    return notes
 
 
 async def scan_stream(
@@ -159,7 +169,7 @@ async def scan_stream(
     scanner.finish()
     index.sha256 = digest.hexdigest()
     index.skipped = dict(scanner.skipped)
-    index.notes = dict(scanner.notes)
+    index.notes = _notes(scanner, plain, info.url) if plain else dict(scanner.notes)
     return index
 
 
