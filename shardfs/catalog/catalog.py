@@ -102,17 +102,18 @@ def _scan_local_compressed(path: str, codec: str) -> ShardIndex:
     plain = decompressor(codec)
     digest = hashlib.sha256()
     tar_size = 0
+
+    def take(data: bytes) -> None:
+        nonlocal tar_size
+        tar_size += len(data)
+        if not scanner.done:
+            index.extend(scanner.feed(data))
+
     with open(path, "rb", buffering=0) as f:
         while chunk := f.read(_LOCAL_READ):
             digest.update(chunk)
-            data = plain.feed(chunk)
-            tar_size += len(data)
-            if not scanner.done:
-                index.extend(scanner.feed(data))
-    tail = plain.finish()
-    tar_size += len(tail)
-    if tail and not scanner.done:
-        index.extend(scanner.feed(tail))
+            plain.feed_into(chunk, take)
+    take(plain.finish())
     scanner.finish()
     index.sha256, index.tar_size = digest.hexdigest(), tar_size
     index.skipped = dict(scanner.skipped)
@@ -161,7 +162,10 @@ async def scan_stream(
 
     async for chunk in source.stream(info, 0, info.size):
         digest.update(chunk)
-        take(plain.feed(chunk) if plain else chunk)
+        if plain is not None:
+            plain.feed_into(chunk, take)  # in bounded pieces: see Decompressor.feed_into
+        else:
+            take(chunk)
         on_bytes(len(chunk))
     if plain is not None:
         take(plain.finish())

@@ -8,6 +8,7 @@ served from the plain tar bytes there. Indexing them necessarily streams them on
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from typing import Protocol
 
 _SUFFIXES = ((".tar.gz", "gzip"), (".tgz", "gzip"), (".tar.zst", "zstd"),
@@ -30,7 +31,15 @@ def codec_for(url: str) -> str | None:
 class Decompressor(Protocol):
     trailing_garbage: int  # bytes after the last member/frame that start no new one
 
-    def feed(self, data: bytes) -> bytes: ...
+    def feed(self, data: bytes) -> bytes:
+        """All the output of `data` at once (its size is not bounded: see feed_into)."""
+        ...
+
+    def feed_into(self, data: bytes, sink: Callable[[bytes], object]) -> None:
+        """The output of `data`, handed to `sink` in pieces of bounded size (about 128 MiB
+        at most, usually far less), so that a small input of a huge run of zeros (a
+        compression bomb, or just an 8 GB sparse file in a tar.zst) never sits in memory."""
+        ...
 
     def finish(self) -> bytes:
         """Remaining output; CodecError if the compressed stream was cut short."""
@@ -38,6 +47,10 @@ class Decompressor(Protocol):
 
 
 _LOOK = 8  # bytes enough to recognise the start of a member/frame
+_OUT = 16 << 20  # output per call where the library can bound it (zlib)
+# Input per call where it cannot: a zstd block is at least 4 bytes in, at most 128 KiB out,
+# so 4 KiB in gives at most 128 MiB out; lz4 blocks give at most 4 MiB (8 MiB legacy).
+_SLICE = 4096
 
 
 class _Frames:
@@ -67,10 +80,26 @@ class _Frames:
         self.trailing_garbage = 0
 
     def feed(self, data: bytes) -> bytes:
+        out: list[bytes] = []
+        self.feed_into(data, out.append)
+        return b"".join(out)
+
+    def _decompress(self, d, data: bytes, sink: Callable[[bytes], object]) -> bytes | None:
+        """Feed `data` to the member's decompressor `d`; the bytes after the member if it
+        ended in them, else None. Input goes in slices, to bound each call's output."""
+        view = memoryview(data)
+        for start in range(0, len(view), _SLICE):
+            piece = d.decompress(bytes(view[start : start + _SLICE]))
+            if piece:
+                sink(piece)
+            if d.eof:
+                return (d.unused_data or b"") + bytes(view[start + _SLICE :])
+        return None
+
+    def feed_into(self, data: bytes, sink: Callable[[bytes], object]) -> None:
         if self.trailing_garbage:
             self.trailing_garbage += len(data)
-            return b""
-        out = []
+            return
         try:
             while data:
                 if self._d is None:
@@ -85,15 +114,14 @@ class _Frames:
                         self.trailing_garbage = len(data)
                         break
                     self._d = self._new(head)  # a first member that is none fails in it
-                out.append(self._d.decompress(data))
-                if not self._d.eof:
+                rest = self._decompress(self._d, data, sink)
+                if rest is None:
                     break
                 self._members += 1
-                data = self._d.unused_data
+                data = rest
                 self._d = None
         except self.error as exc:
             raise CodecError(f"corrupt {self.name} data: {exc}") from None
-        return b"".join(out)
 
     def finish(self) -> bytes:
         if self._d is not None and not getattr(self._d, "complete", False):
@@ -111,6 +139,17 @@ class _Gzip(_Frames):
 
     def _new(self, head: bytes):
         return zlib.decompressobj(wbits=31)
+
+    def _decompress(self, d, data: bytes, sink: Callable[[bytes], object]) -> bytes | None:
+        while True:  # zlib bounds its output itself
+            piece = d.decompress(data, _OUT)
+            if piece:
+                sink(piece)
+            if d.eof:
+                return d.unused_data
+            data = d.unconsumed_tail
+            if not data and len(piece) < _OUT:
+                return None
 
     @staticmethod
     def _starts_frame(head: bytes) -> bool | None:
