@@ -13,9 +13,10 @@ Decisions beyond the plain formats (compatible with GNU tar and Python's tarfile
 * Data follows only headers of regular files, contiguous files, unknown types and GNU sparse,
   dumpdir ('D') and multivolume ('M') members; directories, links, devices and fifos carry
   none whatever their size field says (as in tarfile, which writes hard links with a size).
-* A GNU long name/link or sparse map larger than 1 MiB, or a pax header larger than 16 MiB,
-  raises TarError rather than being skipped: a skipped pax header may have carried the next
-  member's size, so resyncing past it is not safe.
+* A GNU long name/link or old GNU sparse map larger than 1 MiB, or a pax header larger than
+  16 MiB, raises TarError rather than being skipped: a skipped pax header may have carried the
+  next member's size, so resyncing past it is not safe. (A pax 1.0 sparse map lies in the
+  member's data, whose size is known: one over 1 MiB only skips the member.)
 * pax 'x' keys path, linkpath, size and mtime override the header (pax over GNU long names over
   ustar fields); 'g' keys do the same for all following members, an empty value unsets one.
   Like GNU tar: of several 'x' headers in a row only the last counts, a path or linkpath
