@@ -23,7 +23,15 @@ from shardfs.catalog.shardindex import (
     decode_index,
     encode_index,
 )
-from shardfs.catalog.sparse import HOLE, decode_map, encode_map, make_map, pieces, stored_size
+from shardfs.catalog.sparse import (
+    HOLE,
+    SparseMap,
+    decode_map,
+    encode_map,
+    make_map,
+    pieces,
+    stored_size,
+)
 from shardfs.catalog.tar import Member
 from shardfs.catalog.tree import Tree, build_tree
 from shardfs.read.cache import ShardCache
@@ -43,7 +51,7 @@ def expand(runs: list[int], size: int, stored: bytes) -> bytes:
 
 def read_model(runs: list[int], size: int, stored: bytes, off: int, length: int) -> bytes:
     out = bytearray()
-    for at, n in pieces(runs, size, off, length):
+    for at, n in pieces(SparseMap.of(runs), size, off, length):
         out += bytes(n) if at == HOLE else stored[at : at + n]
     return bytes(out)
 
@@ -65,7 +73,7 @@ def test_pieces_against_the_model() -> None:
             off, length = rng.randint(0, size + 10), rng.randint(0, size + 10)
             got = read_model(list(runs), size, stored, off, length)
             assert got == logical[off : off + length]
-            assert all(n > 0 for _, n in pieces(runs, size, off, length))
+            assert all(n > 0 for _, n in pieces(SparseMap.of(runs), size, off, length))
 
 def test_make_map_rejects_what_gnu_tar_calls_malformed() -> None:
     assert make_map([(10, 5), (5, 1)], 100) is None  # out of order

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardfs.catalog.sparse import HOLE, pieces
+from shardfs.catalog.sparse import HOLE, SparseMap, pieces
 from shardfs.catalog.tar import BLOCK, Member, TarError, TarScanner, normalize_path
 
 FORMATS = {"ustar": tarfile.USTAR_FORMAT, "gnu": tarfile.GNU_FORMAT, "pax": tarfile.PAX_FORMAT}
@@ -59,7 +59,7 @@ def data_of(archive: bytes, member: Member) -> bytes:
     if member.sparse is None:
         return archive[member.offset : member.offset + member.size]
     out = bytearray()
-    for at, n in pieces(member.sparse, member.size, 0, member.size):
+    for at, n in pieces(SparseMap.of(member.sparse), member.size, 0, member.size):
         start = member.offset + at
         out += bytes(n) if at == HOLE else archive[start : start + n]
     return bytes(out)

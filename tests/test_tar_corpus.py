@@ -21,7 +21,7 @@ import stat
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +31,7 @@ import trio
 from shardfs.catalog.catalog import Catalog, scan_local_file, stat_all
 from shardfs.catalog.codecs import CodecError, codec_for
 from shardfs.catalog.shardindex import KIND_DIR, KIND_FILE, KIND_LINK, ShardIndex
+from shardfs.catalog.sparse import SparseMap
 from shardfs.catalog.tar import TarError, _symlink_inside
 from shardfs.catalog.tree import ROOT, Tree, build_tree
 from shardfs.read.cache import ShardCache, shard_key
@@ -196,7 +197,7 @@ class View:
     files: dict[bytes, int]  # path -> handle (inode)
     links: dict[bytes, bytes]
     size: Callable[[int], int]
-    runs: Callable[[int], Sequence[int] | None]  # sparse map, where known
+    runs: Callable[[int], SparseMap | None]  # sparse map, where known
     read: Read
 
 
@@ -244,7 +245,7 @@ async def compare(name: str, ref: Reference, view: View, tally: Tally) -> None:
                     problems.append(f"{name}: {path!r} bytes differ")
                 continue
             tally.sampled_files += 1
-            for off in sample_offsets(size, list(runs) if runs else None, path):
+            for off in sample_offsets(size, list(runs.runs) if runs else None, path):
                 got, want = await view.read(ino, off, SAMPLE), os.pread(f.fileno(), SAMPLE, off)
                 if (name, path) in KNOWN_SIZE:  # GNU tar's copy lacks the final hole
                     want = want.ljust(len(got), b"\0")

@@ -24,7 +24,7 @@ from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from shardfs.catalog.sparse import SparseMap, decode_map, encode_map, stored_size
+from shardfs.catalog.sparse import Runs, decode_map, encode_map, stored_size
 from shardfs.catalog.tar import Member, _symlink_inside, normalize_path
 
 INDEX_FORMAT = "shardfs-index/1"
@@ -52,7 +52,7 @@ class ShardIndex:
     mtimes: array = field(default_factory=lambda: array("q"))
     modes: array = field(default_factory=lambda: array("H"))
     links: dict[int, bytes] = field(default_factory=dict)  # member position -> symlink target
-    sparse: dict[int, SparseMap] = field(default_factory=dict)  # member position -> sparse map
+    sparse: dict[int, Runs] = field(default_factory=dict)  # member position -> sparse map
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
     notes: dict[str, int] = field(default_factory=dict)  # members fixed up (tar.py), by kind
 

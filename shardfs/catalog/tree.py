@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardfs.catalog.shardindex import KIND_DIR, KIND_FILE, KIND_LINK, ShardIndex
-from shardfs.catalog.sparse import SparseMap, decode_map, encode_map, stored_size
+from shardfs.catalog.sparse import SparseMap, decode_map, encode_map
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +111,8 @@ class Tree:
 
     def stored_size(self, ino: int) -> int:
         """Bytes a file takes in its shard: its size, or its data runs' if it is sparse."""
-        runs = self.sparse.get(ino - 1) if self.sparse else None
-        return self.size[ino - 1] if runs is None else stored_size(runs)
+        smap = self.sparse.get(ino - 1) if self.sparse else None
+        return self.size[ino - 1] if smap is None else smap.stored
 
     def path(self, ino: int) -> bytes:
         parts = []
@@ -173,7 +173,7 @@ class Tree:
             "names": len(self.names),
             "arrays": {n: [getattr(self, n).typecode, len(getattr(self, n))] for n in self._ARRAYS},
             "links": {str(k): v.hex() for k, v in self.links.items()},
-            "sparse": {str(k): encode_map(v).decode() for k, v in self.sparse.items()},
+            "sparse": {str(k): encode_map(v.runs).decode() for k, v in self.sparse.items()},
             "report": [self.report.members, self.report.shadowed, self.report.conflicts,
                        self.report.dangling_links],
         }
@@ -218,7 +218,7 @@ class Tree:
         if len(names) != header["names"] or len(kind) != header["entries"]:
             raise ValueError(f"{path}: truncated")
         links = {int(k): bytes.fromhex(v) for k, v in header["links"].items()}
-        sparse = {int(k): decode_map(v.encode(), arrays["size"][int(k)])
+        sparse = {int(k): SparseMap.of(decode_map(v.encode(), arrays["size"][int(k)]))
                   for k, v in header["sparse"].items()}
         return cls(names=names, kind=kind, links=links, sparse=sparse,
                    report=BuildReport(*header["report"]), **arrays)
@@ -294,7 +294,7 @@ def build_tree(shards: Sequence[ShardIndex], *, default_mtime: int = 0) -> Tree:
             if k == KIND_LINK:
                 links[e] = index.links.get(p, b"")
             elif index.sparse and p in index.sparse:
-                sparse[e] = index.sparse[p]
+                sparse[e] = SparseMap.of(index.sparse[p])
     del keys, order, where, pos
 
     children, child_start, child_count = _group_children(parent, kind)

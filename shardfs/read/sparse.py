@@ -6,17 +6,17 @@ Kept apart from the reader's policy: a sparse file's data runs are one stored me
 
 from __future__ import annotations
 
-from shardfs.catalog.sparse import HOLE, SparseMap, pieces, stored_size
+from shardfs.catalog.sparse import HOLE, SparseMap, pieces
 from shardfs.catalog.tree import FileRef
 from shardfs.read.reader import Reader
 
 
-async def read_sparse(reader: Reader, ref: FileRef, runs: SparseMap, off: int,
+async def read_sparse(reader: Reader, ref: FileRef, smap: SparseMap, off: int,
                       size: int) -> bytes:
     """Logical bytes [off, off+size) of the sparse file `ref` (clipped to its end)."""
-    stored = stored_size(runs)
+    stored = smap.stored
     out = []
-    for at, length in pieces(runs, ref.size, off, size):
+    for at, length in pieces(smap, ref.size, off, size):
         if at == HOLE:
             out.append(bytes(length))
         else:
