@@ -12,6 +12,7 @@ copied into this repository (origins and licences: MANIFEST.tsv).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -83,6 +84,19 @@ KNOWN: dict[str, tuple[str, set[bytes]]] = {
 KNOWN_SIZE = {("libarchive/test_read_format_gtar_sparse_skip_entry.tar", b"a"): 10737418244}
 
 
+def origin_md5s() -> dict[str, dict[bytes, str]]:
+    """ratarmount's own expected md5s (ORIGIN_CHECKS.tsv): archive -> member path -> md5.
+    Paths of ratarmount's views ('.versions/N', members of nested archives) match nothing
+    here and are not checked."""
+    out: dict[str, dict[bytes, str]] = {}
+    for line in (CORPUS / "ORIGIN_CHECKS.tsv").read_text().splitlines():
+        fields = line.split("\t")
+        if line.startswith("#") or len(fields) != 3 or fields[0] == "file":
+            continue
+        out.setdefault(fields[0], {})[fields[1].encode()] = fields[2]
+    return out
+
+
 def corpus_archives() -> list[str]:
     return sorted(p.relative_to(CORPUS).as_posix() for p in CORPUS.rglob("*")
                   if p.is_file() and not p.name.endswith(".tsv"))
@@ -98,6 +112,9 @@ class Reference:
     files: dict[bytes, Path | None] = field(default_factory=dict)
     sizes: dict[bytes, int] = field(default_factory=dict)
     links: dict[bytes, bytes] = field(default_factory=dict)
+
+
+ORIGIN_MD5 = origin_md5s() if CORPUS.is_dir() else {}
 
 
 def gnu_tar(archive: Path, args: str) -> subprocess.CompletedProcess:
@@ -184,6 +201,7 @@ class Tally:
     symlinks: int = 0
     symlinks_refused: int = 0
     known_differences: int = 0
+    origin_md5s_checked: int = 0  # files also checked against ratarmount's expected md5
     problems: list[str] = field(default_factory=list)
 
 
@@ -243,6 +261,11 @@ async def compare(name: str, ref: Reference, view: View, tally: Tally) -> None:
                 tally.bytes_compared += len(want)
                 if got != want:
                     problems.append(f"{name}: {path!r} bytes differ")
+                md5 = ORIGIN_MD5.get(name, {}).get(path)
+                if md5 is not None:
+                    tally.origin_md5s_checked += 1
+                    if hashlib.md5(got).hexdigest() != md5:
+                        problems.append(f"{name}: {path!r} md5 differs from ratarmount's")
                 continue
             tally.sampled_files += 1
             for off in sample_offsets(size, list(runs.runs) if runs else None, path):
@@ -333,6 +356,7 @@ def test_corpus_matches_gnu_tar(tmp_path: Path, request: pytest.FixtureRequest) 
            skipped=dict(sorted(skipped.items())))
     assert not tally.problems, "\n".join(tally.problems)
     assert tally.gnu_reads >= 150 and tally.sparse_files >= 30 and tally.sampled_files >= 3
+    assert tally.origin_md5s_checked >= 20
 
 
 # -- real FUSE mounts ------------------------------------------------------------------------
