@@ -51,6 +51,60 @@ def test_codec_round_trip_and_truncation(suffix: str):
         decompressor(codec).feed(b"this is not compressed at all" * 10)
 
 
+def lz4_legacy(data: bytes) -> bytes:
+    """The lz4 legacy format (`lz4 -l`): magic, then (size, block) pairs of <= 8 MiB."""
+    import lz4.block
+
+    out = bytearray(b"\x02\x21\x4c\x18")
+    for i in range(0, len(data), 8 << 20):
+        block = lz4.block.compress(data[i : i + (8 << 20)], store_size=False)
+        out += len(block).to_bytes(4, "little") + block
+    return bytes(out)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4096, 1 << 20])
+def test_lz4_legacy_frames(chunk: int) -> None:
+    data = os.urandom(100_000) + bytes(9 << 20)  # two legacy blocks
+    blob = lz4_legacy(data) + lz4_frame.compress(b"then a modern frame")
+    d = decompressor("lz4")
+    out = b"".join(d.feed(blob[i : i + chunk]) for i in range(0, len(blob), chunk))
+    assert out + d.finish() == data + b"then a modern frame"
+    cut = decompressor("lz4")
+    cut.feed(lz4_legacy(data)[:-10])  # a block cut short
+    with pytest.raises(CodecError, match="truncated"):
+        cut.finish()
+    whole = decompressor("lz4")  # a legacy stream has no end mark: EOF after a block is fine
+    assert whole.feed(lz4_legacy(b"abc")) + whole.finish() == b"abc"
+
+
+@pytest.mark.parametrize("suffix", [".tar.gz", ".tar.lz4", ".tar.zst"])
+@pytest.mark.parametrize("garbage", [b"junk data at the end of the file\n", bytes(1000), b"\x1f"])
+def test_trailing_garbage_is_ignored_and_counted(suffix: str, garbage: bytes) -> None:
+    """As gzip ("decompression OK, trailing garbage ignored"), GNU tar and libarchive."""
+    data = os.urandom(5000)
+    d = decompressor(codec_for("a" + suffix) or "")
+    blob = COMPRESS[suffix](data) + garbage
+    out = b"".join(d.feed(blob[i : i + 7]) for i in range(0, len(blob), 7))
+    assert out + d.finish() == data
+    assert d.trailing_garbage == len(garbage)
+
+
+@pytest.mark.parametrize("suffix", [".tar.gz", ".tar.lz4", ".tar.zst"])
+def test_output_comes_in_bounded_pieces(suffix: str) -> None:
+    """A small input that decompresses to a lot (320 MiB of zeros) never sits in memory whole."""
+    zeros = 160 << 20
+    if suffix == ".tar.gz":  # deflate tops out near 1000:1: build the bomb from members
+        blob = gzip.compress(bytes(zeros), compresslevel=9) * 2
+    else:
+        blob = COMPRESS[suffix](bytes(zeros)) * 2
+    d = decompressor(codec_for("a" + suffix) or "")
+    pieces: list[int] = []
+    d.feed_into(blob, lambda piece: pieces.append(len(piece)))
+    d.finish()
+    assert sum(pieces) == 2 * zeros
+    assert max(pieces) <= 128 << 20
+
+
 @pytest.mark.parametrize("suffix", [".tar.gz", ".tar.zst", ".tar.lz4"])
 def test_mount_compressed_shards_over_http(suffix, dataset: Dataset, nginx, mounter: Mounter):
     names = compressed_copies(dataset, nginx.root / "z", suffix)

@@ -11,7 +11,7 @@ import pytest
 
 from shardfs.catalog.shardindex import KIND_DIR, KIND_FILE, KIND_LINK, ShardIndex
 from shardfs.catalog.tar import Member
-from shardfs.catalog.tree import ROOT, Tree, build_tree
+from shardfs.catalog.tree import ROOT, TREE_FORMAT, Tree, build_tree
 
 
 def index_of(*members: Member, size: int = 1 << 30) -> ShardIndex:
@@ -255,8 +255,8 @@ def test_load_damaged_files(tmp_path: Path) -> None:
         "json-number": b"5\n" + data[header_end:],
         "json-null": b"null\n" + data[header_end:],
         "json-list": b"[]\n" + data[header_end:],
-        "other-format": data.replace(b"shardfs-tree/1", b"shardfs-tree/0", 1),
-        "missing-keys": b'{"format": "shardfs-tree/1"}\n' + data[header_end:],
+        "other-format": data.replace(TREE_FORMAT.encode(), b"shardfs-tree/0", 1),
+        "missing-keys": b'{"format": "%s"}\n' % TREE_FORMAT.encode() + data[header_end:],
     }
     for what, content in damaged.items():
         path.write_bytes(content)

@@ -25,7 +25,7 @@ from urllib.parse import unquote, urlsplit
 
 import trio
 
-from shardfs.catalog.codecs import CodecError, codec_for, decompressor
+from shardfs.catalog.codecs import CodecError, Decompressor, codec_for, decompressor
 from shardfs.catalog.shardindex import (
     INDEX_SUFFIX,
     IndexFormatError,
@@ -95,6 +95,7 @@ def scan_local_file(path: str) -> ShardIndex:
             index.extend(scanner.feed(chunk))
     scanner.finish()
     index.skipped = dict(scanner.skipped)
+    index.notes = dict(scanner.notes)
     return index
 
 
@@ -105,21 +106,33 @@ def _scan_local_compressed(path: str, codec: str) -> ShardIndex:
     plain = decompressor(codec)
     digest = hashlib.sha256()
     tar_size = 0
+
+    def take(data: bytes) -> None:
+        nonlocal tar_size
+        tar_size += len(data)
+        if not scanner.done:
+            index.extend(scanner.feed(data))
+
     with open(path, "rb", buffering=0) as f:
         while chunk := f.read(_LOCAL_READ):
             digest.update(chunk)
-            data = plain.feed(chunk)
-            tar_size += len(data)
-            if not scanner.done:
-                index.extend(scanner.feed(data))
-    tail = plain.finish()
-    tar_size += len(tail)
-    if tail and not scanner.done:
-        index.extend(scanner.feed(tail))
+            plain.feed_into(chunk, take)
+    take(plain.finish())
     scanner.finish()
     index.sha256, index.tar_size = digest.hexdigest(), tar_size
     index.skipped = dict(scanner.skipped)
+    index.notes = _notes(scanner, plain, path)
     return index
+
+
+def _notes(scanner: TarScanner, plain: Decompressor, name: str) -> dict[str, int]:
+    """The scanner's fix-ups, plus trailing garbage after the compressed stream (logged)."""
+    notes = dict(scanner.notes)
+    if plain.trailing_garbage:
+        log.warning("%s: %d bytes after the end of the compressed data ignored (as gzip and "
+                    "GNU tar do)", name, plain.trailing_garbage)
+        notes["compressed-trailing-garbage"] = 1
+    return notes
 
 
 async def scan_stream(
@@ -153,7 +166,10 @@ async def scan_stream(
 
     async for chunk in source.stream(info, 0, info.size):
         digest.update(chunk)
-        take(plain.feed(chunk) if plain else chunk)
+        if plain is not None:
+            plain.feed_into(chunk, take)  # in bounded pieces: see Decompressor.feed_into
+        else:
+            take(chunk)
         on_bytes(len(chunk))
     if plain is not None:
         take(plain.finish())
@@ -161,6 +177,7 @@ async def scan_stream(
     scanner.finish()
     index.sha256 = digest.hexdigest()
     index.skipped = dict(scanner.skipped)
+    index.notes = _notes(scanner, plain, info.url) if plain else dict(scanner.notes)
     return index
 
 
@@ -468,9 +485,14 @@ async def open_catalog(urls: list[str], sources: Sources, cache: ShardCache, *,
     whole_only = [c is not None or info.whole_only for c, info in zip(codecs, infos, strict=True)]
     check_budget(infos, sizes, whole_only, cache.budget)
     skipped: dict[str, int] = {}
+    notes: dict[str, int] = {}
     for h in headers:
         for reason, count in (h.get("skipped") or {}).items():
             skipped[reason] = skipped.get(reason, 0) + int(count)
+        for kind, count in (h.get("notes") or {}).items():
+            notes[kind] = notes.get(kind, 0) + int(count)
+    if notes:
+        log.info("member names or headers fixed up as GNU tar does: %s", notes)
     return Catalog(shards=infos, keys=keys, sha256=[h.get("sha256") for h in headers],
                    skipped=skipped,
                    tree=tree, codecs=codecs, data_sizes=sizes, whole_only=whole_only,

@@ -4,9 +4,16 @@ Columns (not one object per member) keep 1.3 M members affordable in memory.
 
 Index file format (`<shard>.shardfs.idx`, also cached under the cache dir):
     line 1: JSON header {"format": "shardfs-index/1", "size": ..., "sha256": ...|null,
-            "members": N, "body_sha256": ..., "skipped": {...}}
+            "members": N, "body_sha256": ..., "skipped": {...}[, "notes": {...}]}
     then one line per member: KIND \t OFFSET \t SIZE \t MTIME \t MODE \t PATH [\t LINKNAME]
 with backslash escapes for backslash, tab and newline inside PATH/LINKNAME (bytes, not text).
+
+A shard with sparse members gets format "shardfs-index/2": the line of a sparse file has a
+7th field, its sparse map (`off,len,off,len...`, see sparse.py), and SIZE is its logical
+size. Shards without sparse members keep writing /1, byte for byte as before; a reader that
+knows only /1 refuses a /2 index (and scans the shard) rather than misreading it. A /1 index
+that counted skipped "sparse" members was written before sparse members were served: it is
+refused as stale so that the shard is scanned again.
 """
 
 from __future__ import annotations
@@ -17,9 +24,11 @@ from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from shardfs.catalog.sparse import Runs, decode_map, encode_map, stored_size
 from shardfs.catalog.tar import Member, _symlink_inside, normalize_path
 
 INDEX_FORMAT = "shardfs-index/1"
+INDEX_FORMAT_SPARSE = "shardfs-index/2"  # written only for shards with sparse members
 INDEX_SUFFIX = ".shardfs.idx"
 
 KIND_FILE, KIND_DIR, KIND_LINK = ord("f"), ord("d"), ord("l")
@@ -43,7 +52,9 @@ class ShardIndex:
     mtimes: array = field(default_factory=lambda: array("q"))
     modes: array = field(default_factory=lambda: array("H"))
     links: dict[int, bytes] = field(default_factory=dict)  # member position -> symlink target
+    sparse: dict[int, Runs] = field(default_factory=dict)  # member position -> sparse map
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
+    notes: dict[str, int] = field(default_factory=dict)  # members fixed up (tar.py), by kind
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -51,6 +62,8 @@ class ShardIndex:
     def add(self, member: Member) -> None:
         if member.kind == "l":
             self.links[len(self.paths)] = member.linkname
+        elif member.sparse is not None:
+            self.sparse[len(self.paths)] = member.sparse
         self.paths.append(member.path)
         self.kinds.append(ord(member.kind))
         self.offsets.append(member.offset)
@@ -67,8 +80,16 @@ class ShardIndex:
         """Bytes of plain tar the member offsets refer to (what the cache holds)."""
         return self.tar_size if self.tar_size is not None else self.size
 
+    def stored_size(self, pos: int) -> int:
+        """Bytes member `pos` takes in the shard (less than its size if it is sparse)."""
+        runs = self.sparse.get(pos) if self.sparse else None
+        return self.sizes[pos] if runs is None else stored_size(runs)
+
     def data_end(self) -> int:
         """Largest data end offset: a shard smaller than this cannot hold these members."""
+        if self.sparse:
+            return max((self.offsets[i] + self.stored_size(i) for i in range(len(self.paths))),
+                       default=0)
         return max((o + s for o, s in zip(self.offsets, self.sizes, strict=True)), default=0)
 
 
@@ -108,10 +129,12 @@ def encode_index(index: ShardIndex) -> bytes:
         )
         if i in index.links:
             line += b"\t" + _escape(index.links[i])
+        elif index.sparse and i in index.sparse:
+            line += b"\t" + encode_map(index.sparse[i])
         lines.append(line)
     body = b"\n".join(lines)
     header = {
-        "format": INDEX_FORMAT,
+        "format": INDEX_FORMAT_SPARSE if index.sparse else INDEX_FORMAT,
         "size": index.size,
         "sha256": index.sha256,
         "compression": index.compression,
@@ -120,6 +143,8 @@ def encode_index(index: ShardIndex) -> bytes:
         "body_sha256": hashlib.sha256(body).hexdigest(),
         "skipped": index.skipped,
     }
+    if index.notes:
+        header["notes"] = index.notes
     return json.dumps(header, sort_keys=True).encode() + b"\n" + body
 
 
@@ -130,8 +155,10 @@ def decode_index(data: bytes, *, expect_size: int | None = None) -> ShardIndex:
         header = json.loads(head)
     except ValueError as exc:
         raise IndexFormatError(f"index header is not JSON: {exc}") from None
-    if not isinstance(header, dict) or header.get("format") != INDEX_FORMAT:
-        raise IndexFormatError(f"not a {INDEX_FORMAT} index")
+    if not isinstance(header, dict) or header.get("format") not in (INDEX_FORMAT,
+                                                                     INDEX_FORMAT_SPARSE):
+        raise IndexFormatError(f"not a {INDEX_FORMAT} or {INDEX_FORMAT_SPARSE} index")
+    has_sparse = header["format"] == INDEX_FORMAT_SPARSE
     if hashlib.sha256(body).hexdigest() != header.get("body_sha256"):
         raise IndexFormatError("index body checksum mismatch (damaged or truncated index)")
     size = header.get("size")
@@ -140,12 +167,17 @@ def decode_index(data: bytes, *, expect_size: int | None = None) -> ShardIndex:
     skipped = header.get("skipped") or {}
     if not isinstance(skipped, dict):
         raise IndexFormatError("index header field 'skipped' is not an object")
+    if not has_sparse and skipped.get("sparse"):
+        raise IndexFormatError("index predates sparse member support (it skipped them)")
+    notes = header.get("notes") or {}
+    if not isinstance(notes, dict):
+        raise IndexFormatError("index header field 'notes' is not an object")
     compression, tar_size = header.get("compression"), header.get("tar_size")
     if compression not in (None, "gzip", "zstd", "lz4"):
         raise IndexFormatError(f"index names an unknown compression {compression!r}")
     if compression is not None and not (isinstance(tar_size, int) and tar_size >= 0):
         raise IndexFormatError("index of a compressed shard lacks its tar_size")
-    index = ShardIndex(size=size, sha256=header.get("sha256"), skipped=skipped,
+    index = ShardIndex(size=size, sha256=header.get("sha256"), skipped=skipped, notes=notes,
                        compression=compression, tar_size=tar_size if compression else None)
     if body:
         # The checksum only proves the body is intact, not that its writer was sane: a
@@ -159,7 +191,8 @@ def decode_index(data: bytes, *, expect_size: int | None = None) -> ShardIndex:
                 path = _unescape(fields[5])
                 if kind not in _KINDS or normalize_path(path) != path:
                     raise IndexFormatError(f"index line {pos + 2}: bad kind or unsafe path")
-                if (len(fields) == 7) != (kind == KIND_LINK):
+                if (len(fields) == 7) != (kind == KIND_LINK) and not (
+                        has_sparse and kind == KIND_FILE):
                     raise IndexFormatError(f"index line {pos + 2}: link target mismatch")
                 index.paths.append(path)
                 index.kinds.append(kind)
@@ -167,7 +200,12 @@ def decode_index(data: bytes, *, expect_size: int | None = None) -> ShardIndex:
                 index.sizes.append(int(fields[2]))
                 index.mtimes.append(int(fields[3]))
                 index.modes.append(int(fields[4]))
-                if len(fields) == 7:
+                if len(fields) == 7 and kind == KIND_FILE:
+                    try:
+                        index.sparse[pos] = decode_map(fields[6], index.sizes[pos])
+                    except ValueError as exc:
+                        raise IndexFormatError(f"index line {pos + 2}: {exc}") from None
+                elif len(fields) == 7:
                     target = _unescape(fields[6])
                     if not _symlink_inside(path, target):
                         raise IndexFormatError(f"index line {pos + 2}: link escapes the tree")

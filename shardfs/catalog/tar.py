@@ -13,12 +13,22 @@ Decisions beyond the plain formats (compatible with GNU tar and Python's tarfile
 * Data follows only headers of regular files, contiguous files, unknown types and GNU sparse,
   dumpdir ('D') and multivolume ('M') members; directories, links, devices and fifos carry
   none whatever their size field says (as in tarfile, which writes hard links with a size).
-* A GNU long name/link, pax header or sparse map larger than 1 MiB raises TarError rather than
-  being skipped: a skipped pax header may have carried the next member's size, so resyncing
-  past it is not safe.
+* A GNU long name/link or old GNU sparse map larger than 1 MiB, or a pax header larger than
+  16 MiB, raises TarError rather than being skipped: a skipped pax header may have carried the
+  next member's size, so resyncing past it is not safe. (A pax 1.0 sparse map lies in the
+  member's data, whose size is known: one over 1 MiB only skips the member.)
 * pax 'x' keys path, linkpath, size and mtime override the header (pax over GNU long names over
   ustar fields); 'g' keys do the same for all following members, an empty value unsets one.
-  Members described by GNU.sparse.* pax keys are skipped as "sparse".
+  Like GNU tar: of several 'x' headers in a row only the last counts, a path or linkpath
+  ends at its first NUL, a size may have leading zeros, an mtime that does not parse is
+  ignored (the header's is kept), and extended headers with no member after them (at the end
+  of the archive) are ignored, counted as "extended-header-without-member".
+* Sparse members (old GNU 'S', pax GNU.sparse 0.0 / 0.1 / 1.0) come out with their logical
+  size and a sparse map (see sparse.py); a map that is out of order, overlapping, past the
+  end or larger than the stored data skips the member as "bad-sparse-map" (GNU tar: "malformed
+  sparse archive member"). A map with one run covering the whole file gives a plain member.
+* Absolute names lose their leading '/' (as GNU tar, bsdtar and ratarmount do), counted in
+  `notes` as "leading-slash-removed"; '..' components still make a name unsafe.
 * A directory entry that names the root itself ("./", ".") is skipped as "root-dir", not
   "unsafe-name", since GNU tar writes one for `tar -C dir .`.
 * Numeric fields: octal, or GNU base-256 (negative allowed). A negative or > 2**48 size is a
@@ -39,15 +49,20 @@ import re
 import struct
 import zlib
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
+
+from shardfs.catalog.sparse import make_map, stored_size
 
 BLOCK = 512
 
 MemberKind = Literal["f", "d", "l"]  # regular file (hard links resolved to 'f'), directory, symlink
 
 _ZERO_BLOCK = bytes(BLOCK)
-_MAX_EXT = 1 << 20  # largest GNU long name/link, pax header or sparse map we buffer
+_MAX_EXT = 1 << 20  # largest GNU long name/link or sparse map we buffer
+_MAX_PAX = 16 << 20  # largest pax header we buffer (libarchive's tests hold an 8 MB one)
+_MAP10 = 1  # _ext_type while collecting a pax sparse 1.0 map from the member's data
 _MAX_SIZE = 1 << 48  # no real member is 256 TiB; larger sizes mean a corrupt header
 _MAX_MTIME = 1 << 33  # keeps mtime * 10**9 within an int64
 _MAX_SPARSE_BLOCKS = _MAX_EXT // BLOCK
@@ -63,7 +78,6 @@ _SKIP_REASONS = {
     ord("3"): "device",
     ord("4"): "device",
     ord("6"): "fifo",
-    ord("S"): "sparse",
     ord("V"): "volume-label",
     ord("M"): "multivolume",
 }
@@ -79,6 +93,7 @@ _COMPRESSED_MAGIC = (
 # uname/gname/devices are skipped: nothing here uses them).
 _HEADER = struct.Struct("100s8s16x12s12s8sB100s6s82x155s12x")
 _PAX_MTIME = re.compile(rb"(-?)(\d{1,30})(?:\.(\d{0,30}))?")
+_PAX_REPEATED = frozenset((b"GNU.sparse.offset", b"GNU.sparse.numbytes"))  # sparse 0.0 map
 
 
 class TarError(ValueError):
@@ -98,6 +113,7 @@ class Member:
     mtime: int  # seconds since the epoch
     mode: int  # permission bits only (0o7777 mask)
     linkname: bytes = b""  # symlink target, as stored (relative, stays inside the tree)
+    sparse: Sequence[int] | None = None  # sparse map (see sparse.py); size is then logical
 
 
 def normalize_path(raw: bytes) -> bytes | None:
@@ -194,22 +210,26 @@ def _pax_records(buf: bytes, offset: int) -> dict[bytes, bytes]:
         key, eq, value = buf[space + 1 : stop - 1].partition(b"=")
         if not key or not eq:
             raise TarError("bad pax header record", offset)
+        if key in _PAX_REPEATED and key in records:
+            value = records[key] + b"," + value
         records[key] = value
         pos = stop
     return records
 
 
 def _pax_size(value: bytes, offset: int) -> int:
-    if not value.isdigit() or len(value) > 20 or int(value) > _MAX_SIZE:
+    # Leading zeros are fine (Go's pax-pos-size-file pads to 24 digits; GNU tar reads it).
+    if not value.isdigit() or len(value.lstrip(b"0")) > 20 or int(value) > _MAX_SIZE:
         raise TarError("bad pax size", offset)
     return int(value)
 
 
-def _pax_mtime(value: bytes, offset: int) -> int:
-    """Seconds, floored: pax mtimes may be fractional and negative."""
+def _pax_mtime(value: bytes) -> int | None:
+    """Seconds, floored: pax mtimes may be fractional and negative. None if it does not
+    parse: GNU tar then keeps the header's mtime, and no byte depends on it."""
     match = _PAX_MTIME.fullmatch(value)
     if match is None:
-        raise TarError("bad pax mtime", offset)
+        return None
     seconds = int(match[2])
     if match[1]:
         seconds = -seconds - (1 if (match[3] or b"").strip(b"0") else 0)
@@ -217,11 +237,81 @@ def _pax_mtime(value: bytes, offset: int) -> int:
 
 
 def _validate_pax(records: dict[bytes, bytes], offset: int) -> None:
-    """Reject bad values now, so the error points at the pax header."""
+    """Reject a bad size now, so the error points at the pax header."""
     if records.get(b"size"):
         _pax_size(records[b"size"], offset)
-    if records.get(b"mtime"):
-        _pax_mtime(records[b"mtime"], offset)
+
+
+def _pax_numbers(value: bytes) -> list[int]:
+    """A comma-separated list of decimal numbers (sparse maps); ValueError if it is not."""
+    if not value:
+        return []
+    parts = value.split(b",")
+    if not all(p.isdigit() and len(p) <= 20 for p in parts):
+        raise ValueError("bad number in a sparse map")
+    return [int(p) for p in parts]
+
+
+_Sparse = tuple[int, list[tuple[int, int]] | None]  # (logical size, runs; None: map in data)
+
+
+def _pax_sparse(pax: dict[bytes, bytes]) -> _Sparse | None:
+    """The sparse description of a member from its pax records (GNU.sparse 0.0, 0.1, 1.0);
+    None if it is not sparse. ValueError if the records are malformed."""
+    if not any(key.startswith(b"GNU.sparse.") for key in pax):
+        return None
+    size_text = pax.get(b"GNU.sparse.realsize") or pax.get(b"GNU.sparse.size")
+    if size_text is None or not size_text.isdigit() or int(size_text) > _MAX_SIZE:
+        raise ValueError("sparse member without a valid real size")
+    size = int(size_text)
+    if pax.get(b"GNU.sparse.major") == b"1":
+        return size, None  # 1.0: the map opens the member's data
+    if b"GNU.sparse.map" in pax:  # 0.1
+        numbers = _pax_numbers(pax[b"GNU.sparse.map"])
+    else:  # 0.0: GNU.sparse.offset / GNU.sparse.numbytes pairs, in order
+        offsets = _pax_numbers(pax.get(b"GNU.sparse.offset", b""))
+        lengths = _pax_numbers(pax.get(b"GNU.sparse.numbytes", b""))
+        if len(offsets) != len(lengths):
+            raise ValueError("unpaired sparse offsets and sizes")
+        numbers = [n for pair in zip(offsets, lengths, strict=True) for n in pair]
+    if len(numbers) % 2:
+        raise ValueError("odd number of fields in a sparse map")
+    return size, list(zip(numbers[0::2], numbers[1::2], strict=True))
+
+
+def _map10(buf: bytes) -> list[tuple[int, int]] | None:
+    """Parse a pax sparse 1.0 map (decimal lines: count, then offset/size pairs) from the
+    start of `buf`; None if `buf` ends before the map does. ValueError if it is malformed."""
+    lines = buf.split(b"\n")
+    complete = lines[:-1]  # the last piece has no newline yet
+    if not complete:
+        if len(buf) > 20:
+            raise ValueError("sparse map count too long")
+        return None
+    if not complete[0].isdigit() or len(complete[0]) > 20:
+        raise ValueError("bad sparse map count")
+    count = int(complete[0])
+    if count > _MAX_EXT // 4:
+        raise ValueError("sparse map too large")
+    numbers = complete[1 : 1 + 2 * count]
+    if not all(n.isdigit() and len(n) <= 20 for n in numbers):
+        raise ValueError("bad number in a sparse map")
+    if len(numbers) < 2 * count:
+        return None
+    values = [int(n) for n in numbers]
+    return list(zip(values[0::2], values[1::2], strict=True))
+
+
+def _old_gnu_runs(block: bytes, start: int, count: int, offset: int) -> list[tuple[int, int]]:
+    """The (offset, size) entries of an old GNU sparse header or extension block."""
+    runs = []
+    for i in range(count):
+        at = start + 24 * i
+        if not block[at]:
+            break
+        runs.append((_number(block[at : at + 12], "sparse offset", offset),
+                     _number(block[at + 12 : at + 24], "sparse size", offset)))
+    return runs
 
 
 def _symlink_inside(path: bytes, target: bytes) -> bool:
@@ -253,6 +343,7 @@ class TarScanner:
 
     def __init__(self) -> None:
         self.skipped: Counter[str] = Counter()  # reason -> count of members not exposed
+        self.notes: Counter[str] = Counter()  # members exposed after a fix-up, by kind of fix
         self._pos = 0  # absolute offset of the next byte to be fed
         self._left = 0  # data + padding bytes of the current member still to come
         self._pad = 0  # the padding part of the current member (may be missing at EOF)
@@ -263,6 +354,9 @@ class TarScanner:
         self._ext_offset = 0
         self._sparse_blocks = -1  # >= 0 while reading old-GNU sparse extension blocks
         self._sparse_size = 0
+        # A sparse member whose map is still being read (old GNU extension blocks or a pax
+        # 1.0 map): (name, mtime, mode, stored size, logical size, data offset, runs).
+        self._pending: tuple | None = None
         self._seen_header = False
         self._zero_block = False  # the end-of-archive marker started
         self._done = False
@@ -272,7 +366,8 @@ class TarScanner:
         self._long_link: bytes | None = None
         self._pax: dict[bytes, bytes] = {}
         self._globals: dict[bytes, bytes] = {}
-        self._files: dict[bytes, tuple[int, int]] = {}  # path -> (offset, size): hard links
+        # path -> (offset, size, sparse map): targets for hard links
+        self._files: dict[bytes, tuple[int, int, Sequence[int] | None]] = {}
 
     # -- public interface ---------------------------------------------------------------
 
@@ -349,7 +444,7 @@ class TarScanner:
             self._ext_buf += view[pos : pos + step]
             self._ext_need -= step
             if not self._ext_need:
-                self._end_extended()
+                self._end_extended(out)
             return pos + step
         step = min(BLOCK - len(self._hdr), end - pos)
         self._hdr += view[pos : pos + step]
@@ -382,8 +477,7 @@ class TarScanner:
                 raise TarError(message, 0)
             if head.count(0) != len(head):
                 raise TarError("truncated header", end - len(head))
-        if self._long_name is not None or self._long_link is not None or self._pax:
-            raise TarError("extended header without a member", end)
+        self._orphan_extended()
 
     # -- headers --------------------------------------------------------------------------
 
@@ -394,7 +488,7 @@ class TarScanner:
         paths: each avoided call is worth ~2% of the scan rate.
         """
         if self._zero_block or self._sparse_blocks >= 0 or block == _ZERO_BLOCK:
-            self._special_block(block, offset)
+            self._special_block(block, offset, out)
             return
         name, mode_field, size_field, mtime_field, checksum, typeflag, linkname, magic, prefix = (
             _HEADER.unpack(block)
@@ -424,7 +518,7 @@ class TarScanner:
         if magic == b"ustar\0" and prefix[0]:
             name = prefix.partition(b"\0")[0] + b"/" + name  # POSIX prefix field
         linkname = linkname.partition(b"\0")[0] if typeflag in _LINKS else b""
-        sparse = False
+        sparse: _Sparse | None = None
         if self._long_name is not None or self._long_link is not None or self._pax or self._globals:
             name, linkname, size, mtime, sparse = self._apply_extended(
                 name, linkname, size, mtime, offset
@@ -442,14 +536,16 @@ class TarScanner:
         mode &= 0o7777
         if mtime > _MAX_MTIME or mtime < -_MAX_MTIME:
             mtime = max(-_MAX_MTIME, min(_MAX_MTIME, mtime))
-        if sparse:
-            self.skipped["sparse"] += 1
+        if sparse is not None and typeflag in _REGULAR and not name.endswith(b"/"):
+            self._pax_sparse_member(name, data, size, sparse, mtime, mode, out)
+        elif typeflag == 0x53:  # 'S': old GNU sparse
+            self._old_sparse_member(block, name, data, size, mtime, mode, offset, out)
         elif typeflag in _REGULAR and not name.endswith(b"/"):
             path = normalize_path(name)
             if path is None:
-                self.skipped["unsafe-name"] += 1
-            else:
-                self._files[path] = (data, size)
+                path = self._stripped(name)
+            if path is not None:
+                self._files[path] = (data, size, None)
                 out.append(Member(path, "f", data, size, mtime, mode))
         elif typeflag in _REGULAR or typeflag == 0x35 or typeflag == 0x44:  # '5', 'D'
             self._directory(name, data, mtime, mode, out)
@@ -460,7 +556,7 @@ class TarScanner:
         else:
             self.skipped[_SKIP_REASONS.get(typeflag) or _unsupported(typeflag)] += 1
 
-    def _special_block(self, block: bytes, offset: int) -> None:
+    def _special_block(self, block: bytes, offset: int, out: list[Member]) -> None:
         """A zero block, or whatever follows one, or an old-GNU sparse map continuation."""
         if self._zero_block:
             # Second block of the end marker; like GNU tar, stop even if it is not zero.
@@ -470,16 +566,32 @@ class TarScanner:
             self._sparse_blocks += 1
             if self._sparse_blocks > _MAX_SPARSE_BLOCKS:
                 raise TarError("sparse map too large", offset)
+            pending = self._pending
+            if pending is not None and pending[6] is not None:
+                try:
+                    pending[6].extend(_old_gnu_runs(block, 0, 21, offset))
+                except TarError:
+                    self._pending = (*pending[:6], None)  # malformed: skip the member
             if not block[504]:
                 self._sparse_blocks = -1
                 self._start_data(self._sparse_size)
+                if self._pending is not None:
+                    name, mtime, mode, size, real, _, runs = self._pending
+                    self._pending = None
+                    self._sparse_member(name, offset + BLOCK, size, real, runs, mtime, mode, out)
         else:
-            if self._long_name is not None or self._long_link is not None or self._pax:
-                raise TarError("extended header without a member", offset)
+            self._orphan_extended()
             self._zero_block = True
 
+    def _orphan_extended(self) -> None:
+        """Extended headers that no member follows: GNU tar ignores them; so do we."""
+        if self._long_name is not None or self._long_link is not None or self._pax:
+            self.skipped["extended-header-without-member"] += 1
+            self._long_name = self._long_link = None
+            self._pax = {}
+
     def _begin_extended(self, typeflag: int, size: int, offset: int) -> None:
-        if size > _MAX_EXT:
+        if size > (_MAX_EXT if typeflag in b"LK" else _MAX_PAX):
             raise TarError(f"extended header of {size} bytes is too large", offset)
         self._ext_type = typeflag
         self._ext_need = size
@@ -488,7 +600,11 @@ class TarScanner:
         if not size:
             self._end_extended()
 
-    def _end_extended(self) -> None:
+    def _end_extended(self, out: list[Member] | None = None) -> None:
+        if self._ext_type == _MAP10:
+            assert out is not None
+            self._end_sparse_map(out)
+            return
         buf, offset, typeflag = bytes(self._ext_buf), self._ext_offset, self._ext_type
         self._ext_buf = bytearray()
         if typeflag == ord("L"):
@@ -507,7 +623,7 @@ class TarScanner:
                     else:
                         self._globals.pop(key, None)
             else:
-                self._pax.update(records)
+                self._pax = records  # GNU tar: the last of consecutive 'x' headers wins
         self._pad = self._left = _padding(len(buf))
 
     def _start_data(self, size: int) -> None:
@@ -516,23 +632,112 @@ class TarScanner:
 
     def _apply_extended(
         self, name: bytes, linkname: bytes, size: int, mtime: int, offset: int
-    ) -> tuple[bytes, bytes, int, int, bool]:
-        """Override header fields from GNU long names and pax; also say if it is sparse."""
+    ) -> tuple[bytes, bytes, int, int, _Sparse | None]:
+        """Override header fields from GNU long names and pax; also say if it is sparse
+        (its logical size and runs; logical size -1: a malformed sparse description)."""
         if self._long_name is not None:
             name = self._long_name
         if self._long_link is not None:
             linkname = self._long_link
         self._long_name = self._long_link = None
         pax = {**self._globals, **self._pax}
-        name = pax.get(b"path") or name
-        linkname = pax.get(b"linkpath") or linkname
+        # GNU tar cuts a path at a NUL; Go and tarfile refuse the header.
+        name = pax.get(b"path", b"").partition(b"\0")[0] or name
+        linkname = pax.get(b"linkpath", b"").partition(b"\0")[0] or linkname
         if pax.get(b"size"):
             size = _pax_size(pax[b"size"], offset)
         if pax.get(b"mtime"):
-            mtime = _pax_mtime(pax[b"mtime"], offset)
-        sparse = any(key.startswith(b"GNU.sparse.") for key in self._pax)
+            parsed = _pax_mtime(pax[b"mtime"])
+            if parsed is None:
+                self.notes["bad-pax-mtime-ignored"] += 1
+            else:
+                mtime = parsed
+        sparse: _Sparse | None = None
+        if self._pax:
+            try:
+                sparse = _pax_sparse(self._pax)
+            except ValueError:
+                sparse = (-1, None)
+            if sparse is not None:
+                name = self._pax.get(b"GNU.sparse.name", b"").partition(b"\0")[0] or name
         self._pax = {}
         return name, linkname, size, mtime, sparse
+
+    # -- sparse members -------------------------------------------------------------------
+
+    def _old_sparse_member(self, block: bytes, name: bytes, data: int, size: int, mtime: int,
+                           mode: int, offset: int, out: list[Member]) -> None:
+        runs: list[tuple[int, int]] | None
+        try:
+            runs = _old_gnu_runs(block, 386, 4, offset)
+            real = _number(block[483:495], "sparse real size", offset)
+        except TarError:
+            runs, real = None, -1
+        if block[482]:  # the map goes on in extension blocks; the member comes after them
+            self._pending = (name, mtime, mode, size, real, data, runs)
+        else:
+            self._sparse_member(name, data, size, real, runs, mtime, mode, out)
+
+    def _pax_sparse_member(self, name: bytes, data: int, size: int, sparse: _Sparse,
+                           mtime: int, mode: int, out: list[Member]) -> None:
+        real, runs = sparse
+        if runs is not None or real < 0 or not size:
+            self._sparse_member(name, data, size, real, runs, mtime, mode, out)
+            return
+        # pax 1.0: the map opens the member's data; collect it block by block.
+        self._pending = (name, mtime, mode, size, real, data, None)
+        self._left = 0
+        self._ext_type, self._ext_offset = _MAP10, data
+        self._ext_buf = bytearray()
+        self._ext_need = min(BLOCK, size)
+
+    def _end_sparse_map(self, out: list[Member]) -> None:
+        assert self._pending is not None
+        name, mtime, mode, size, real, data, _ = self._pending
+        buf = bytes(self._ext_buf)
+        try:
+            runs = _map10(buf)
+        except ValueError:
+            runs = None
+        else:
+            if runs is None and len(buf) < min(size, _MAX_EXT):
+                self._ext_need = min(BLOCK, size - len(buf))  # the map goes on
+                return
+        self._pending = None
+        self._ext_buf = bytearray()
+        self._ext_type = 0
+        self._left = size - len(buf) + self._pad
+        self._sparse_member(name, data + len(buf), size - len(buf), real, runs, mtime, mode,
+                            out)
+
+    def _sparse_member(self, name: bytes, data: int, stored: int, real: int,
+                       runs: list[tuple[int, int]] | None, mtime: int, mode: int,
+                       out: list[Member]) -> None:
+        """Emit a sparse member whose data runs are stored from `data` on."""
+        path = normalize_path(name)
+        if path is None:
+            path = self._stripped(name)
+            if path is None:
+                return
+        smap = make_map(runs, real) if runs is not None and 0 <= real <= _MAX_SIZE else None
+        if smap is None or stored_size(smap) > stored:
+            self.skipped["bad-sparse-map"] += 1
+            return
+        sparse: Sequence[int] | None = smap
+        if not real or (len(smap) == 2 and smap[0] == 0 and smap[1] == real):
+            sparse = None  # no hole: a plain member
+        self._files[path] = (data, real, sparse)
+        out.append(Member(path, "f", data, real, mtime, mode, b"", sparse))
+
+    def _stripped(self, name: bytes) -> bytes | None:
+        """The path of an unsafe name with its leading '/' removed (as GNU tar does), or
+        None after counting it as unsafe."""
+        path = normalize_path(name.lstrip(b"/")) if name.startswith(b"/") else None
+        if path is None:
+            self.skipped["unsafe-name"] += 1
+        else:
+            self.notes["leading-slash-removed"] += 1
+        return path
 
     # -- member kinds ---------------------------------------------------------------------
 
@@ -540,9 +745,12 @@ class TarScanner:
         path = normalize_path(name)
         if path is None:
             # "./" is the archive root itself (GNU tar writes it), not an attack.
-            root = not name.startswith(b"/") and not name.strip(b"./")
-            self.skipped["root-dir" if root else "unsafe-name"] += 1
-            return
+            if not name.strip(b"./"):
+                self.skipped["root-dir"] += 1
+                return
+            path = self._stripped(name)
+            if path is None:
+                return
         self._files.pop(path, None)
         out.append(Member(path, "d", data, 0, mtime, mode))
 
@@ -551,8 +759,9 @@ class TarScanner:
     ) -> None:
         path = normalize_path(name)
         if path is None:
-            self.skipped["unsafe-name"] += 1
-            return
+            path = self._stripped(name)
+            if path is None:
+                return
         if not _symlink_inside(path, target):
             self.skipped["symlink-escapes"] += 1
             return
@@ -564,15 +773,16 @@ class TarScanner:
     ) -> None:
         path = normalize_path(name)
         if path is None:
-            self.skipped["unsafe-name"] += 1
-            return
-        target_path = normalize_path(target)
+            path = self._stripped(name)
+            if path is None:
+                return
+        target_path = normalize_path(target.lstrip(b"/"))  # GNU tar strips the '/' here too
         found = self._files.get(target_path) if target_path is not None else None
         if found is None:
             self.skipped["hardlink-missing-target"] += 1
             return
         self._files[path] = found
-        out.append(Member(path, "f", found[0], found[1], mtime, mode))
+        out.append(Member(path, "f", found[0], found[1], mtime, mode, b"", found[2]))
 
 
 def _unsupported(typeflag: int) -> str:

@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardfs.catalog.shardindex import KIND_DIR, KIND_FILE, KIND_LINK, ShardIndex
+from shardfs.catalog.sparse import SparseMap, decode_map, encode_map
 
 log = logging.getLogger(__name__)
 
 ROOT = 1
-TREE_FORMAT = "shardfs-tree/1"
+# /2: sparse members (a tree cached by /1 may lack them: its key differs, so it is rebuilt).
+TREE_FORMAT = "shardfs-tree/2"
 _SEP = b"\0"  # sorts below every name byte, so sorted keys give a component-wise order
 
 
@@ -57,6 +59,9 @@ class Tree:
     child_start: array  # I: per entry, first index into `children` (dirs only)
     child_count: array  # I: per entry, number of children (dirs only)
     links: dict[int, bytes] = field(default_factory=dict)
+    # Entry position -> sparse map, for the (rare) sparse files only; `size` is then the
+    # logical size and the data runs are stored back to back from `offset`.
+    sparse: dict[int, SparseMap] = field(default_factory=dict)
     report: BuildReport = field(default_factory=BuildReport)
 
     def __len__(self) -> int:
@@ -103,6 +108,11 @@ class Tree:
     def file_ref(self, ino: int) -> FileRef:
         i = ino - 1
         return FileRef(self.shard[i], self.offset[i], self.size[i])
+
+    def stored_size(self, ino: int) -> int:
+        """Bytes a file takes in its shard: its size, or its data runs' if it is sparse."""
+        smap = self.sparse.get(ino - 1) if self.sparse else None
+        return self.size[ino - 1] if smap is None else smap.stored
 
     def path(self, ino: int) -> bytes:
         parts = []
@@ -163,6 +173,7 @@ class Tree:
             "names": len(self.names),
             "arrays": {n: [getattr(self, n).typecode, len(getattr(self, n))] for n in self._ARRAYS},
             "links": {str(k): v.hex() for k, v in self.links.items()},
+            "sparse": {str(k): encode_map(v.runs).decode() for k, v in self.sparse.items()},
             "report": [self.report.members, self.report.shadowed, self.report.conflicts,
                        self.report.dangling_links],
         }
@@ -207,8 +218,10 @@ class Tree:
         if len(names) != header["names"] or len(kind) != header["entries"]:
             raise ValueError(f"{path}: truncated")
         links = {int(k): bytes.fromhex(v) for k, v in header["links"].items()}
-        return cls(names=names, kind=kind, links=links, report=BuildReport(*header["report"]),
-                   **arrays)
+        sparse = {int(k): SparseMap.of(decode_map(v.encode(), arrays["size"][int(k)]))
+                  for k, v in header["sparse"].items()}
+        return cls(names=names, kind=kind, links=links, sparse=sparse,
+                   report=BuildReport(*header["report"]), **arrays)
 
 
 def build_tree(shards: Sequence[ShardIndex], *, default_mtime: int = 0) -> Tree:
@@ -230,6 +243,7 @@ def build_tree(shards: Sequence[ShardIndex], *, default_mtime: int = 0) -> Tree:
     offset, size, mtime, mode = array("Q"), array("Q"), array("q"), array("H")
     kind = bytearray()
     links: dict[int, bytes] = {}
+    sparse: dict[int, SparseMap] = {}
 
     def add(name: bytes, par: int, k: int, s: int, o: int, z: int, t: int, m: int) -> int:
         names.extend(name)
@@ -279,13 +293,15 @@ def build_tree(shards: Sequence[ShardIndex], *, default_mtime: int = 0) -> Tree:
                     index.mtimes[p], index.modes[p])
             if k == KIND_LINK:
                 links[e] = index.links.get(p, b"")
+            elif index.sparse and p in index.sparse:
+                sparse[e] = SparseMap.of(index.sparse[p])
     del keys, order, where, pos
 
     children, child_start, child_count = _group_children(parent, kind)
     tree = Tree(names=bytes(names), name_end=name_end, parent=parent, kind=kind,
                 shard=shard_col, offset=offset, size=size, mtime=mtime, mode=mode,
                 children=children, child_start=child_start, child_count=child_count,
-                links=links, report=report)
+                links=links, sparse=sparse, report=report)
     report.dangling_links = _count_dangling(tree)
     return tree
 
