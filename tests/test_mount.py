@@ -47,7 +47,9 @@ def test_http_mount_serves_every_byte_with_few_requests(dataset, nginx, mounter:
 
 def test_http_mount_without_warm_fetches_whole_shards(dataset, nginx, mounter: Mounter):
     publish(dataset, nginx.root)
-    m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None, "--no-warm")
+    # A fetch slot for every shard, so that none is read member by member waiting for one.
+    m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None, "--no-warm",
+                      "--max-fetches", "64")
     nginx.reset_log()
     files = list(dataset.files().items())
     random.Random(0).shuffle(files)
