@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import random
 import shutil
@@ -232,3 +233,75 @@ def test_foreground_mount_unmounts_on_sigterm(dataset, tmp_path: Path):
         assert not os.path.ismount(mnt)
     finally:
         stop_foreground(proc, mnt)
+
+
+def test_stale_or_damaged_published_index_is_ignored_and_the_shard_scanned(
+        dataset, nginx, mounter: Mounter):
+    """README, "Index files": a published index is used only if it is valid for that shard
+    (same size, intact checksum); otherwise the shard is scanned."""
+    dest = publish(dataset, nginx.root)
+    names = shard_names(dataset)
+    for name in names:
+        shutil.copy(dataset.shard_dir / f"{name}.shardfs.idx", dest / f"{name}.shardfs.idx")
+    stale = dest / f"{names[0]}.shardfs.idx"  # an index of an older, larger version
+    head, _, body = stale.read_bytes().partition(b"\n")
+    header = json.loads(head)
+    header["size"] += 512
+    stale.write_bytes(json.dumps(header).encode() + b"\n" + body)
+    damaged = dest / f"{names[1]}.shardfs.idx"  # one flipped byte in a member line
+    raw = bytearray(damaged.read_bytes())
+    raw[raw.index(b"\n") + 3] ^= 0x01
+    damaged.write_bytes(bytes(raw))
+    nginx.reset_log()
+    m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None, "--no-warm")
+    scanned = sorted({r.uri.rsplit("/", 1)[1] for r in nginx.access_log()
+                      if r.uri.endswith(".tar") and r.range != "bytes=0-0"})
+    assert scanned == sorted(names[:2]), scanned
+    log = m.stderr + m.log()
+    assert log.count("scanning the shard instead") == 2, log
+    assert "index is for a shard of" in log and "checksum mismatch" in log
+    assert_same_bytes(dataset, m.mountpoint)
+    assert sorted(p.relative_to(m.mountpoint).as_posix()
+                  for p in m.mountpoint.rglob("*") if p.is_file()) == sorted(dataset.files())
+
+
+def _parse_members_page(value: bytes) -> dict[str, str]:
+    """docs: `user.shardfs.members.N` = a JSON list of shard URLs, then INDEX\\tNAME lines."""
+    head, _, body = value.partition(b"\n")
+    urls = json.loads(head)
+    return {name.decode(): urls[int(index)]
+            for index, _, name in (line.partition(b"\t") for line in body.split(b"\n"))}
+
+
+def test_members_xattr_spans_several_pages_through_the_mount(tmp_path: Path, mounter: Mounter):
+    """A directory whose file list exceeds one xattr value (64 KiB) gets several
+    `user.shardfs.members.N` pages; together they list every file with its shard."""
+    import io
+    import tarfile
+
+    expected: dict[str, str] = {}
+    for s in range(2):
+        path = tmp_path / f"many-{s}.tar"
+        with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tf:
+            for i in range(450):
+                name = f"sample-{s}-{i:05d}-" + "n" * 90 + ".cls"
+                info = tarfile.TarInfo(f"cls/{name}")
+                info.size = 1
+                tf.addfile(info, io.BytesIO(b"x"))
+                expected[name] = f"file://{path}"
+    m = mounter.mount([str(tmp_path / "many-{0..1}.tar")])
+    directory = m.mountpoint / "cls"
+    pages = sorted(n for n in os.listxattr(directory) if n.startswith("user.shardfs.members."))
+    assert len(pages) >= 2, pages  # 900 names of ~110 bytes: more than one 60 kB page
+    assert pages == [f"user.shardfs.members.{i}" for i in range(len(pages))]
+    seen: dict[str, str] = {}
+    for page in pages:
+        value = os.getxattr(directory, page)
+        assert len(value) <= 65536
+        part = _parse_members_page(value)
+        assert not set(part) & set(seen)  # each file on exactly one page
+        seen.update(part)
+    assert seen == expected
+    with pytest.raises(OSError) as info:
+        os.getxattr(directory, f"user.shardfs.members.{len(pages)}")
+    assert info.value.errno == errno.ENODATA
