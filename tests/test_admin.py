@@ -3,6 +3,8 @@ readiness notifications, stats, warm, metrics."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import itertools
 import json
 import os
@@ -12,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -369,3 +372,106 @@ def test_deep_cache_dir_and_foreign_user_on_control_socket(dataset: Dataset, mou
     result = subprocess.run([sys.executable, "-c", probe, address], capture_output=True,
                             text=True, timeout=30)
     assert "permission denied" in result.stdout, result.stdout + result.stderr
+
+
+def test_warm_over_budget_leaves_shards_out_with_progress(dataset: Dataset, nginx,
+                                                          mounter: Mounter):
+    """README: `shardfs warm` fetches every shard that fits the cache, with progress; the
+    shards that do not fit are left out (never evicting what it warmed a moment earlier)."""
+    publish(dataset, nginx.root)
+    shards = len(dataset.shards.shards)
+    budget = 4 * max(s.size for s in dataset.shards.shards)
+    assert budget < sum(s.size for s in dataset.shards.shards)
+    m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None, "--no-warm",
+                      "--cache-size", str(budget))
+    result = subprocess.run([*SHARDFS, "warm", str(m.mountpoint)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    plan = re.search(r"warming (\d+) shards \(.*\); 0 already cached; (\d+) left out: they "
+                     r"do not fit the cache budget", result.stdout)
+    assert plan, result.stdout
+    planned, left_out = int(plan.group(1)), int(plan.group(2))
+    assert planned >= 4 and left_out >= 1 and planned + left_out == shards, result.stdout
+    assert f"{planned} of {planned} shards cached" in result.stdout, result.stdout
+    # Progress goes to stderr (a line every ~10 % when it is not a terminal), up to 100 %.
+    progress = re.findall(r"warming shards: (\d+)/(\d+) \((\d+)%\)", result.stderr)
+    assert progress and progress[-1] == (str(planned), str(planned), "100"), result.stderr
+    assert [int(p[0]) for p in progress] == sorted(int(p[0]) for p in progress)
+    stats = m.stats()
+    assert stats["shards_cached"] == planned
+    assert stats["evictions"] == 0 and stats["cache_used_bytes"] <= budget, stats
+
+
+@contextlib.contextmanager
+def _tmpfs(path: Path, size: str) -> Iterator[Path]:
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                   check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (tmpfs mounts, setuid)")
+
+
+@ROOT_ONLY
+@pytest.mark.parametrize(("fs_size", "expect"), [
+    ("64m", lambda free: int(free * 0.8)),  # 80 % of the free space ...
+    ("200g", lambda free: 50 << 30),  # ... but at most 50 GiB (tmpfs pages are lazy)
+], ids=["80-percent", "50-GiB-cap"])
+def test_default_cache_dir_and_size(fs_size, expect, dataset: Dataset, mounter: Mounter,
+                                    tmp_path: Path):
+    """README: `--cache-dir` defaults to ~/.cache/shardfs/<hash of the mountpoint> ($XDG_CACHE_HOME
+    when set), `--cache-size` to 80 % of the free space there, at most 50 GiB."""
+    with _tmpfs(tmp_path / "xdg", fs_size) as xdg:
+        free = shutil.disk_usage(xdg).free
+        mnt, _ = mounter.paths()
+        env = dict(os.environ, XDG_CACHE_HOME=str(xdg))
+        result = subprocess.run([*SHARDFS, "mount", brace(dataset, str(dataset.shard_dir)),
+                                 str(mnt)], capture_output=True, text=True, timeout=120,
+                                env=env)
+        tag = hashlib.sha256(str(mnt).encode()).hexdigest()[:12]
+        cache = xdg / "shardfs" / tag
+        m = mounter.adopt(Mount.from_result(result, mnt, cache))
+        try:
+            stats = m.stats()
+            assert stats["cache_dir"] == str(cache)
+            assert (cache / "shards").is_dir() and (cache / "lock").exists()
+            assert stats["cache_budget_bytes"] == expect(free), (stats, free)
+            assert_same_bytes(dataset, mnt)
+        finally:
+            m.unmount()
+
+
+@ROOT_ONLY
+def test_allow_other_and_uid_gid_on_a_real_mount(dataset: Dataset, mounter: Mounter):
+    """`--allow-other` lets other users read the mount; `--uid/--gid` set the owner shown."""
+    # The mountpoints must be reachable by `nobody`: pytest's tmp dirs are private (0700).
+    base = Path(tempfile.mkdtemp(prefix="shardfs-other-"))
+    base.chmod(0o755)
+    try:
+        rel, data = sorted(dataset.files().items())[0]
+        source = brace(dataset, str(dataset.shard_dir))
+        (base / "open").mkdir()
+        (base / "closed").mkdir()
+        opened = mounter.mount([source], base / "open", None, "--allow-other",
+                               "--uid", "4242", "--gid", "4343")
+        closed = mounter.mount([source], base / "closed", None)
+        st = os.stat(opened.mountpoint / rel)
+        assert (st.st_uid, st.st_gid) == (4242, 4343)
+        assert os.stat(opened.mountpoint / "train").st_uid == 4242
+        assert os.stat(closed.mountpoint / rel).st_uid == os.getuid()
+
+        def as_nobody(path: Path) -> subprocess.CompletedProcess:
+            return subprocess.run(["cat", str(path)], capture_output=True, user=65534,
+                                  group=65534, extra_groups=[], timeout=30)
+
+        ok = as_nobody(opened.mountpoint / rel)
+        assert ok.returncode == 0 and ok.stdout == data, ok.stderr
+        denied = as_nobody(closed.mountpoint / rel)
+        assert denied.returncode != 0 and b"Permission denied" in denied.stderr, denied
+    finally:
+        mounter.cleanup()
+        shutil.rmtree(base, ignore_errors=True)
