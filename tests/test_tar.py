@@ -625,12 +625,27 @@ def test_pax_malicious_path(path: str) -> None:
 
 @pytest.mark.parametrize("size", ["-5", "1e3", "0x10", "99999999999999999999999", str(2**49)])
 def test_pax_malicious_size(size: str) -> None:
-    assert "pax size" in str(_error(_pax_archive({"size": size})))
+    error = _error(_pax_archive({"size": size}))
+    assert "pax size" in str(error)
+    assert error.offset == 0  # the pax header's own offset, not the member's after it
 
 
 @pytest.mark.parametrize("mtime", ["abc", "1.2.3", "9" * 5000])
 def test_pax_bad_mtime(mtime: str) -> None:
-    assert "pax mtime" in str(_error(_pax_archive({"mtime": mtime})))
+    error = _error(_pax_archive({"mtime": mtime}))
+    assert "pax mtime" in str(error) and error.offset == 0
+
+
+def test_names_end_at_their_first_nul() -> None:
+    # Bytes after a name's NUL terminator are leftovers some writers keep: never part of it,
+    # in a header field or in a GNU long name.
+    assert [m.path for m in scan(patch_header(SMALL, 0, slice(0, 100), b"a\0junk\0"))
+            .members] == [b"a", b"b"]
+    name = b"d/" + b"n" * 150
+    archive = make_tar(tarfile.GNU_FORMAT, [Entry("f", name, b"x")])
+    at = archive.index(name + b"\0")  # the ././@LongLink data
+    archive = archive[:at] + name[:-4] + b"\0zzz" + archive[at + len(name) :]
+    assert [m.path for m in scan(archive).members] == [name[:-4]]
 
 
 def test_pax_bad_records() -> None:
