@@ -4,6 +4,7 @@
         proxy.reset_after(100_000)          # every response: RST after 100 kB of body
         proxy.fail(503, times=3, retry_after="1")
         proxy.stall(2.0, times=1)           # answer the next request 2 s late
+        proxy.release_stalls()              # end the stalls in progress now
         proxy.refuse_connections(); proxy.accept_connections()
         proxy.clear()
         proxy.requests                      # what clients sent (method, target, headers)
@@ -72,6 +73,7 @@ class FaultProxy:
         self.faults_injected = 0
         self._lock = threading.Lock()
         self._closing = threading.Event()
+        self._release = threading.Event()  # set: stalls in progress end now
         self._fault: Fault | None = None
         self._remaining: int | None = None
         self._log: deque[ProxiedRequest] = deque(maxlen=10_000)
@@ -118,6 +120,7 @@ class FaultProxy:
 
     def set_fault(self, fault: Fault | None) -> None:
         with self._lock:
+            self._release.clear()
             self._fault = fault
             self._remaining = fault.times if fault is not None else None
 
@@ -134,6 +137,22 @@ class FaultProxy:
         self, seconds: float, *, after_bytes: int | None = None, times: int | None = None
     ) -> None:
         self.set_fault(Fault(stall_s=seconds, stall_after=after_bytes, times=times))
+
+    def release_stalls(self) -> None:
+        """End every stall in progress (the responses go on); later stalls are unaffected
+        once a new fault is set."""
+        self._release.set()
+
+    def _pause(self, seconds: float) -> bool:
+        """Sleep for a stall; True if the proxy is closing (give up the connection)."""
+        deadline = time.monotonic() + seconds
+        while not self._release.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            if self._closing.wait(min(left, 0.05)):
+                return True
+        return self._closing.is_set()
 
     def fail(
         self, status: int = 503, *, times: int | None = None, retry_after: str | None = None
@@ -261,7 +280,7 @@ class FaultProxy:
     ) -> bool:
         """Answer one request; True if the client connection can carry another."""
         stall_first = fault is not None and fault.stall_s > 0 and fault.stall_after is None
-        if fault is not None and stall_first and self._closing.wait(fault.stall_s):
+        if fault is not None and stall_first and self._pause(fault.stall_s):
             return False
         if fault and fault.status:
             client.sendall(_canned(fault.status, fault.retry_after, with_body=method != "HEAD"))
@@ -332,7 +351,7 @@ class FaultProxy:
         while length is None or sent < length:
             if stall_at is not None and sent >= stall_at:
                 stall_at = None
-                if self._closing.wait(fault.stall_s if fault else 0.0):
+                if self._pause(fault.stall_s if fault else 0.0):
                     return False
             if cut is not None and sent >= cut:
                 _cut(client, reset=bool(reset))

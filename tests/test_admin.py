@@ -3,13 +3,19 @@ readiness notifications, stats, warm, metrics."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -19,6 +25,7 @@ import pytest
 
 from shardfs.devtools.nginx import free_port
 from tests.conftest import SHARDFS, Dataset, Mount, Mounter, brace, stop_foreground
+from tests.faultproxy import FaultProxy
 from tests.test_mount import assert_same_bytes, publish
 
 REPO = Path(__file__).resolve().parents[1]
@@ -157,12 +164,14 @@ def test_sd_notify_ready_only_when_serving_then_stopping(dataset: Dataset, tmp_p
     mnt.mkdir()
     rel, data = next(iter(dataset.files().items()))
     env = dict(os.environ, NOTIFY_SOCKET=str(sock_path), WATCHDOG_USEC="400000")
-    proc = subprocess.Popen([*SHARDFS, "mount", brace(dataset, str(dataset.shard_dir)),
-                             str(mnt), "-f", "--cache-dir", str(tmp_path / "cache")],
+    # systemd sets WATCHDOG_PID to the service's pid before it starts: a shell exports its own
+    # pid and then becomes the daemon (exec keeps the pid).
+    proc = subprocess.Popen(["sh", "-c", 'WATCHDOG_PID=$$ exec "$@"', "sh", *SHARDFS, "mount",
+                             brace(dataset, str(dataset.shard_dir)), str(mnt), "-f",
+                             "--cache-dir", str(tmp_path / "cache")],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     messages: list[str] = []
     try:
-        env["WATCHDOG_PID"] = str(proc.pid)
         while not any("READY=1" in m for m in messages):
             msg = listener.recv(4096).decode()
             messages.append(msg)
@@ -171,11 +180,28 @@ def test_sd_notify_ready_only_when_serving_then_stopping(dataset: Dataset, tmp_p
                 assert _serves(mnt, rel, data)
         statuses = [m for m in messages if m.startswith("STATUS=indexing")]
         assert statuses, messages  # progress while indexing
-        deadline = time.monotonic() + 10
-        seen_watchdog = False
-        while time.monotonic() < deadline and not seen_watchdog:
-            seen_watchdog = "WATCHDOG=1" in listener.recv(4096).decode()
-        assert seen_watchdog
+        # Serving: a watchdog ping every WATCHDOG_USEC/2 (0.2 s), for as long as it runs.
+        pings: list[float] = []
+        listen_until = time.monotonic() + 3.0
+        while time.monotonic() < listen_until:
+            listener.settimeout(max(0.01, listen_until - time.monotonic()))
+            try:
+                msg = listener.recv(4096).decode()
+            except TimeoutError:
+                break
+            messages.append(msg)
+            if "WATCHDOG=1" in msg:
+                pings.append(time.monotonic())
+        listener.settimeout(60)
+        assert len(pings) >= 5, (pings, messages)  # ~15 expected in 3 s; generous for load
+        gaps = sorted(b - a for a, b in itertools.pairwise(pings))
+        assert 0.05 <= gaps[len(gaps) // 2] <= 1.0, gaps  # median near 0.2 s
+        # And a status line with the daemon's figures (sent at start, then every 5 s).
+        n = len(dataset.shards.shards)
+        status = [m for m in messages if re.fullmatch(
+            rf"STATUS=\d+/{n} shards cached, \d+\.\d\d GB fetched, \d+\.\d\d GB served, "
+            r"hit ratio (-|\d+%)", m)]
+        assert status, messages
         proc.send_signal(signal.SIGTERM)
         while True:
             msg = listener.recv(4096).decode()
@@ -188,24 +214,64 @@ def test_sd_notify_ready_only_when_serving_then_stopping(dataset: Dataset, tmp_p
         listener.close()
 
 
+def _stats_json(mnt: Path) -> dict:
+    out = subprocess.run([*SHARDFS, "stats", str(mnt), "--json"], capture_output=True,
+                         text=True, check=True, timeout=30).stdout
+    return json.loads(out)
+
+
 def test_stats_command_during_reads(dataset: Dataset, nginx, mounter: Mounter):
     publish(dataset, nginx.root)
-    m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None, "--no-warm")
-    assert_same_bytes(dataset, m.mountpoint)
-    human = subprocess.run([*SHARDFS, "stats", str(m.mountpoint)], capture_output=True,
-                           text=True, check=True).stdout
-    for word in ("shards", "cache", "served", "fetched", "hit ratio", "requests"):
-        assert word in human, human
-    snap = json.loads(subprocess.run([*SHARDFS, "stats", str(m.mountpoint), "--json"],
-                                     capture_output=True, text=True, check=True).stdout)
-    served = sum(len(b) for b in dataset.files().values())
-    assert snap["bytes_served"] == served
-    assert snap["bytes_fetched"] >= served
-    assert snap["source"]["requests"] >= snap["shards"]
-    assert snap["shards_cached"] + snap["shards_fetching"] <= snap["shards"]
+    shards = len(dataset.shards.shards)
+    with FaultProxy(nginx.port) as proxy:
+        m = mounter.mount([brace(dataset, f"{proxy.url}/data")], None, None, "--no-warm",
+                          "--max-fetches", "64")  # no shard waits for a slot
+        # The whole-shard fetch the next read starts stalls after 16 KiB until released:
+        # stats are read while that read waits on it.
+        proxy.stall(60, after_bytes=16 * 1024, times=1)
+        first = dataset.shards.shards[0].path.name
+        rel = max((r for r in dataset.files()
+                   if os.getxattr(m.mountpoint / r, "user.shardfs.shard").decode()
+                   .endswith("/" + first)),
+                  key=lambda r: int(os.getxattr(m.mountpoint / r, "user.shardfs.offset")))
+        reader = threading.Thread(target=(m.mountpoint / rel).read_bytes, daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 30
+        snap = _stats_json(m.mountpoint)
+        while snap["reader"]["waits"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            snap = _stats_json(m.mountpoint)
+        human = subprocess.run([*SHARDFS, "stats", str(m.mountpoint)], capture_output=True,
+                               text=True, check=True).stdout
+        proxy.release_stalls()
+        reader.join(60)
+        assert not reader.is_alive()
+        # Mid-read: one fetch running, the read waiting on it, nothing complete yet.
+        assert snap["shards_fetching"] == 1 and snap["shards_cached"] == 0, snap
+        assert snap["reader"]["waits"] == 1 and snap["reader"]["reads"] == 1, snap["reader"]
+        assert 0 < snap["reader"]["shard_bytes"] < dataset.shards.shards[0].size
+        assert f"{shards} indexed, 0 cached, 1 fetching" in human, human
+        assert "waited 1" in human, human
+        assert_same_bytes(dataset, m.mountpoint)
+        after = _stats_json(m.mountpoint)
+        requests_seen = len(proxy.requests)
     not_mounted = subprocess.run([*SHARDFS, "stats", str(m.cache_dir)], capture_output=True,
                                  text=True)
     assert not_mounted.returncode == 1 and "not a running shardfs mount" in not_mounted.stderr
+    files = dataset.files()
+    r = after["reader"]
+    assert after["bytes_served"] == sum(len(b) for b in files.values())
+    # The dataset fits: each shard streamed whole exactly once, no member reads; indexing
+    # streamed every shard once before that.
+    sizes = sum(s.size for s in dataset.shards.shards)
+    assert r["shard_fetches_done"] == shards and r["member_fetches"] == 0, r
+    assert r["shard_bytes"] == sizes and after["bytes_indexed"] == sizes, after
+    assert after["bytes_fetched"] == 2 * sizes
+    assert after["shards_cached"] == shards and after["shards_fetching"] == 0
+    assert r["cache_hits"] + r["frontier_hits"] + r["waits"] == r["reads"], r
+    # The daemon's request count is what the proxy saw (probes, index scans, fetches).
+    assert after["source"]["requests"] == requests_seen, (after["source"], requests_seen)
+    assert after["source"]["retries"] == 0
 
 
 def test_warm_fetches_subtree_then_everything(dataset: Dataset, nginx, mounter: Mounter):
@@ -228,19 +294,63 @@ def test_warm_fetches_subtree_then_everything(dataset: Dataset, nginx, mounter: 
     assert nginx.access_log() == []  # everything came from the cache
 
 
+def _scrape(port: int) -> dict[str, float]:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    out = {}
+    for line in body.decode().splitlines():
+        if line.startswith("shardfs_"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
 def test_prometheus_metrics(dataset: Dataset, mounter: Mounter):
     pytest.importorskip("prometheus_client")
     port = free_port()
+    budget = 64 << 20
     m = mounter.mount([brace(dataset, str(dataset.shard_dir))], None, None,
-                      "--metrics-listen", f"127.0.0.1:{port}")
+                      "--metrics-listen", f"127.0.0.1:{port}", "--cache-size", str(budget),
+                      "--max-fetches", "64")  # a slot for every shard: no member reads
     assert_same_bytes(dataset, m.mountpoint)
-    time.sleep(1.5)  # the snapshot behind /metrics refreshes every second
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
-    text = body.decode()
-    served = [line for line in text.splitlines() if line.startswith("shardfs_served_bytes_total")]
-    assert served and float(served[0].split()[1]) == sum(
-        len(b) for b in dataset.files().values())
-    assert "shardfs_cache_budget_bytes" in text
+    served = sum(len(b) for b in dataset.files().values())
+    shards = len(dataset.shards.shards)
+    sizes = sum(s.size for s in dataset.shards.shards)
+    files = len(dataset.files())
+    # Every metric systemd/README.md lists, with the value this run must have produced
+    # (local shards: indexing seeks from header to header; each shard is then read whole once).
+    exact = {
+        "shardfs_shards": shards,
+        "shardfs_files": files,
+        "shardfs_shards_cached": shards,
+        "shardfs_shards_fetching": 0,
+        "shardfs_cache_used_bytes": sizes,
+        "shardfs_cache_budget_bytes": budget,
+        "shardfs_cache_evictions_total": 0,
+        "shardfs_fetched_bytes_total": sizes,
+        "shardfs_served_bytes_total": served,
+        "shardfs_member_fetches_total": 0,
+        "shardfs_fetch_errors_total": 0,
+        "shardfs_eio_total": 0,
+        "shardfs_source_retries_total": 0,
+    }
+    # The snapshot behind /metrics is refreshed every 1 s, or every 5 s when NOTIFY_SOCKET is
+    # set, and the last fetch may still be committing: wait for it to settle, not a fixed time.
+    deadline = time.monotonic() + 30
+    metrics = _scrape(port)
+    while {k: metrics.get(k) for k in exact} != exact and time.monotonic() < deadline:
+        time.sleep(0.2)
+        metrics = _scrape(port)
+    assert {k: metrics.get(k) for k in exact} == exact, \
+        {k: (metrics.get(k), v) for k, v in exact.items() if metrics.get(k) != v}
+    assert metrics["shardfs_uptime_seconds"] > 0
+    assert files <= metrics["shardfs_reads_total"] == m.stats()["reader"]["reads"]
+    assert 0 < metrics["shardfs_cache_hits_total"] < metrics["shardfs_reads_total"]
+    assert metrics["shardfs_source_requests_total"] >= shards
+    documented = set(re.findall(r"`(shardfs_\w+)`", (REPO / "systemd" / "README.md").read_text()))
+    assert documented == set(exact) | {"shardfs_uptime_seconds", "shardfs_reads_total",
+                                       "shardfs_cache_hits_total",
+                                       "shardfs_source_requests_total"}
+    assert documented <= set(metrics), documented - set(metrics)
 
 
 def test_deep_cache_dir_and_foreign_user_on_control_socket(dataset: Dataset, mounter: Mounter,
@@ -262,3 +372,106 @@ def test_deep_cache_dir_and_foreign_user_on_control_socket(dataset: Dataset, mou
     result = subprocess.run([sys.executable, "-c", probe, address], capture_output=True,
                             text=True, timeout=30)
     assert "permission denied" in result.stdout, result.stdout + result.stderr
+
+
+def test_warm_over_budget_leaves_shards_out_with_progress(dataset: Dataset, nginx,
+                                                          mounter: Mounter):
+    """README: `shardfs warm` fetches every shard that fits the cache, with progress; the
+    shards that do not fit are left out (never evicting what it warmed a moment earlier)."""
+    publish(dataset, nginx.root)
+    shards = len(dataset.shards.shards)
+    budget = 4 * max(s.size for s in dataset.shards.shards)
+    assert budget < sum(s.size for s in dataset.shards.shards)
+    m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None, "--no-warm",
+                      "--cache-size", str(budget))
+    result = subprocess.run([*SHARDFS, "warm", str(m.mountpoint)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    plan = re.search(r"warming (\d+) shards \(.*\); 0 already cached; (\d+) left out: they "
+                     r"do not fit the cache budget", result.stdout)
+    assert plan, result.stdout
+    planned, left_out = int(plan.group(1)), int(plan.group(2))
+    assert planned >= 4 and left_out >= 1 and planned + left_out == shards, result.stdout
+    assert f"{planned} of {planned} shards cached" in result.stdout, result.stdout
+    # Progress goes to stderr (a line every ~10 % when it is not a terminal), up to 100 %.
+    progress = re.findall(r"warming shards: (\d+)/(\d+) \((\d+)%\)", result.stderr)
+    assert progress and progress[-1] == (str(planned), str(planned), "100"), result.stderr
+    assert [int(p[0]) for p in progress] == sorted(int(p[0]) for p in progress)
+    stats = m.stats()
+    assert stats["shards_cached"] == planned
+    assert stats["evictions"] == 0 and stats["cache_used_bytes"] <= budget, stats
+
+
+@contextlib.contextmanager
+def _tmpfs(path: Path, size: str) -> Iterator[Path]:
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                   check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (tmpfs mounts, setuid)")
+
+
+@ROOT_ONLY
+@pytest.mark.parametrize(("fs_size", "expect"), [
+    ("64m", lambda free: int(free * 0.8)),  # 80 % of the free space ...
+    ("200g", lambda free: 50 << 30),  # ... but at most 50 GiB (tmpfs pages are lazy)
+], ids=["80-percent", "50-GiB-cap"])
+def test_default_cache_dir_and_size(fs_size, expect, dataset: Dataset, mounter: Mounter,
+                                    tmp_path: Path):
+    """README: `--cache-dir` defaults to ~/.cache/shardfs/<hash of the mountpoint> ($XDG_CACHE_HOME
+    when set), `--cache-size` to 80 % of the free space there, at most 50 GiB."""
+    with _tmpfs(tmp_path / "xdg", fs_size) as xdg:
+        free = shutil.disk_usage(xdg).free
+        mnt, _ = mounter.paths()
+        env = dict(os.environ, XDG_CACHE_HOME=str(xdg))
+        result = subprocess.run([*SHARDFS, "mount", brace(dataset, str(dataset.shard_dir)),
+                                 str(mnt)], capture_output=True, text=True, timeout=120,
+                                env=env)
+        tag = hashlib.sha256(str(mnt).encode()).hexdigest()[:12]
+        cache = xdg / "shardfs" / tag
+        m = mounter.adopt(Mount.from_result(result, mnt, cache))
+        try:
+            stats = m.stats()
+            assert stats["cache_dir"] == str(cache)
+            assert (cache / "shards").is_dir() and (cache / "lock").exists()
+            assert stats["cache_budget_bytes"] == expect(free), (stats, free)
+            assert_same_bytes(dataset, mnt)
+        finally:
+            m.unmount()
+
+
+@ROOT_ONLY
+def test_allow_other_and_uid_gid_on_a_real_mount(dataset: Dataset, mounter: Mounter):
+    """`--allow-other` lets other users read the mount; `--uid/--gid` set the owner shown."""
+    # The mountpoints must be reachable by `nobody`: pytest's tmp dirs are private (0700).
+    base = Path(tempfile.mkdtemp(prefix="shardfs-other-"))
+    base.chmod(0o755)
+    try:
+        rel, data = sorted(dataset.files().items())[0]
+        source = brace(dataset, str(dataset.shard_dir))
+        (base / "open").mkdir()
+        (base / "closed").mkdir()
+        opened = mounter.mount([source], base / "open", None, "--allow-other",
+                               "--uid", "4242", "--gid", "4343")
+        closed = mounter.mount([source], base / "closed", None)
+        st = os.stat(opened.mountpoint / rel)
+        assert (st.st_uid, st.st_gid) == (4242, 4343)
+        assert os.stat(opened.mountpoint / "train").st_uid == 4242
+        assert os.stat(closed.mountpoint / rel).st_uid == os.getuid()
+
+        def as_nobody(path: Path) -> subprocess.CompletedProcess:
+            return subprocess.run(["cat", str(path)], capture_output=True, user=65534,
+                                  group=65534, extra_groups=[], timeout=30)
+
+        ok = as_nobody(opened.mountpoint / rel)
+        assert ok.returncode == 0 and ok.stdout == data, ok.stderr
+        denied = as_nobody(closed.mountpoint / rel)
+        assert denied.returncode != 0 and b"Permission denied" in denied.stderr, denied
+    finally:
+        mounter.cleanup()
+        shutil.rmtree(base, ignore_errors=True)

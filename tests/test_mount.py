@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import random
 import shutil
@@ -47,7 +48,9 @@ def test_http_mount_serves_every_byte_with_few_requests(dataset, nginx, mounter:
 
 def test_http_mount_without_warm_fetches_whole_shards(dataset, nginx, mounter: Mounter):
     publish(dataset, nginx.root)
-    m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None, "--no-warm")
+    # A fetch slot for every shard, so that none is read member by member waiting for one.
+    m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None, "--no-warm",
+                      "--max-fetches", "64")
     nginx.reset_log()
     files = list(dataset.files().items())
     random.Random(0).shuffle(files)
@@ -58,7 +61,8 @@ def test_http_mount_without_warm_fetches_whole_shards(dataset, nginx, mounter: M
     # Requests on the order of the number of shards, not of the number of files (120).
     assert len(records) <= 4 * shards, len(records)
     stats = m.stats()
-    assert stats["reader"]["shard_fetches_done"] >= 1
+    # The dataset fits the cache: every shard is downloaded whole, exactly once.
+    assert stats["reader"]["shard_fetches_done"] == shards, stats["reader"]
     fetched = sum(r.bytes_sent for r in records)
     assert fetched <= 2 * sum(s.size for s in dataset.shards.shards)
 
@@ -166,12 +170,25 @@ def test_file_mount_posix_tools(dataset, mounter: Mounter, tmp_path: Path):
 def test_small_cache_evicts_and_stays_within_budget(dataset, nginx, mounter: Mounter):
     publish(dataset, nginx.root)
     shard_size = max(s.size for s in dataset.shards.shards)
-    budget = 2 * shard_size + 1
+    # Room for the working set (the last 32 reads span up to 4 shards), not for the dataset.
+    budget = 5 * shard_size + 1
+    assert budget < sum(s.size for s in dataset.shards.shards)
     m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None,
-                      "--cache-size", str(budget), "--max-fetches", "1")
+                      "--no-warm", "--cache-size", str(budget), "--max-fetches", "1")
+    files = dataset.files()
+    # Shard by shard (a locality-preserving order): the working set stays within the budget,
+    # so whole shards stream through the cache and older ones must be evicted.
+    order = sorted(files, key=lambda rel: (os.getxattr(m.mountpoint / rel, "user.shardfs.shard"),
+                                           int(os.getxattr(m.mountpoint / rel,
+                                                           "user.shardfs.offset"))))
     for _ in range(2):
-        assert_same_bytes(dataset, m.mountpoint)
+        for rel in order:
+            assert (m.mountpoint / rel).read_bytes() == files[rel], rel
     stats = m.stats()
+    shards = len(dataset.shards.shards)
+    assert stats["reader"]["shard_fetches_done"] >= shards, stats["reader"]
+    assert stats["evictions"] >= shards - 5, stats
+    assert stats["evicted_bytes"] > 0
     assert stats["cache_used_bytes"] <= budget
     assert stats["cache_budget_bytes"] == budget
     cached = sum(f.stat().st_size for f in (m.cache_dir / "shards").iterdir())
@@ -216,3 +233,75 @@ def test_foreground_mount_unmounts_on_sigterm(dataset, tmp_path: Path):
         assert not os.path.ismount(mnt)
     finally:
         stop_foreground(proc, mnt)
+
+
+def test_stale_or_damaged_published_index_is_ignored_and_the_shard_scanned(
+        dataset, nginx, mounter: Mounter):
+    """README, "Index files": a published index is used only if it is valid for that shard
+    (same size, intact checksum); otherwise the shard is scanned."""
+    dest = publish(dataset, nginx.root)
+    names = shard_names(dataset)
+    for name in names:
+        shutil.copy(dataset.shard_dir / f"{name}.shardfs.idx", dest / f"{name}.shardfs.idx")
+    stale = dest / f"{names[0]}.shardfs.idx"  # an index of an older, larger version
+    head, _, body = stale.read_bytes().partition(b"\n")
+    header = json.loads(head)
+    header["size"] += 512
+    stale.write_bytes(json.dumps(header).encode() + b"\n" + body)
+    damaged = dest / f"{names[1]}.shardfs.idx"  # one flipped byte in a member line
+    raw = bytearray(damaged.read_bytes())
+    raw[raw.index(b"\n") + 3] ^= 0x01
+    damaged.write_bytes(bytes(raw))
+    nginx.reset_log()
+    m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None, "--no-warm")
+    scanned = sorted({r.uri.rsplit("/", 1)[1] for r in nginx.access_log()
+                      if r.uri.endswith(".tar") and r.range != "bytes=0-0"})
+    assert scanned == sorted(names[:2]), scanned
+    log = m.stderr + m.log()
+    assert log.count("scanning the shard instead") == 2, log
+    assert "index is for a shard of" in log and "checksum mismatch" in log
+    assert_same_bytes(dataset, m.mountpoint)
+    assert sorted(p.relative_to(m.mountpoint).as_posix()
+                  for p in m.mountpoint.rglob("*") if p.is_file()) == sorted(dataset.files())
+
+
+def _parse_members_page(value: bytes) -> dict[str, str]:
+    """docs: `user.shardfs.members.N` = a JSON list of shard URLs, then INDEX\\tNAME lines."""
+    head, _, body = value.partition(b"\n")
+    urls = json.loads(head)
+    return {name.decode(): urls[int(index)]
+            for index, _, name in (line.partition(b"\t") for line in body.split(b"\n"))}
+
+
+def test_members_xattr_spans_several_pages_through_the_mount(tmp_path: Path, mounter: Mounter):
+    """A directory whose file list exceeds one xattr value (64 KiB) gets several
+    `user.shardfs.members.N` pages; together they list every file with its shard."""
+    import io
+    import tarfile
+
+    expected: dict[str, str] = {}
+    for s in range(2):
+        path = tmp_path / f"many-{s}.tar"
+        with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tf:
+            for i in range(450):
+                name = f"sample-{s}-{i:05d}-" + "n" * 90 + ".cls"
+                info = tarfile.TarInfo(f"cls/{name}")
+                info.size = 1
+                tf.addfile(info, io.BytesIO(b"x"))
+                expected[name] = f"file://{path}"
+    m = mounter.mount([str(tmp_path / "many-{0..1}.tar")])
+    directory = m.mountpoint / "cls"
+    pages = sorted(n for n in os.listxattr(directory) if n.startswith("user.shardfs.members."))
+    assert len(pages) >= 2, pages  # 900 names of ~110 bytes: more than one 60 kB page
+    assert pages == [f"user.shardfs.members.{i}" for i in range(len(pages))]
+    seen: dict[str, str] = {}
+    for page in pages:
+        value = os.getxattr(directory, page)
+        assert len(value) <= 65536
+        part = _parse_members_page(value)
+        assert not set(part) & set(seen)  # each file on exactly one page
+        seen.update(part)
+    assert seen == expected
+    with pytest.raises(OSError) as info:
+        os.getxattr(directory, f"user.shardfs.members.{len(pages)}")
+    assert info.value.errno == errno.ENODATA

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import pytest
 
 from shardfs.devtools.nginx import free_port
 from tests.conftest import Mounter, brace
+from tests.faultproxy import FaultProxy
 from tests.test_mount import publish
 
 
@@ -34,7 +37,9 @@ def _fails(mounter: Mounter, *args: str, mountpoint: Path | None = None,
 
 def test_unreachable_server(mounter: Mounter):
     port = free_port()
-    _fails(mounter, f"http://127.0.0.1:{port}/x-{{0..1}}.tar", expect="127.0.0.1")
+    result = _fails(mounter, f"http://127.0.0.1:{port}/x-{{0..1}}.tar",
+                    expect=f"cannot connect to http://127.0.0.1:{port}")
+    assert "check the URL and that the server is running" in result.stderr, result.stderr
 
 
 def test_not_found(nginx, mounter: Mounter):
@@ -107,24 +112,47 @@ def test_cache_dir_in_use(dataset, mounter: Mounter):
 def test_kill_9_leaves_no_partial_shard_and_stale_mount_is_cleaned(dataset, nginx,
                                                                    mounter: Mounter):
     publish(dataset, nginx.root)
-    source = brace(dataset, f"{nginx.url}/data")
-    m = mounter.mount([source], None, None, "--no-warm")
-    files = sorted(dataset.files())
-    (m.mountpoint / files[0]).read_bytes()  # start fetching
-    os.kill(m.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.statvfs(m.mountpoint)
-        except OSError:
-            break
-        time.sleep(0.05)
-    # Plant a fake partial shard: a crash mid-fetch must never be taken for complete.
-    (m.cache_dir / "shards" / ("0" * 40 + ".part")).write_bytes(b"garbage")
-    m2 = mounter.mount([source], m.mountpoint, m.cache_dir)
-    assert not list((m.cache_dir / "shards").glob("*.part"))
-    for rel, data in dataset.files().items():
-        assert (m2.mountpoint / rel).read_bytes() == data
+    with FaultProxy(nginx.port) as proxy:
+        source = brace(dataset, f"{proxy.url}/data")
+        m = mounter.mount([source], None, None, "--no-warm")
+        # The next request (the whole-shard fetch the read below starts) stalls after 16 KiB,
+        # so the daemon is killed with that shard's .part file half written.
+        proxy.stall(60, after_bytes=16 * 1024, times=1)
+        shard = dataset.shards.shards[0]
+        rel = max((r for r in dataset.files()
+                   if os.getxattr(m.mountpoint / r, "user.shardfs.shard").decode()
+                   .endswith("/" + shard.path.name)),
+                  key=lambda r: int(os.getxattr(m.mountpoint / r, "user.shardfs.offset")))
+        reader = threading.Thread(target=_read_quietly, args=(m.mountpoint / rel,), daemon=True)
+        reader.start()
+        parts = m.cache_dir / "shards"
+        deadline = time.monotonic() + 30
+        while not list(parts.glob("*.part")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(parts.glob("*.part")), "the fetch never started"
+        os.kill(m.pid, signal.SIGKILL)
+        reader.join(30)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.statvfs(m.mountpoint)
+            except OSError:
+                break
+            time.sleep(0.05)
+        left = list(parts.glob("*.part"))
+        assert len(left) == 1, left  # what the kill left behind: a partial shard, no final name
+        assert not [p for p in parts.iterdir() if not p.name.endswith(".part")]
+        proxy.clear()
+        m2 = mounter.mount([source], m.mountpoint, m.cache_dir, "--no-warm")
+        assert not list(parts.glob("*.part"))  # removed at start-up, never taken as complete
+        for rel, data in dataset.files().items():
+            assert (m2.mountpoint / rel).read_bytes() == data
+        m2.unmount()
+
+
+def _read_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):  # the daemon is killed under this read
+        path.read_bytes()
 
 
 def test_server_down_gives_eio_then_recovers(dataset, nginx, mounter: Mounter):

@@ -58,6 +58,7 @@ class SoakPlan:
     # shuffle uniformly when there are random readers, else shard-blocked
     faults: bool  # read through a FaultProxy that resets connections every 256 KiB
     timeout_s: float  # the whole soak; past it, a deadlock is assumed
+    flat_kib: int = 1024  # the daemon's RSS may grow at most this much over the last epoch
 
     @property
     def name(self) -> str:
@@ -77,10 +78,10 @@ FAST_RANDOM = SoakPlan(files=1400, mean_kb=0.8, shard_kb=256, budget_shards=5, e
 # ~45 MB in ~22 shards of 2 MiB, a few members of 1 MiB; read through connection resets.
 LONG_LOCALITY = SoakPlan(files=8000, mean_kb=4, shard_kb=2048, budget_shards=10, epochs=5,
                          sequential=2, blocked=2, random=0, loaders=2, faults=True,
-                         timeout_s=1700)
+                         timeout_s=1700, flat_kib=8192)
 LONG_RANDOM = SoakPlan(files=8000, mean_kb=4, shard_kb=2048, budget_shards=10, epochs=4,
                        sequential=2, blocked=1, random=2, loaders=1, faults=True,
-                       timeout_s=1700)
+                       timeout_s=1700, flat_kib=8192)
 
 
 # -- reader processes (module level: they are forked) ------------------------------------------
@@ -217,6 +218,8 @@ def cache_dir_bytes(cache: Path) -> int:
 
 def soak(request: pytest.FixtureRequest, mounter: Mounter, nginx: Nginx, ds: RandomDataset,
          plan: SoakPlan) -> None:
+    if plan.loaders and not HAVE_TORCH:
+        pytest.skip("torch is not installed: this soak's DataLoader readers cannot run")
     ds.publish(nginx.root / "data")
     shard_size = max(s.size for s in ds.shards.shards)
     budget = plan.budget_shards * shard_size
@@ -234,7 +237,7 @@ def soak(request: pytest.FixtureRequest, mounter: Mounter, nginx: Nginx, ds: Ran
         pid = m.pid
         fds_before = fd_counts(pid)
         shards = [ds.files_of_shard(i) for i in range(len(ds.shards.shards))]
-        loaders = plan.loaders if HAVE_TORCH else 0
+        loaders = plan.loaders
         nproc = plan.sequential + plan.blocked + plan.random + loaders
         ctx = mp.get_context("fork")
         barrier = ctx.Barrier(nproc + 1)
@@ -302,6 +305,18 @@ def soak(request: pytest.FixtureRequest, mounter: Mounter, nginx: Nginx, ds: Ran
     nbytes = sum(r[3] for r in rows)
     wrong = sum(r[4] for r in rows)
     errors = sum(r[5] for r in rows)
+    report(request, f"soak {'long' if plan.faults else 'fast'} ({plan.name})", processes=nproc,
+           epochs=plan.epochs, files=files, bytes_verified=nbytes, wrong=wrong, eio=errors,
+           faults=faults, evictions=stats["evictions"],
+           shard_fetches=stats["reader"]["shard_fetches_done"],
+           member_fetches=stats["reader"]["member_fetches"],
+           shard_fetch_kib=stats["reader"]["shard_bytes"] // 1024,
+           member_fetch_kib=stats["reader"]["member_bytes"] // 1024,
+           dataset_kib=ds.shards.nbytes // 1024,
+           cache_budget_kib=budget // 1024, cache_used_max_kib=samples["used"] // 1024,
+           cache_dir_max_kib=samples["dir"] // 1024,
+           rss_kib_per_epoch="/".join(str(r[0]) for r in per_epoch),
+           fds_before=sum(fds_before), fds_after=sum(fds_after), seconds=round(seconds, 1))
     assert wrong == 0 and errors == 0, rows
     assert files == nproc * plan.epochs * len(ds.sha)
     assert pid_alive(pid)
@@ -311,8 +326,16 @@ def soak(request: pytest.FixtureRequest, mounter: Mounter, nginx: Nginx, ds: Ran
     assert samples["n"] > 10
     assert samples["used"] <= budget, (samples, budget)
     assert samples["dir"] <= budget + max_fetches * shard_size, (samples, budget)
-    if plan.random:  # every shard in the working set: member reads, never a whole shard more
-        assert stats["reader"]["member_fetches"] > 0
+    reader = stats["reader"]
+    if plan.random:
+        # Every shard in the working set: member reads. Whole-shard fetches start only in the
+        # first reads, before the working set outgrew the budget (the switch removed: ~1,700
+        # whole-shard fetches), and the bytes fetched stay near the bytes of distinct data read
+        # (the member blocks' RAM cache holds this small dataset, so each is fetched ~once).
+        assert reader["shard_fetches_started"] <= 2 * plan.budget_shards, reader
+        assert reader["member_fetches"] > 0
+        fetched = reader["shard_bytes"] + reader["member_bytes"]
+        assert fetched <= 2 * ds.shards.nbytes, (fetched, ds.shards.nbytes)
     else:  # whole shards streamed through the cache, which had to evict
         assert stats["evictions"] > 0 and stats["reader"]["shard_fetches_done"] > len(shards)
     # No fd leak: steady across epochs, and after the readers left only the open cached
@@ -324,21 +347,13 @@ def soak(request: pytest.FixtureRequest, mounter: Mounter, nginx: Nginx, ds: Ran
         (fds_before, fds_after, stats["shards_cached"])
     assert fds_after[0] <= 32 + 2, fds_after  # the HTTP pool holds at most 32 connections
     # Memory flat: past the first epoch, growth stays within what the RAM cache of member
-    # blocks may still fill (64 MiB at most, never more than the dataset) plus 16 MiB, and the
-    # last epochs are flat.
+    # blocks may still fill (64 MiB at most, never more than the dataset) plus 4 MiB (measured:
+    # +0.1 MiB over the fast soaks' epochs on a ~45 MiB daemon).
     room_kib = min(64 * MiB, ds.shards.nbytes) // 1024
-    assert rss[-1] <= rss[0] + room_kib + 16 * 1024, rss
-    if len(rss) >= 4:
-        assert rss[-1] - rss[-2] <= 8 * 1024, rss
-    report(request, f"soak {'long' if plan.faults else 'fast'} ({plan.name})", processes=nproc,
-           epochs=plan.epochs, files=files, bytes_verified=nbytes, wrong=wrong, eio=errors,
-           faults=faults, evictions=stats["evictions"],
-           shard_fetches=stats["reader"]["shard_fetches_done"],
-           member_fetches=stats["reader"]["member_fetches"],
-           cache_budget_kib=budget // 1024, cache_used_max_kib=samples["used"] // 1024,
-           cache_dir_max_kib=samples["dir"] // 1024,
-           rss_kib_per_epoch="/".join(str(r) for r in rss),
-           fds_before=sum(fds_before), fds_after=sum(fds_after), seconds=round(seconds, 1))
+    assert rss[-1] <= rss[0] + room_kib + 4 * 1024, rss
+    # The last epoch reads what the others read: the member cache is full by then (fast soaks:
+    # measured +0.03 to +0.11 MiB; a leak of 300 bytes per read adds ~1.9 MiB).
+    assert rss[-1] - rss[-2] <= plan.flat_kib, rss
 
 
 @pytest.fixture(scope="module")

@@ -142,7 +142,7 @@ def test_nginx_serves_ranges_and_logs(nginx: Nginx) -> None:
 def test_nginx_latency_is_per_request_and_concurrent(tmp_path: Path) -> None:
     (tmp_path / "www").mkdir()
     data = put(tmp_path / "www", "a.tar", 5000)
-    with Nginx(tmp_path / "www", tmp_path / "nginx", latency_s=0.3) as server:
+    with Nginx(tmp_path / "www", tmp_path / "nginx", latency_s=1.0) as server:
 
         async def fetch_all(source: HttpSource) -> float:
             shard = await source.stat(f"{server.url}/a.tar")
@@ -159,7 +159,7 @@ def test_nginx_latency_is_per_request_and_concurrent(tmp_path: Path) -> None:
             return time.monotonic() - t0
 
         elapsed = with_http(fetch_all)
-        assert 0.3 <= elapsed < 1.2  # five delayed requests overlap
+        assert 1.0 <= elapsed < 4.0  # five delayed requests overlap (one after another: 5 s)
         assert all(r.status == 206 for r in server.access_log()[1:])
 
 
@@ -213,7 +213,8 @@ def test_stat_unreachable_then_back(nginx: Nginx) -> None:
         t0 = trio.current_time()
         with pytest.raises(Unreachable, match=r"a\.tar.*ConnectError"):
             await source.stat(url)
-        assert FAST.deadline <= trio.current_time() - t0 < FAST.deadline + FAST.timeout + 0.5
+        # Not before the deadline; the upper bound only says "no hang" (generous under load).
+        assert FAST.deadline <= trio.current_time() - t0 < FAST.deadline + FAST.timeout + 2.0
         assert source.stats.retries >= 5
         await trio.to_thread.run_sync(nginx.start)
         assert (await source.stat(url)).size == SIZE
@@ -229,7 +230,7 @@ def test_stat_retries_503_with_retry_after(nginx: Nginx) -> None:
         async def check(source: HttpSource) -> None:
             t0 = trio.current_time()
             assert (await source.stat(f"{proxy.url}/a.tar")).size == SIZE
-            assert 1.0 <= trio.current_time() - t0 < 2.0
+            assert 1.0 <= trio.current_time() - t0 < 3.0  # Retry-After: 1, not the 0.02 s backoff
             assert source.stats.by_status == {503: 1, 206: 1}
 
         with_http(check)
@@ -321,9 +322,9 @@ def test_stream_retries_503_bursts(nginx: Nginx, retry_after: str | None) -> Non
             elapsed = trio.current_time() - t0
             assert source.stats.by_status[503] == 3 and source.stats.retries == 3
             if retry_after is None:
-                assert elapsed < 1.0  # backoff 0.02 + 0.04 + 0.08
+                assert elapsed < 2.5  # backoff 0.02 + 0.04 + 0.08, not 3 x Retry-After
             else:
-                assert 3.0 <= elapsed < 4.5
+                assert 3.0 <= elapsed < 6.0
 
         with_http(check, dataclasses.replace(FAST, deadline=10.0))
 
@@ -334,10 +335,10 @@ def test_stream_recovers_from_stalls(nginx: Nginx) -> None:
 
         async def check(source: HttpSource) -> None:
             shard = await source.stat(f"{proxy.url}/a.tar")
-            proxy.stall(2.0, times=1)  # before the response head
+            proxy.stall(5.0, times=1)  # before the response head
             t0 = trio.current_time()
             assert await read(source, shard) == data
-            assert FAST.timeout <= trio.current_time() - t0 < 2.0
+            assert FAST.timeout <= trio.current_time() - t0 < 4.0  # retried, did not sit it out
             proxy.stall(2.0, after_bytes=300_000, times=1)  # mid-body
             assert await read(source, shard) == data
             assert source.stats.retries == 2
@@ -381,7 +382,7 @@ def test_stream_unreachable_past_deadline(nginx: Nginx) -> None:
             t0 = trio.current_time()
             with pytest.raises(Unreachable, match=r"a\.tar.*deadline.*ReadTimeout"):
                 await read(source, shard)
-            assert FAST.deadline <= trio.current_time() - t0 < FAST.deadline + FAST.timeout + 0.5
+            assert FAST.deadline <= trio.current_time() - t0 < FAST.deadline + FAST.timeout + 2.0
             proxy.clear()
             assert len(await read(source, shard, 0, 10)) == 10
 
@@ -404,11 +405,11 @@ def test_url_already_past_its_deadline_fails_fast_then_recovers(nginx: Nginx) ->
             t0 = trio.current_time()
             with pytest.raises(Unreachable, match=r"a\.tar.*deadline"):
                 await read(source, shard)
-            assert FAST.deadline <= trio.current_time() - t0 < FAST.deadline + 0.5
+            assert FAST.deadline <= trio.current_time() - t0 < FAST.deadline + 2.0
             t1 = trio.current_time()
             with pytest.raises(Unreachable, match=r"a\.tar: unreachable, no progress for [3-9]"):
                 await read(source, shard, 0, 10)
-            assert trio.current_time() - t1 < FAST.timeout + 0.5
+            assert trio.current_time() - t1 < FAST.timeout + 1.5  # not a new deadline (3 s)
             t2 = trio.current_time()  # another URL has its own deadline
             with pytest.raises(Unreachable, match=r"b\.tar"):
                 await read(source, other, 0, 10)
