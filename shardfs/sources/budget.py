@@ -1,0 +1,118 @@
+"""A per-mount request budget: a token bucket whose rate adapts to the store's throttling.
+
+Object stores limit request rates per prefix (S3: ~5,500 GET/s per prefix, answered with
+503 SlowDown beyond), and Hugging Face / GCS answer 429. Retrying each refused request on its
+own (even with backoff) keeps the aggregate rate at the limit. So every request of a mount
+first takes a token from one shared bucket:
+
+- no configured rate (`request_rate: None`, the default): unlimited until the store throttles;
+- on a throttling answer the rate is cut to half of the rate actually observed over the last
+  seconds (multiplicative decrease), at least MIN_RATE;
+- every success after that raises it by about one request per second per second (additive
+  increase), until it is back at the configured rate, or, unconfigured, until it is well
+  above what was observed when throttled, where the limit is lifted again.
+
+The retry delays themselves use full jitter (sources/http.py: `_Patience`), so that many
+nodes started at once, all throttled at the same moment, do not come back in lockstep.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import trio
+
+log = logging.getLogger(__name__)
+
+MIN_RATE = 1.0  # requests/s: the floor after repeated throttling
+WINDOW_S = 2.0  # how far back the observed request rate is measured
+LIFT_FACTOR = 4.0  # unconfigured budget: lift the limit once the rate is this far above its cut
+
+
+class RequestBudget:
+    def __init__(self, rate: float | None = None, burst: int = 64) -> None:
+        if rate is not None and rate <= 0:
+            raise ValueError(f"request rate must be positive, not {rate}")
+        self.configured = rate
+        self.rate = rate  # None: unlimited right now
+        self.burst = max(1, burst)
+        self._tokens = float(self.burst)
+        self._stamp = trio.current_time() if _in_trio() else 0.0
+        self._recent: collections.deque[float] = collections.deque()
+        self._cut_from: float | None = None  # the rate that was cut, while adapting
+        self.waits = 0
+        self.wait_s = 0.0
+        self.throttles = 0
+
+    async def acquire(self) -> None:
+        """Take one token, waiting for it if the bucket is empty."""
+        now = trio.current_time()
+        self._note(now)
+        if self.rate is None:
+            return
+        self._fill(now)
+        if self._tokens >= 1:
+            self._tokens -= 1
+            return
+        # Reserve the token now (tokens go negative), so waiters queue in arrival order.
+        self._tokens -= 1
+        delay = -self._tokens / self.rate
+        self.waits += 1
+        self.wait_s += delay
+        await trio.sleep(delay)
+
+    def throttled(self) -> None:
+        """The store answered 429 / 503 SlowDown: cut the rate."""
+        now = trio.current_time()
+        self.throttles += 1
+        observed = self._observed(now)
+        base = self.rate if self.rate is not None else observed
+        if self.rate is not None:
+            base = min(base, max(observed, MIN_RATE))
+        new = max(MIN_RATE, base / 2)
+        if self.rate is None or new < self.rate:
+            if self._cut_from is None:
+                self._cut_from = base
+            self._fill(now)
+            self.rate = new
+            self._tokens = min(self._tokens, 1.0)
+            log.info("store is throttling: request budget cut to %.1f requests/s", new)
+
+    def succeeded(self) -> None:
+        """A request went through: raise a cut rate a little."""
+        if self.rate is None or self._cut_from is None:
+            return
+        self.rate += 1.0 / max(self.rate, 1.0)  # about +1 request/s per second
+        if self.configured is not None and self.rate >= self.configured:
+            self.rate, self._cut_from = self.configured, None
+        elif self.configured is None and self.rate >= LIFT_FACTOR * self._cut_from:
+            self.rate, self._cut_from = None, None
+            log.info("store stopped throttling: request budget lifted")
+
+    def snapshot(self) -> dict[str, float | int | None]:
+        return {"rate": self.rate, "waits": self.waits, "wait_s": round(self.wait_s, 3),
+                "throttles": self.throttles}
+
+    def _fill(self, now: float) -> None:
+        if self.rate is not None:
+            self._tokens = min(float(self.burst), self._tokens + (now - self._stamp) * self.rate)
+        self._stamp = now
+
+    def _note(self, now: float) -> None:
+        self._recent.append(now)
+        while self._recent and self._recent[0] < now - WINDOW_S:
+            self._recent.popleft()
+
+    def _observed(self, now: float) -> float:
+        while self._recent and self._recent[0] < now - WINDOW_S:
+            self._recent.popleft()
+        return max(len(self._recent) / WINDOW_S, MIN_RATE)
+
+
+def _in_trio() -> bool:
+    try:
+        trio.current_time()
+    except RuntimeError:
+        return False
+    return True
