@@ -27,6 +27,14 @@ _METRICS = (
     ("shardfs_eio", ("reader", "eio"), "counter", "Reads that failed with EIO"),
     ("shardfs_source_requests", ("source", "requests"), "counter", "Requests to sources"),
     ("shardfs_source_retries", ("source", "retries"), "counter", "Retried requests"),
+    ("shardfs_source_throttled", ("source", "throttled"), "counter",
+     "Answers asking to slow down (429, 503 SlowDown)"),
+    ("shardfs_source_budget_waits", ("source", "budget_waits"), "counter",
+     "Requests that waited for the per-mount request budget"),
+    ("shardfs_source_budget_wait_seconds", ("source", "budget_wait_s"), "counter",
+     "Seconds requests waited for the request budget"),
+    ("shardfs_source_credential_refreshes", ("source", "credential_refreshes"), "counter",
+     "Temporary credentials obtained again"),
 )
 
 

@@ -107,12 +107,11 @@ class Sources:
         for source in self._opened():
             s = source.stats
             for f in fields(SourceStats):
-                if f.name != "by_status":
+                if f.name not in ("by_status", "credential_providers"):
                     setattr(total, f.name, getattr(total, f.name) + getattr(s, f.name))
             for status, count in s.by_status.items():
                 total.by_status[status] = total.by_status.get(status, 0) + count
-        total.budget_waits += self.budget.waits
-        total.budget_wait_s += self.budget.wait_s
+        total.credential_providers = self.credential_providers()
         return total
 
     def credential_providers(self) -> dict[str, str]:

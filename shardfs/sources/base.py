@@ -64,6 +64,10 @@ class SourceSettings:
     s3_addressing: str = "auto"  # auto | path | virtual (auto: path-style on custom endpoints)
     # ais:// (None: $AIS_ENDPOINT, else http://localhost:8080)
     ais_endpoint: str | None = None
+    # hf:// (None: $HF_ENDPOINT, else https://huggingface.co)
+    hf_endpoint: str | None = None
+    # gs:// (None: $STORAGE_EMULATOR_HOST, else https://storage.googleapis.com)
+    gs_endpoint: str | None = None
     # Keys from the mount's config file (`credentials:`, given by reference there); they win
     # over the environment and the AWS files. Never logged.
     s3_credentials: dict[str, str] | None = field(default=None, repr=False)
@@ -82,6 +86,9 @@ class SourceStats:
     budget_waits: int = 0  # requests that waited for the request budget (sources/budget.py)
     budget_wait_s: float = 0.0  # total seconds spent waiting for it
     credential_refreshes: int = 0  # temporary credentials obtained again (expiry, rotation)
+    # Which credential provider each signing source uses (botocore's `method`, e.g.
+    # {"s3": "iam-role"}): names only, never a secret. Filled in by Sources.stats().
+    credential_providers: dict[str, str] = field(default_factory=dict)
 
 
 def check_span(shard: ShardInfo, start: int, end: int) -> None:

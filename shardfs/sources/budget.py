@@ -45,22 +45,23 @@ class RequestBudget:
         self.wait_s = 0.0
         self.throttles = 0
 
-    async def acquire(self) -> None:
-        """Take one token, waiting for it if the bucket is empty."""
+    async def acquire(self) -> float:
+        """Take one token, waiting for it if the bucket is empty; return the seconds waited."""
         now = trio.current_time()
         self._note(now)
         if self.rate is None:
-            return
+            return 0.0
         self._fill(now)
         if self._tokens >= 1:
             self._tokens -= 1
-            return
+            return 0.0
         # Reserve the token now (tokens go negative), so waiters queue in arrival order.
         self._tokens -= 1
         delay = -self._tokens / self.rate
         self.waits += 1
         self.wait_s += delay
         await trio.sleep(delay)
+        return delay
 
     def throttled(self) -> None:
         """The store answered 429 / 503 SlowDown: cut the rate."""

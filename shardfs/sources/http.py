@@ -250,7 +250,10 @@ class HttpSource:
     async def _before_attempt(self) -> None:
         """Await what a request needs before it is built: a token from the request budget
         (and, in subclasses, fresh credentials)."""
-        await self.budget.acquire()
+        waited = await self.budget.acquire()
+        if waited:
+            self.stats.budget_waits += 1
+            self.stats.budget_wait_s += waited
 
     def _request(self, url: str, headers: dict[str, str]) -> _Attempt:
         return _Attempt(self, url, lambda: self._build_request(url, headers))

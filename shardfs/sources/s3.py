@@ -429,6 +429,12 @@ class S3Source(HttpSource):
                 fields[_local(child.tag)] = (child.text or "").strip()
         return fields.get("Code", ""), fields.get("Message", ""), fields
 
+    def _who(self) -> str:
+        """Which credentials signed the requests, for messages (never a secret)."""
+        creds = self._signing
+        return (f"access key {creds.access_key} from {creds.source}" if creds
+                else "an anonymous request (no AWS credentials found)")
+
     def _reauthorize(self, resp: httpx.Response, code: str) -> bool:
         """Whether a refusal may be the signing key's expiry or rotation: then the
         credentials are obtained again (once) and the request is retried."""
@@ -452,9 +458,7 @@ class S3Source(HttpSource):
         self.stats.errors += 1
         bucket, key = split_bucket_url(url, self.scheme)
         what = f"bucket {bucket!r}" + (f", key {key!r}" if key and not listing else "")
-        creds = self._signing
-        who = (f"access key {creds.access_key} from {creds.source}" if creds
-               else "an anonymous request (no AWS credentials found)")
+        who = self._who()
         where = self.config.endpoint or "AWS S3"
         region = resp.headers.get("x-amz-bucket-region")
         if region and region != self.config.region:
