@@ -36,6 +36,7 @@ from tests.cloud_standins import (
     sso_route,
     sts_route,
 )
+from tests.conftest import Dataset, Mounter
 from tests.seaweed_fixture import SeaweedServer
 
 BUCKET = "shards"
@@ -291,3 +292,38 @@ def test_rotated_key_refreshes_once_and_retries(weed: Weed, aws_env: Path,
         assert "container credentials" in str(info.value)
         assert KEYS[0][1] not in str(info.value) and KEYS[1][1] not in str(info.value)
         assert len(vendor.issued) == 2
+
+
+def test_expiry_and_refresh_during_a_mount(weed: Weed, aws_env: Path, dataset: Dataset,
+                                           mounter: Mounter,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real mount signing with container credentials that live 5 s: it stays idle past
+    two lifetimes, then every file reads back exactly; no request was refused as expired,
+    the stats name the provider and count the refreshes, the log names the provider and
+    never the secret."""
+    for path in sorted(dataset.shard_dir.iterdir()):  # shards and index files
+        weed.server.admin.upload_file(str(path), BUCKET, f"mnt/{path.name}")
+    vendor = Vendor(KEYS[3:6], lifetime=5.0)
+    gate_log: list[str] = []
+    with serve(container_route(vendor, "/creds", "pod-token")) as ep, \
+            serve(gate_route(vendor, weed.server.url, gate_log)) as gate:
+        token_file = aws_env / "token"
+        token_file.write_text("pod-token")
+        monkeypatch.setenv("AWS_CONTAINER_CREDENTIALS_FULL_URI", ep.url + "/creds")
+        monkeypatch.setenv("AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE", str(token_file))
+        m = mounter.mount([f"s3://{BUCKET}/mnt/"], None, None, "--s3-endpoint", gate.url,
+                          "--s3-addressing", "path", "--s3-region", "us-east-1", "--no-warm")
+        time.sleep(11.0)  # past two lifetimes of the credentials the mount started with
+        for rel, body in dataset.files().items():
+            assert (m.mountpoint / rel).read_bytes() == body
+        stats = m.stats()
+        source = stats["source"]
+        assert source["credential_providers"] == {"s3": "container-role"}
+        assert source["credential_refreshes"] >= 1
+        assert not {"400", "403"} & set(source["by_status"])  # no expired key was sent
+        assert stats["reader"]["eio"] == 0
+        log = m.log()
+        assert "container credentials (ECS / EKS Pod Identity) [container-role]" in log
+        assert all(secret not in log for _, secret in KEYS)
+        m.unmount()
+    assert len(vendor.issued) >= 2
