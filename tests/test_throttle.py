@@ -52,6 +52,9 @@ def test_unconfigured_budget_adapts_to_throttling() -> None:
         budget.throttled()  # observed ~50/s over the window: cut to about half of it
         assert budget.rate is not None and 20 <= budget.rate <= 30
         cut = budget.rate
+        budget.throttled()  # an answer to a request sent before the cut: no second cut
+        assert budget.rate == cut
+        await trio.sleep(1.0)
         budget.throttled()
         assert budget.rate == pytest.approx(max(MIN_RATE, cut / 2), rel=0.3)
         start = trio.current_time()
@@ -88,8 +91,10 @@ def test_retries_are_jittered_not_synchronised() -> None:
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
-def throttling(every: int, status: int, body: bytes = b"") -> tuple[object, list[int]]:
-    """A range server answering `status` to every `every`-th request."""
+def throttling(every: int, status: int, body: bytes = b"", until: int = 15
+               ) -> tuple[object, list[int]]:
+    """A range server answering `status` to every `every`-th of its first `until` requests
+    (a burst of throttling, as when many clients start at once)."""
     count = [0]
     lock = threading.Lock()
     statuses: list[int] = []
@@ -98,7 +103,7 @@ def throttling(every: int, status: int, body: bytes = b"") -> tuple[object, list
         with lock:
             count[0] += 1
             n = count[0]
-        if n % every == 0:
+        if n % every == 0 and n <= until:
             statuses.append(status)
             return status, {"Content-Type": "application/xml"}, body
         spec = req.headers.get("range", "bytes=0-")
@@ -129,12 +134,12 @@ def test_http_throttling_is_counted_and_cuts_the_budget(status: int) -> None:
             try:
                 source = sources.for_url(server.url + "/a.tar")
                 shard = await source.stat(server.url + "/a.tar")
-                for _ in range(30):
+                for _ in range(20):
                     start = random.randrange(0, len(BODY) - 1000)
                     assert await read(source, shard, start, start + 1000) == \
                         BODY[start:start + 1000]
                 stats = sources.stats()
-                assert stats.throttled == statuses.count(status) >= 9
+                assert stats.throttled == statuses.count(status) >= 5
                 assert stats.retries >= stats.throttled
                 assert sources.budget.rate is not None  # adapted below the observed rate
             finally:
@@ -144,7 +149,8 @@ def test_http_throttling_is_counted_and_cuts_the_budget(status: int) -> None:
 
 
 def test_s3_slowdown_from_a_real_server(tmp_path: Path) -> None:
-    """SeaweedFS behind a gate answering S3's 503 SlowDown to every other request: reads
+    """SeaweedFS behind a gate answering S3's 503 SlowDown to every other one of the first
+    requests: reads
     stay exact, and the throttling shows in the stats and the Prometheus metrics."""
     from shardfs.sources.s3 import S3Config, S3Source
     from tests.cloud_standins import Vendor, gate_route
@@ -161,7 +167,7 @@ def test_s3_slowdown_from_a_real_server(tmp_path: Path) -> None:
 
         def gate(req: Request) -> Answer:
             n[0] += 1
-            if n[0] % 2 == 0:
+            if n[0] % 2 == 0 and n[0] <= 14:
                 return 503, {"Content-Type": "application/xml"}, slowdown
             return forward(req)
 

@@ -7,7 +7,8 @@ first takes a token from one shared bucket:
 
 - no configured rate (`request_rate: None`, the default): unlimited until the store throttles;
 - on a throttling answer the rate is cut to half of the rate actually observed over the last
-  seconds (multiplicative decrease), at least MIN_RATE;
+  seconds (multiplicative decrease), at least MIN_RATE, at most once per HOLD_S (the answers
+  to requests already in flight do not cut it again);
 - every success after that raises it by about one request per second per second (additive
   increase), until it is back at the configured rate, or, unconfigured, until it is well
   above what was observed when throttled, where the limit is lifted again.
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 MIN_RATE = 1.0  # requests/s: the floor after repeated throttling
 WINDOW_S = 2.0  # how far back the observed request rate is measured
 LIFT_FACTOR = 4.0  # unconfigured budget: lift the limit once the rate is this far above its cut
+HOLD_S = 1.0  # after a cut, further throttling answers (already in flight) do not cut again
 
 
 class RequestBudget:
@@ -41,6 +43,7 @@ class RequestBudget:
         self._stamp = trio.current_time() if _in_trio() else 0.0
         self._recent: collections.deque[float] = collections.deque()
         self._cut_from: float | None = None  # the rate that was cut, while adapting
+        self._cut_at = float("-inf")
         self.waits = 0
         self.wait_s = 0.0
         self.throttles = 0
@@ -67,6 +70,8 @@ class RequestBudget:
         """The store answered 429 / 503 SlowDown: cut the rate."""
         now = trio.current_time()
         self.throttles += 1
+        if now - self._cut_at < HOLD_S:
+            return  # answers to requests sent before the last cut took effect
         observed = self._observed(now)
         base = self.rate if self.rate is not None else observed
         if self.rate is not None:
@@ -77,6 +82,7 @@ class RequestBudget:
                 self._cut_from = base
             self._fill(now)
             self.rate = new
+            self._cut_at = now
             self._tokens = min(self._tokens, 1.0)
             log.info("store is throttling: request budget cut to %.1f requests/s", new)
 
