@@ -9,9 +9,10 @@ first takes a token from one shared bucket:
 - on a throttling answer the rate is cut to half of the rate actually observed over the last
   seconds (multiplicative decrease), at least MIN_RATE, at most once per HOLD_S (the answers
   to requests already in flight do not cut it again);
-- every success after that raises it by about one request per second per second (additive
-  increase), until it is back at the configured rate, or, unconfigured, until it is well
-  above what was observed when throttled, where the limit is lifted again.
+- while requests go through, the rate grows back from the cut, doubling every DOUBLE_S
+  seconds (quick to recover when the throttling was a burst, as at start-up), until it is
+  back at the configured rate, or, unconfigured, until it is LIFT_FACTOR above what was
+  observed when throttled, where the limit is lifted again.
 
 The retry delays themselves use full jitter (sources/http.py: `_Patience`), so that many
 nodes started at once, all throttled at the same moment, do not come back in lockstep.
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 MIN_RATE = 1.0  # requests/s: the floor after repeated throttling
 WINDOW_S = 2.0  # how far back the observed request rate is measured
 LIFT_FACTOR = 4.0  # unconfigured budget: lift the limit once the rate is this far above its cut
+DOUBLE_S = 2.0  # a cut rate doubles this often while no throttling answers come
 HOLD_S = 1.0  # after a cut, further throttling answers (already in flight) do not cut again
 
 
@@ -44,6 +46,7 @@ class RequestBudget:
         self._recent: collections.deque[float] = collections.deque()
         self._cut_from: float | None = None  # the rate that was cut, while adapting
         self._cut_at = float("-inf")
+        self._cut_rate = 0.0  # the rate set by the last cut
         self.waits = 0
         self.wait_s = 0.0
         self.throttles = 0
@@ -81,7 +84,7 @@ class RequestBudget:
             if self._cut_from is None:
                 self._cut_from = base
             self._fill(now)
-            self.rate = new
+            self.rate = self._cut_rate = new
             self._cut_at = now
             self._tokens = min(self._tokens, 1.0)
             log.info("store is throttling: request budget cut to %.1f requests/s", new)
@@ -90,7 +93,9 @@ class RequestBudget:
         """A request went through: raise a cut rate a little."""
         if self.rate is None or self._cut_from is None:
             return
-        self.rate += 1.0 / max(self.rate, 1.0)  # about +1 request/s per second
+        now = trio.current_time()
+        self._fill(now)
+        self.rate = self._cut_rate * 2 ** ((now - self._cut_at) / DOUBLE_S)
         if self.configured is not None and self.rate >= self.configured:
             self.rate, self._cut_from = self.configured, None
         elif self.configured is None and self.rate >= LIFT_FACTOR * self._cut_from:
@@ -114,7 +119,11 @@ class RequestBudget:
     def _observed(self, now: float) -> float:
         while self._recent and self._recent[0] < now - WINDOW_S:
             self._recent.popleft()
-        return max(len(self._recent) / WINDOW_S, MIN_RATE)
+        if not self._recent:
+            return MIN_RATE
+        # Over the time the window really covers (short just after start-up).
+        span = max(now - self._recent[0], 0.25)
+        return max(len(self._recent) / span, MIN_RATE)
 
 
 def _in_trio() -> bool:
