@@ -312,7 +312,8 @@ def test_expiry_and_refresh_during_a_mount(weed: Weed, aws_env: Path, dataset: D
         monkeypatch.setenv("AWS_CONTAINER_CREDENTIALS_FULL_URI", ep.url + "/creds")
         monkeypatch.setenv("AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE", str(token_file))
         m = mounter.mount([f"s3://{BUCKET}/mnt/"], None, None, "--s3-endpoint", gate.url,
-                          "--s3-addressing", "path", "--s3-region", "us-east-1", "--no-warm")
+                          "--s3-addressing", "path", "--s3-region", "us-east-1", "--no-warm",
+                          "--request-rate", "500")
         time.sleep(11.0)  # past two lifetimes of the credentials the mount started with
         for rel, body in dataset.files().items():
             assert (m.mountpoint / rel).read_bytes() == body

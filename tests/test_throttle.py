@@ -196,3 +196,11 @@ def test_s3_slowdown_from_a_real_server(tmp_path: Path) -> None:
                for m in _Collector(lambda: {"source": stats}).collect()}
     assert metrics["shardfs_source_throttled"] == stats["throttled"]
     assert "shardfs_source_credential_refreshes" in metrics
+
+
+def test_request_rate_option() -> None:
+    from shardfs.cli.config import ConfigError, validate
+
+    assert validate({"request_rate": "250"}, "test") == {"request_rate": 250.0}
+    with pytest.raises(ConfigError, match="request_rate: bad value 0"):
+        validate({"request_rate": 0}, "test")
