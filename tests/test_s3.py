@@ -67,6 +67,7 @@ class Store:
     nobody: Credentials  # no S3 permission at all
     admin: Any  # boto3 S3 client allowed everything (for changes after auth is on)
     role: Credentials  # temporary credentials (STS AssumeRole) with a session token
+    assumer: Credentials  # may only call sts:AssumeRole (for assume-role profiles)
 
     def config(self, creds: Credentials | None, **kw: Any) -> S3Config:
         return S3Config(endpoint=self.moto.url, addressing="path", credentials=creds, **kw)
@@ -97,6 +98,8 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
                              source="test reader")
         getter = Credentials(*moto.iam_user("getter", ["s3:GetObject"]), source="test getter")
         nobody = Credentials(*moto.iam_user("nobody", ["iam:GetUser"]), source="test nobody")
+        assumer = Credentials(*moto.iam_user("assumer", ["sts:AssumeRole"]),
+                              source="test assumer")
         admin_key, admin_secret = moto.iam_user("admin", ["s3:*"])
         iam = moto.client("iam")
         trust = {"Version": "2012-10-17", "Statement": [
@@ -112,7 +115,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
                            source="test role")
         moto.enforce_auth()
         admin = moto.client("s3", admin_key, admin_secret)
-        yield Store(moto, data, reader, getter, nobody, admin, role)
+        yield Store(moto, data, reader, getter, nobody, admin, role, assumer)
 
 
 def run(source: S3Source, fn: Callable[[S3Source], Awaitable[T]]) -> T:
@@ -569,3 +572,42 @@ def test_moto_serves_what_boto_wrote(store: Store) -> None:
     """Sanity check of the fixture itself: plain unsigned HTTP is refused once auth is on."""
     with pytest.raises(urllib.request.HTTPError):
         urllib.request.urlopen(f"{store.moto.url}/{BUCKET}/data/train-000002.tar", timeout=5)
+
+
+def test_session_credentials_from_the_chain(store: Store, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Temporary credentials with a session token, obtained by botocore's chain from a real
+    STS API (moto's; it checks the session token on every S3 request): an assume-role
+    profile (role_arn + source_profile). (moto with auth enforced cannot answer the unsigned
+    AssumeRoleWithWebIdentity; web identity is tested against SeaweedFS with an STS
+    stand-in in test_s3_credentials.py.)"""
+    role_arn = "arn:aws:iam::123456789012:role/train"
+    key = "data/train-000000.tar"
+
+    async def reads(source: S3Source) -> None:
+        shard = await source.stat(url(key))
+        assert await read(source, shard) == store.data[key]
+
+    settings = dataclasses.replace(FAST, s3_endpoint=store.moto.url, s3_addressing="path")
+    config = write(tmp_path / "config", (
+        f"[profile base]\naws_access_key_id = {store.assumer.access_key}\n"
+        f"aws_secret_access_key = {store.assumer.secret_key}\n\n"
+        f"[profile job]\nrole_arn = {role_arn}\nsource_profile = base\n"))
+    aws_only(monkeypatch, tmp_path, AWS_CONFIG_FILE=config, AWS_PROFILE="job",
+             AWS_ENDPOINT_URL_STS=store.moto.url, AWS_REGION="us-east-1")
+    source = S3Source(settings)
+    run(source, reads)
+    assert source.credential_method == "assume-role"
+    assert source._signing is not None and source._signing.session_token
+    # An STS that refuses: a clear error naming the route, not a traceback.
+    write(tmp_path / "config", (
+        f"[profile base]\naws_access_key_id = {store.assumer.access_key}\n"
+        "aws_secret_access_key = wrong\n\n"
+        f"[profile job]\nrole_arn = {role_arn}\nsource_profile = base\n"))
+    source = S3Source(settings)
+
+    async def refused(source: S3Source) -> None:
+        with pytest.raises(SourceError, match=r"cannot obtain AWS credentials.*AssumeRole"):
+            await source.stat(url(key))
+
+    run(source, refused)

@@ -89,13 +89,18 @@ def _schedule(expiry: float | None, now: float) -> tuple[float, float]:
     return advise_at, expiry - must
 
 
-def _resolve(profile: str | None) -> tuple[Credentials | None, str, float | None]:
-    """Run botocore's resolver once (blocking: call it in a worker thread)."""
+def _resolve(profile: str | None, region: str | None
+             ) -> tuple[Credentials | None, str, float | None]:
+    """Run botocore's resolver once (blocking: call it in a worker thread). `region` is the
+    S3 region, also used for the STS / SSO calls some routes make (botocore reads only
+    AWS_DEFAULT_REGION and the profile on its own, not AWS_REGION)."""
     import botocore.exceptions
     import botocore.session
 
     try:
         session = botocore.session.Session(profile=profile)
+        if region and not session.get_config_variable("region"):
+            session.set_config_variable("region", region)
         found = session.get_credentials()
         if found is None:
             return None, "none", None
@@ -103,9 +108,14 @@ def _resolve(profile: str | None) -> tuple[Credentials | None, str, float | None
     except botocore.exceptions.ProfileNotFound:
         raise SourceError(f"AWS profile {profile!r} not found in the AWS config or "
                           "credentials file") from None
-    except botocore.exceptions.BotoCoreError as e:
-        # botocore's messages name files, roles and providers, never secrets.
+    except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as e:
+        # botocore's messages (and AWS's error messages) name files, roles, providers and
+        # error codes, never secrets.
         raise SourceError(f"cannot obtain AWS credentials: {e}") from None
+    except Exception as e:
+        # E.g. an unreadable answer from a credential endpoint: its body is not repeated.
+        raise SourceError(f"cannot obtain AWS credentials: {type(e).__name__} (from the "
+                          "provider's endpoint or process)") from None
     method = getattr(found, "method", None) or "unknown"
     # RefreshableCredentials keeps its expiry in `_expiry_time` (a tz-aware datetime); there
     # is no public accessor. Long-term credentials have none.
@@ -119,9 +129,11 @@ def _resolve(profile: str | None) -> tuple[Credentials | None, str, float | None
 class AwsCredentials:
     """The credentials S3 requests are signed with: fixed ones, or botocore's chain."""
 
-    def __init__(self, *, profile: str | None = None, fixed: Credentials | None = None,
-                 stats: SourceStats | None = None, label: str = "s3") -> None:
+    def __init__(self, *, profile: str | None = None, region: str | None = None,
+                 fixed: Credentials | None = None, stats: SourceStats | None = None,
+                 label: str = "s3") -> None:
         self._profile = profile
+        self._region = region
         self._fixed = fixed
         self._stats = stats if stats is not None else SourceStats()
         self._label = label
@@ -213,7 +225,7 @@ class AwsCredentials:
         previous = self._state
         try:
             creds, method, expiry = await trio.to_thread.run_sync(
-                _resolve, self._profile, abandon_on_cancel=True)
+                _resolve, self._profile, self._region, abandon_on_cancel=True)
         except SourceError as e:
             self._error = e
             self._next_try = self._retry_time(previous)

@@ -231,7 +231,8 @@ class S3Source(HttpSource):
         self.config = config or self._load_config(self.settings, env)
         cfg = self.config
         # No credentials object at all for unsigned sources: botocore is never imported.
-        self.auth = (AwsCredentials(profile=cfg.profile, fixed=cfg.credentials,
+        self.auth = (AwsCredentials(profile=cfg.profile, region=cfg.region,
+                                    fixed=cfg.credentials,
                                     stats=self.stats, label=f"{self.scheme}://")
                      if cfg.credentials is not None or cfg.chain else None)
         self._signing: Credentials | None = cfg.credentials
