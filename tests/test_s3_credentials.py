@@ -16,6 +16,7 @@ import logging
 import os
 import random
 import stat
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -36,7 +37,7 @@ from tests.cloud_standins import (
     sso_route,
     sts_route,
 )
-from tests.conftest import Dataset, Mounter
+from tests.conftest import SHARDFS, Dataset, Mounter
 from tests.seaweed_fixture import SeaweedServer
 
 BUCKET = "shards"
@@ -323,6 +324,9 @@ def test_expiry_and_refresh_during_a_mount(weed: Weed, aws_env: Path, dataset: D
         assert source["credential_refreshes"] >= 1
         assert not {"400", "403"} & set(source["by_status"])  # no expired key was sent
         assert stats["reader"]["eio"] == 0
+        shown = subprocess.run([*SHARDFS, "stats", str(m.mountpoint)], capture_output=True,
+                               text=True, timeout=30)
+        assert "credentials     s3: container-role" in shown.stdout, shown.stdout + shown.stderr
         log = m.log()
         assert "container credentials (ECS / EKS Pod Identity) [container-role]" in log
         assert all(secret not in log for _, secret in KEYS)
