@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import hmac
 import json
+import logging
 import os
 import random
 import threading
@@ -145,8 +146,10 @@ def test_hf_url_mapping() -> None:
         hf_to_https("hf://datasets/org/name", e)
 
 
-def test_hf_public_dataset_through_redirects(hub: tuple[Hub, object, object]) -> None:
+def test_hf_public_dataset_through_redirects(hub: tuple[Hub, object, object],
+                                            caplog: pytest.LogCaptureFixture) -> None:
     state, hub_server, store_server = hub
+    caplog.set_level(logging.DEBUG)
 
     async def main() -> None:
         sources = Sources(FAST)
@@ -179,6 +182,8 @@ def test_hf_public_dataset_through_redirects(hub: tuple[Hub, object, object]) ->
     trio.run(main)
     assert all("authorization" not in r.headers for r in hub_server.seen)  # type: ignore
     assert all("if-match" not in r.headers for r in hub_server.seen)  # type: ignore
+    # The file store's signed URLs are capabilities: httpx's request log shows no query.
+    assert "/blobs/" in caplog.text and "sig=" not in caplog.text
     assert all("range" in r.headers for r in store_server.seen)  # type: ignore
 
 

@@ -191,7 +191,9 @@ def test_instance_metadata_v2(weed: Weed, aws_env: Path, monkeypatch: pytest.Mon
         assert vendor.issued and vendor.issued[0][0] == KEYS[3][0]
 
 
-def test_web_identity(weed: Weed, aws_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_web_identity(weed: Weed, aws_env: Path, monkeypatch: pytest.MonkeyPatch,
+                      caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)  # as with --log-level debug
     vendor = Vendor([KEYS[4]])
     seen_tokens: list[str] = []
     token_file = aws_env / "irsa-token"
@@ -203,6 +205,10 @@ def test_web_identity(weed: Weed, aws_env: Path, monkeypatch: pytest.MonkeyPatch
         source = read_everything(weed, settings_for(weed))
         assert source.credential_method == "assume-role-with-web-identity"
         assert seen_tokens == ["eyJhbGciOi.projected-service-account-token.sig"]
+    # botocore's debug log would print the token and the STS answer: kept at info.
+    assert "assume-role-with-web-identity" in caplog.text
+    assert "projected-service-account-token" not in caplog.text
+    assert KEYS[4][1] not in caplog.text
 
 
 def test_sso_cached_token(weed: Weed, aws_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -41,6 +41,9 @@ from shardfs.sources.base import SourceError, SourceStats
 from shardfs.sources.sigv4 import Credentials
 
 log = logging.getLogger(__name__)
+# botocore's debug logging prints request parameters and response bodies: web identity
+# tokens, secret keys, session tokens. shardfs never lets it go below info.
+logging.getLogger("botocore").setLevel(logging.INFO)
 
 ADVISORY_S = 15 * 60.0  # the AWS SDKs start refreshing this long before expiry ...
 MANDATORY_S = 10 * 60.0  # ... and block requests from this long before it

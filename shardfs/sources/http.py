@@ -35,6 +35,24 @@ _UNSATISFIED_RANGE = re.compile(r"bytes\s+\*/(\d+)\s*$", re.IGNORECASE)
 log = logging.getLogger(__name__)
 
 
+class _HideQueries(logging.Filter):
+    """httpx logs every request's URL (at info level). Query strings can carry credentials
+    (presigned file-store URLs the Hugging Face Hub redirects to, with their signatures), so
+    the logged URL is cut at the `?`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and any(isinstance(a, httpx.URL) and a.query for a in args):
+            record.args = tuple(a.copy_with(query=b"") if isinstance(a, httpx.URL) else a
+                                for a in args)
+        return True
+
+
+logging.getLogger("httpx").addFilter(_HideQueries())
+# httpcore's debug trace prints response headers (a redirect's Location: a presigned URL).
+logging.getLogger("httpcore").setLevel(logging.INFO)
+
+
 class _Retry(Exception):
     """An attempt failed in a way that may go away: try again after a backoff."""
 
