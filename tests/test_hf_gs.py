@@ -35,6 +35,7 @@ from shardfs.sources import NotFound, ShardChanged, ShardInfo, SourceError, Sour
 from shardfs.sources.gs import GsSource
 from shardfs.sources.hf import HfSource, hf_to_https
 from tests.cloud_standins import Answer, Request, serve
+from tests.conftest import Dataset, Mounter, brace
 
 FAST = SourceSettings(timeout=5.0, deadline=15.0, backoff_initial=0.02, backoff_max=0.3,
                       chunk_size=32 * 1024)
@@ -382,3 +383,23 @@ def test_gs_hmac_keys_against_a_real_s3_server(gcs_env: Path, tmp_path: Path,
 
         trio.run(main)
     assert os.environ["GS_ACCESS_KEY_ID"] == key
+
+
+def test_hf_gated_dataset_mounted(hub: tuple[Hub, object, object], dataset: Dataset,
+                                  mounter: Mounter, tmp_path: Path) -> None:
+    """A real FUSE mount of a gated Hub dataset named by a brace pattern, with the token of
+    `huggingface-cli login`: every file reads back exactly; the token is not in the log."""
+    state, _, store_server = hub
+    state.repos["datasets/org/gated@main"] = {
+        f"wds/{p.name}": p.read_bytes() for p in dataset.shard_dir.iterdir()}
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "token").write_text(state.token)
+    m = mounter.mount([brace(dataset, "hf://datasets/org/gated/wds")])
+    for rel, body in dataset.files().items():
+        assert (m.mountpoint / rel).read_bytes() == body
+    stats = m.stats()
+    assert stats["source"]["credential_providers"] == {"hf": "hf-token"}
+    assert stats["reader"]["eio"] == 0
+    assert state.token not in m.log()
+    assert all("authorization" not in r.headers for r in store_server.seen)  # type: ignore
+    m.unmount()

@@ -106,7 +106,14 @@ class GoogleToken:
 
     async def _obtain(self) -> None:
         had = self._resolved
-        token, lifetime, method = await self._fetch()
+        try:
+            token, lifetime, method = await self._fetch()
+        except SourceError as e:
+            if not self._keep_current(f"refreshing the token failed: {e}"):
+                raise
+            return
+        if token is None and self._keep_current("the metadata server did not answer"):
+            return
         now = time.time()
         self._token, self.method, self._resolved = token, method, True
         if lifetime is None:
@@ -120,6 +127,17 @@ class GoogleToken:
             self._stats.credential_refreshes += 1
         log.info("gs://: using %s%s", method,
                  f" (token expires in {lifetime:.0f} s)" if lifetime is not None else "")
+
+    def _keep_current(self, why: str) -> bool:
+        """After a failed refresh: keep signing with the current token while it is valid
+        (True), and try again soon."""
+        now = time.time()
+        if self._token is None or self._expiry is None or now >= self._expiry:
+            return False
+        self._refresh_at = now + min(30.0, max(1.0, (self._expiry - now) / 4))
+        log.warning("gs://: %s; keeping the current token (expires in %.0f s)", why,
+                    self._expiry - now)
+        return True
 
     async def _fetch(self) -> tuple[str | None, float | None, str]:
         env = self._env

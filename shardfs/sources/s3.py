@@ -455,7 +455,7 @@ class S3Source(HttpSource):
         if status >= 500 or status in RETRYABLE or code in ("SlowDown", "RequestTimeout"):
             return self._retry(label, _retry_after(resp.headers.get("retry-after")))
         if self._reauthorize(resp, code):
-            return self._retry(f"{label}; obtained the credentials again", 0.0)
+            return self._retry(f"{label}; refreshing the credentials", 0.0)
         self.stats.errors += 1
         bucket, key = split_bucket_url(url, self.scheme)
         what = f"bucket {bucket!r}" + (f", key {key!r}" if key and not listing else "")
