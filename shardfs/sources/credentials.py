@@ -12,7 +12,8 @@ mount's s3_profile) skips the environment variables, as in the SDKs.
 
 How refresh works: botocore's own refresh runs inside `get_frozen_credentials()` (blocking
 I/O, fixed 15/10-minute windows that make credentials living less than 10 minutes unusable).
-So shardfs only uses botocore to *obtain* credentials, in a worker thread, and keeps its own
+So shardfs only uses botocore to *obtain* credentials, in a worker thread (with botocore's
+windows set to zero on the credentials object, so that it fetches once), and keeps its own
 schedule: temporary credentials are re-obtained (the whole chain is resolved again, which is
 what a refresh is for every route: re-read the token file, re-run the process, re-query the
 endpoint) at `expiry - min(15 min, lifetime / 2)` minus a random jitter, in the background
@@ -107,6 +108,12 @@ def _resolve(profile: str | None, region: str | None
         found = session.get_credentials()
         if found is None:
             return None, "none", None
+        if hasattr(found, "_advisory_refresh_timeout"):
+            # Refreshable (or deferred) credentials: shardfs schedules refreshes itself.
+            # botocore's own windows (constructor arguments, no public setter) would fetch
+            # credentials living less than 15 minutes a second time right here.
+            found._advisory_refresh_timeout = 0
+            found._mandatory_refresh_timeout = 0
         frozen = found.get_frozen_credentials()
     except botocore.exceptions.ProfileNotFound:
         raise SourceError(f"AWS profile {profile!r} not found in the AWS config or "
