@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 import threading
 import urllib.request
@@ -66,6 +67,7 @@ class Store:
     nobody: Credentials  # no S3 permission at all
     admin: Any  # boto3 S3 client allowed everything (for changes after auth is on)
     role: Credentials  # temporary credentials (STS AssumeRole) with a session token
+    assumer: Credentials  # may only call sts:AssumeRole (for assume-role profiles)
 
     def config(self, creds: Credentials | None, **kw: Any) -> S3Config:
         return S3Config(endpoint=self.moto.url, addressing="path", credentials=creds, **kw)
@@ -96,6 +98,8 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
                              source="test reader")
         getter = Credentials(*moto.iam_user("getter", ["s3:GetObject"]), source="test getter")
         nobody = Credentials(*moto.iam_user("nobody", ["iam:GetUser"]), source="test nobody")
+        assumer = Credentials(*moto.iam_user("assumer", ["sts:AssumeRole"]),
+                              source="test assumer")
         admin_key, admin_secret = moto.iam_user("admin", ["s3:*"])
         iam = moto.client("iam")
         trust = {"Version": "2012-10-17", "Statement": [
@@ -111,7 +115,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
                            source="test role")
         moto.enforce_auth()
         admin = moto.client("s3", admin_key, admin_secret)
-        yield Store(moto, data, reader, getter, nobody, admin, role)
+        yield Store(moto, data, reader, getter, nobody, admin, role, assumer)
 
 
 def run(source: S3Source, fn: Callable[[S3Source], Awaitable[T]]) -> T:
@@ -333,7 +337,19 @@ def write(path: Path, text: str) -> str:
     return str(path)
 
 
-def test_credentials_from_environment_and_files(store: Store, tmp_path: Path) -> None:
+def aws_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, **env: str) -> None:
+    """The process environment holds exactly these AWS settings (botocore reads os.environ)."""
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_credentials_from_environment_and_files(store: Store, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     key = "data/train-000001.tar"
     creds_file = write(tmp_path / "credentials", (
         "[default]\naws_access_key_id = AKIADEFAULTWRONG0000\n"
@@ -344,11 +360,11 @@ def test_credentials_from_environment_and_files(store: Store, tmp_path: Path) ->
         "[default]\nregion = eu-west-1\n\n"
         "[profile train]\nregion = us-east-1\n"
         f"s3 =\n    endpoint_url = {store.moto.url}\n    addressing_style = path\n"))
-    base = {"HOME": str(tmp_path), "AWS_SHARED_CREDENTIALS_FILE": creds_file,
-            "AWS_CONFIG_FILE": config_file}
+    base = {"AWS_SHARED_CREDENTIALS_FILE": creds_file, "AWS_CONFIG_FILE": config_file}
 
     def source(env: Mapping[str, str], settings: SourceSettings = FAST) -> S3Source:
-        return S3Source(settings, env=env)
+        aws_only(monkeypatch, tmp_path, **env)
+        return S3Source(settings)
 
     async def reads(source: S3Source) -> None:
         shard = await source.stat(url(key))
@@ -358,25 +374,29 @@ def test_credentials_from_environment_and_files(store: Store, tmp_path: Path) ->
     profiled = source({**base, "AWS_PROFILE": "train"})
     assert profiled.config.region == "us-east-1" and profiled.config.addressing == "path"
     assert profiled.config.endpoint == store.moto.url
-    assert "profile 'train' in" in profiled.config.describe()
-    assert store.reader.secret_key not in profiled.config.describe()
+    assert "credential chain, profile 'train'" in profiled.config.describe()
     run(profiled, reads)
+    assert profiled.credential_method == "shared-credentials-file"
     # Environment credentials win over the file; the endpoint comes from AWS_ENDPOINT_URL.
     env = {**base, "AWS_ACCESS_KEY_ID": store.reader.access_key,
            "AWS_SECRET_ACCESS_KEY": store.reader.secret_key,
            "AWS_ENDPOINT_URL": store.moto.url, "AWS_REGION": "us-east-1"}
     from_env = source(env)
-    assert from_env.config.credentials.source == "environment variables"
     run(from_env, reads)
+    assert from_env.credential_method == "env"
     # The settings field overrides the environment's endpoint.
     settings = dataclasses.replace(FAST, s3_endpoint=store.moto.url, s3_profile="train")
     run(source({**base, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}, settings), reads)
-    # The default profile's wrong key is reported as such.
+    # The default profile's wrong key is reported as such (after one refresh, in case it
+    # had just been rotated), naming the key and where it came from, never the secret.
     wrong = source({**base, "AWS_ENDPOINT_URL_S3": store.moto.url})
 
     async def refused(source: S3Source) -> None:
-        with pytest.raises(SourceError, match=r"AKIADEFAULTWRONG0000 from profile 'default'"):
+        with pytest.raises(SourceError, match=r"AKIADEFAULTWRONG0000 from the shared "
+                           r"credentials file \[shared-credentials-file\]") as info:
             await source.stat(url(key))
+        assert "wrong" not in str(info.value).replace("AKIADEFAULTWRONG", "")
+        assert source.stats.credential_refreshes == 1
 
     run(wrong, refused)
 
@@ -385,13 +405,13 @@ def test_config_resolution_rules(tmp_path: Path) -> None:
     empty = {"HOME": str(tmp_path)}
     config = load_s3_config(SourceSettings(), empty)
     assert config == S3Config(region="us-east-1", endpoint=None, addressing="auto",
-                              credentials=None)
+                              credentials=None, chain=True)
     env = {"HOME": str(tmp_path), "AWS_DEFAULT_REGION": "eu-west-3", "AWS_ACCESS_KEY_ID": "AK",
            "AWS_SECRET_ACCESS_KEY": "SK", "AWS_SESSION_TOKEN": "TOK",
            "AWS_ENDPOINT_URL": "http://minio:9000/", "AWS_ENDPOINT_URL_S3": "https://rgw:7480"}
     config = load_s3_config(SourceSettings(), env)
     assert config.region == "eu-west-3" and config.endpoint == "https://rgw:7480"
-    assert config.credentials == Credentials("AK", "SK", "TOK", "environment variables")
+    assert config.credentials is None and config.chain  # found by botocore when used
     assert load_s3_config(SourceSettings(), {**env, "AWS_REGION": "ap-south-1"}).region == \
         "ap-south-1"
     ignored = load_s3_config(SourceSettings(),
@@ -402,18 +422,20 @@ def test_config_resolution_rules(tmp_path: Path) -> None:
     config = load_s3_config(settings, env)
     assert (config.region, config.endpoint, config.addressing) == \
         ("us-west-2", "http://h:1/prefix", "virtual")
-    # Config-file credentials ([profile x] sections) when the credentials file has none.
+    # The profile's region; the profile is handed to the credential chain.
     write(tmp_path / "config", "[profile p]\naws_access_key_id = A2\naws_secret_access_key = "
           "S2\naws_session_token = T2\nregion = sa-east-1\n")
     config = load_s3_config(SourceSettings(), {"HOME": str(tmp_path), "AWS_PROFILE": "p",
                                                "AWS_CONFIG_FILE": str(tmp_path / "config")})
-    assert config.credentials.secret_key == "S2" and config.credentials.session_token == "T2"
-    assert config.region == "sa-east-1"
+    assert config.region == "sa-east-1" and config.profile == "p"
+    # Keys from the shardfs config are fixed: no chain.
+    fixed = load_s3_config(SourceSettings(s3_credentials={"access_key_id": "A",
+                                                          "secret_access_key": "S"}), empty)
+    assert fixed.credentials == Credentials("A", "S", None, "the shardfs config")
+    assert not fixed.chain
     # Mistakes are reported, not guessed around.
     with pytest.raises(SourceError, match="profile 'nope' not found"):
         load_s3_config(SourceSettings(s3_profile="nope"), empty)
-    with pytest.raises(SourceError, match="AWS_SECRET_ACCESS_KEY is not set"):
-        load_s3_config(SourceSettings(), {"HOME": str(tmp_path), "AWS_ACCESS_KEY_ID": "AK"})
     with pytest.raises(SourceError, match="addressing 'sideways'"):
         load_s3_config(SourceSettings(s3_addressing="sideways"), empty)
     with pytest.raises(SourceError, match="endpoint 'minio:9000'"):
@@ -502,7 +524,7 @@ def redirecting_gateway(upstream: str) -> Iterator[tuple[str, list[tuple[str, di
         thread.join(5)
 
 
-def test_ais_through_the_s3_api(tmp_path: Path) -> None:
+def test_ais_through_the_s3_api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """ais://B/K -> GET {AIS_ENDPOINT}/s3/B/K, unsigned, redirects followed; listings too.
     (moto without authentication stands in for the AIStore targets; see docs/sources.md.)"""
     data = blob("ais", 200_003)
@@ -534,7 +556,8 @@ def test_ais_through_the_s3_api(tmp_path: Path) -> None:
             assert seen[0][1]["range"] == "bytes=0-0"
 
         # Anonymous s3:// (no credentials anywhere) is unsigned as well.
-        anonymous = S3Source(FAST, env={"HOME": str(tmp_path), "AWS_ENDPOINT_URL": moto.url})
+        aws_only(monkeypatch, tmp_path, AWS_ENDPOINT_URL=moto.url)
+        anonymous = S3Source(FAST)
         assert anonymous.config.credentials is None
 
         async def unsigned(source: S3Source) -> None:
@@ -542,9 +565,49 @@ def test_ais_through_the_s3_api(tmp_path: Path) -> None:
             assert await read(source, shard) == b"x"
 
         run(anonymous, unsigned)
+        assert anonymous.credential_method == "none"
 
 
 def test_moto_serves_what_boto_wrote(store: Store) -> None:
     """Sanity check of the fixture itself: plain unsigned HTTP is refused once auth is on."""
     with pytest.raises(urllib.request.HTTPError):
         urllib.request.urlopen(f"{store.moto.url}/{BUCKET}/data/train-000002.tar", timeout=5)
+
+
+def test_session_credentials_from_the_chain(store: Store, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Temporary credentials with a session token, obtained by botocore's chain from a real
+    STS API (moto's; it checks the session token on every S3 request): an assume-role
+    profile (role_arn + source_profile). (moto with auth enforced cannot answer the unsigned
+    AssumeRoleWithWebIdentity; web identity is tested against SeaweedFS with an STS
+    stand-in in test_s3_credentials.py.)"""
+    role_arn = "arn:aws:iam::123456789012:role/train"
+    key = "data/train-000000.tar"
+
+    async def reads(source: S3Source) -> None:
+        shard = await source.stat(url(key))
+        assert await read(source, shard) == store.data[key]
+
+    settings = dataclasses.replace(FAST, s3_endpoint=store.moto.url, s3_addressing="path")
+    config = write(tmp_path / "config", (
+        f"[profile base]\naws_access_key_id = {store.assumer.access_key}\n"
+        f"aws_secret_access_key = {store.assumer.secret_key}\n\n"
+        f"[profile job]\nrole_arn = {role_arn}\nsource_profile = base\n"))
+    aws_only(monkeypatch, tmp_path, AWS_CONFIG_FILE=config, AWS_PROFILE="job",
+             AWS_ENDPOINT_URL_STS=store.moto.url, AWS_REGION="us-east-1")
+    source = S3Source(settings)
+    run(source, reads)
+    assert source.credential_method == "assume-role"
+    assert source._signing is not None and source._signing.session_token
+    # An STS that refuses: a clear error naming the route, not a traceback.
+    write(tmp_path / "config", (
+        f"[profile base]\naws_access_key_id = {store.assumer.access_key}\n"
+        "aws_secret_access_key = wrong\n\n"
+        f"[profile job]\nrole_arn = {role_arn}\nsource_profile = base\n"))
+    source = S3Source(settings)
+
+    async def refused(source: S3Source) -> None:
+        with pytest.raises(SourceError, match=r"cannot obtain AWS credentials.*AssumeRole"):
+            await source.stat(url(key))
+
+    run(source, refused)

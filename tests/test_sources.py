@@ -576,7 +576,7 @@ def test_sources_dispatch_and_stats(nginx: Nginx, tmp_path: Path) -> None:
             assert sources.for_url("https://example.invalid/x") is http_source
             file_source = sources.for_url(to_url(str(local)))
             assert isinstance(file_source, FileSource)
-            for bad in ("gs://bucket/a.tar", "a.tar"):
+            for bad in ("abfs://container/a.tar", "a.tar"):
                 with pytest.raises(SourceError, match=r"unsupported.*http://.*file://"):
                     sources.for_url(bad)
             pairs = ((http_source, f"{nginx.url}/a.tar"), (file_source, to_url(str(local))))

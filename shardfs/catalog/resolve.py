@@ -12,10 +12,11 @@ Each SOURCE is brace-expanded (WebDataset style); every resulting name is turned
   descriptions with `"datasets"`). Relative entries are resolved against the manifest's own
   location (a wids `"base"`, itself relative to the manifest, takes its place). In a local
   manifest, entries without a scheme are file paths, not URL references.
-- an `s3://` or `ais://` name ending in `/`, naming a whole bucket, or — when the SOURCE had no
-  braces — not ending in a shard suffix is a **prefix**: replaced by the objects directly under
-  it (ListObjectsV2 with delimiter `/`, all pages) whose keys end in a shard suffix, sorted.
-  A local directory (same rule) is listed the same way.
+- an `s3://`, `ais://` or `gs://` name ending in `/`, naming a whole bucket, or — when the
+  SOURCE had no braces — not ending in a shard suffix is a **prefix**: replaced by the objects
+  directly under it (ListObjectsV2 with delimiter `/`, all pages) whose keys end in a shard
+  suffix, sorted. A local directory (same rule) is listed the same way. (`hf://` names are
+  not listed: name the files, e.g. with braces.)
 - anything else is a shard URL, kept as is (it is stat-ed later, by the catalog).
 
 Order is kept: SOURCE order, then the order inside each SOURCE (brace order, manifest order,
@@ -43,7 +44,7 @@ from shardfs.sources.s3 import split_bucket_url
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.zst", ".tar.lz4")
 MANIFEST_SUFFIXES = (".txt", ".json")
 WIDS_KIND = "wids-shard-index-v1"
-BUCKET_SCHEMES = ("s3", "ais")
+BUCKET_SCHEMES = ("s3", "ais", "gs")
 MAX_MANIFEST_DEPTH = 1  # a wids "datasets" entry may name one more description, no further
 
 

@@ -42,6 +42,16 @@ def _size(value: Any) -> int:
     return size
 
 
+def _rate(value: Any) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError("expected a number of requests per second") from None
+    if isinstance(value, bool) or not number > 0:
+        raise ValueError("expected a number > 0")
+    return number
+
+
 def _positive_float(value: Any) -> float:
     try:
         number = float(value)
@@ -163,6 +173,9 @@ OPTIONS: dict[str, Option] = {o.key: o for o in (
     Option("s3_profile", _str, None, "a profile in ~/.aws/credentials or ~/.aws/config"),
     Option("s3_addressing", _choice("auto", "path", "virtual"), "auto", "auto, path or virtual"),
     Option("ais_endpoint", _str, None, "a URL, e.g. http://aistore.example:51080"),
+    Option("hf_endpoint", _str, None, "a URL, e.g. https://huggingface.co"),
+    Option("gs_endpoint", _str, None, "a URL, e.g. https://storage.googleapis.com"),
+    Option("request_rate", _rate, None, "requests per second > 0"),
 )}
 
 # Generic mount(8)/fstab options that mean nothing to shardfs (it is always read-only).

@@ -55,13 +55,15 @@ def absolute_specs(specs: list[str]) -> list[str]:
 _FLAG_KEYS = ("cache_dir", "cache_size", "timeout", "deadline", "max_fetches",
               "max_member_fetches", "prefetch", "index_parallel", "workers",
               "log_level", "log_file", "metrics_listen", "uid", "gid",
-              "s3_endpoint", "s3_region", "s3_profile", "s3_addressing", "ais_endpoint")
+              "s3_endpoint", "s3_region", "s3_profile", "s3_addressing", "ais_endpoint",
+              "hf_endpoint", "gs_endpoint", "request_rate")
 
 
 def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("positional", nargs="*", metavar="SOURCE... MOUNTPOINT",
-                   help="shards: http(s)://, s3://, ais://, file:// URLs or paths; brace "
-                   "patterns expand; a bucket prefix, directory or manifest (.txt, wids .json) "
+                   help="shards: http(s)://, s3://, gs://, hf://, ais://, file:// URLs or "
+                   "paths; brace patterns expand; a bucket prefix, directory or manifest "
+                   "(.txt, wids .json) "
                    "names all its shards. Then the mountpoint. With --config, both may come "
                    "from the file.")
     p.add_argument("--config", metavar="FILE", help="YAML settings (flags override it)")
@@ -106,6 +108,13 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--s3-addressing", choices=("auto", "path", "virtual"),
                    help="bucket in the path or the host name (auto: path on custom endpoints)")
     p.add_argument("--ais-endpoint", help="AIStore gateway for ais:// (default: $AIS_ENDPOINT)")
+    p.add_argument("--hf-endpoint", help="Hugging Face Hub for hf:// (default: $HF_ENDPOINT, "
+                   "https://huggingface.co)")
+    p.add_argument("--gs-endpoint", help="GCS XML API for gs:// (default: "
+                   "$STORAGE_EMULATOR_HOST, https://storage.googleapis.com)")
+    p.add_argument("--request-rate", metavar="N",
+                   help="at most N requests/s to the sources (default: unlimited until a "
+                   "store throttles, then adaptive)")
     p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
 
 
@@ -170,6 +179,8 @@ def _mount_config(s: dict):
             timeout=s["timeout"], deadline=s["deadline"], s3_endpoint=s["s3_endpoint"],
             s3_region=s["s3_region"], s3_profile=s["s3_profile"],
             s3_addressing=s["s3_addressing"], ais_endpoint=s["ais_endpoint"],
+            hf_endpoint=s["hf_endpoint"], gs_endpoint=s["gs_endpoint"],
+            request_rate=s["request_rate"],
             s3_credentials=resolve_credentials(s["credentials"]) or None),
         policy=ReadPolicy(max_fetches=s["max_fetches"],
                           max_member_fetches=s["max_member_fetches"], prefetch=s["prefetch"]),

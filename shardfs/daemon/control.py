@@ -161,6 +161,13 @@ def format_stats(s: dict[str, Any]) -> str:
         f"requests        {src['requests']} ({src['retries']} retries, {src['errors']} errors); "
         f"fetch errors {r['fetch_errors']}, EIO {r['eio']}",
     ]
+    if src.get("throttled") or src.get("budget_waits"):
+        lines.append(f"throttling      {src['throttled']} slow-down answers; "
+                     f"{src['budget_waits']} requests waited "
+                     f"{src['budget_wait_s']:.1f} s for the request budget")
+    if src.get("credential_providers"):
+        names = ", ".join(f"{k}: {v}" for k, v in src["credential_providers"].items())
+        lines.append(f"credentials     {names} ({src['credential_refreshes']} refreshes)")
     return "\n".join(lines)
 
 

@@ -36,6 +36,14 @@ _METRICS = (
      "Cache-file reads that went to a thread (would have waited for the disk)"),
     ("shardfs_early_member_reads", ("reader", "early_member_reads"), "counter",
      "Member reads instead of waiting on a slow whole-shard fetch"),
+    ("shardfs_source_throttled", ("source", "throttled"), "counter",
+     "Answers asking to slow down (429, 503 SlowDown)"),
+    ("shardfs_source_budget_waits", ("source", "budget_waits"), "counter",
+     "Requests that waited for the per-mount request budget"),
+    ("shardfs_source_budget_wait_seconds", ("source", "budget_wait_s"), "counter",
+     "Seconds requests waited for the request budget"),
+    ("shardfs_source_credential_refreshes", ("source", "credential_refreshes"), "counter",
+     "Temporary credentials obtained again"),
 )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import fields
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -20,6 +21,7 @@ from shardfs.sources.base import (
     Unreachable,
     check_span,
 )
+from shardfs.sources.budget import RequestBudget
 from shardfs.sources.file import FileSource
 from shardfs.sources.http import HttpSource
 from shardfs.sources.s3 import Listing, S3Source
@@ -31,6 +33,7 @@ __all__ = [
     "Listing",
     "NotFound",
     "RangeNotSupported",
+    "RequestBudget",
     "S3Source",
     "ShardChanged",
     "ShardInfo",
@@ -44,7 +47,7 @@ __all__ = [
     "to_url",
 ]
 
-SUPPORTED = "http://, https://, s3://, ais://, file:// (or a local path)"
+SUPPORTED = "http://, https://, s3://, ais://, gs://, hf://, file:// (or a local path)"
 _HAS_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
@@ -67,59 +70,76 @@ class Sources:
         in a loop of its own): its counters carry on here, and servers that answered it are
         not "first contact" any more."""
         self.settings = settings or SourceSettings()
-        self._http: HttpSource | None = None
-        self._file: FileSource | None = None
-        self._s3: S3Source | None = None
-        self._ais: AisSource | None = None
+        self._by_kind: dict[str, Source] = {}
         self._earlier = after.stats() if after is not None else SourceStats()
         self._answered = after.answered() if after is not None else set()
         self._closed: list[Source] = []  # sources closed by aclose(): their counters remain
+        # One request budget for the whole mount, shared by every kind of source.
+        self.budget = RequestBudget(self.settings.request_rate, self.settings.request_burst)
 
     def for_url(self, url: str) -> Source:
         scheme = urlsplit(url).scheme.lower()
-        if scheme in ("http", "https"):
-            if self._http is None:
-                self._http = HttpSource(self.settings)
-                self._http.answered |= self._answered
-            return self._http
-        if scheme == "file":
-            if self._file is None:
-                self._file = FileSource(self.settings)
-            return self._file
-        if scheme == "s3":
-            if self._s3 is None:
-                self._s3 = S3Source(self.settings)  # reads AWS env/config: may raise
-            return self._s3
-        if scheme == "ais":
-            if self._ais is None:
-                self._ais = AisSource(self.settings)
-            return self._ais
-        named = f"scheme {scheme!r}" if scheme else "no scheme"
-        raise SourceError(f"{url}: unsupported URL ({named}); supported: {SUPPORTED}")
+        kind = "http" if scheme == "https" else scheme
+        source = self._by_kind.get(kind)
+        if source is not None:
+            return source
+        if kind == "http":
+            source = HttpSource(self.settings, budget=self.budget)
+        elif kind == "file":
+            source = FileSource(self.settings)
+        elif kind == "s3":
+            source = S3Source(self.settings, budget=self.budget)  # reads AWS config: may raise
+        elif kind == "ais":
+            source = AisSource(self.settings, budget=self.budget)
+        elif kind == "hf":
+            from shardfs.sources.hf import HfSource
+
+            source = HfSource(self.settings, budget=self.budget)
+        elif kind == "gs":
+            from shardfs.sources.gs import GsSource
+
+            source = GsSource(self.settings, budget=self.budget)
+        else:
+            named = f"scheme {scheme!r}" if scheme else "no scheme"
+            raise SourceError(f"{url}: unsupported URL ({named}); supported: {SUPPORTED}")
+        if isinstance(getattr(source, "answered", None), set):
+            source.answered |= self._answered  # type: ignore[attr-defined]
+        self._by_kind[kind] = source
+        return source
+
+    def _opened(self) -> list[Source]:
+        return list(self._by_kind.values())
 
     def stats(self) -> SourceStats:
         """Counters of all sources, summed."""
         total = SourceStats()
-        for s in [self._earlier] + [source.stats for source in self._open() + self._closed]:
-            total.requests += s.requests
-            total.bytes_received += s.bytes_received
-            total.retries += s.retries
-            total.errors += s.errors
+        for s in [self._earlier] + [source.stats for source in self._opened() + self._closed]:
+            for f in fields(SourceStats):
+                if f.name not in ("by_status", "credential_providers"):
+                    setattr(total, f.name, getattr(total, f.name) + getattr(s, f.name))
             for status, count in s.by_status.items():
                 total.by_status[status] = total.by_status.get(status, 0) + count
+        total.credential_providers = {**self._earlier.credential_providers,
+                                      **self.credential_providers()}
         return total
-
-    def _open(self) -> list[Source]:
-        return [s for s in (self._http, self._file, self._s3, self._ais) if s is not None]
 
     def answered(self) -> set[str]:
         """Servers (scheme://host:port) that have answered a request."""
         return self._answered.union(*(getattr(s, "answered", set())
-                                      for s in self._open() + self._closed))
+                                      for s in self._opened() + self._closed))
+
+    def credential_providers(self) -> dict[str, str]:
+        """Which credential provider each opened source signs with (names, never secrets)."""
+        out = {}
+        for kind, source in self._by_kind.items():
+            method = getattr(source, "credential_method", None)
+            if method:
+                out[kind] = method
+        return out
 
     async def aclose(self) -> None:
-        opened = self._open()
-        self._http = self._file = self._s3 = self._ais = None
+        opened = self._opened()
+        self._by_kind = {}
         for source in opened:
             self._closed.append(source)
             await source.aclose()

@@ -56,6 +56,10 @@ class SourceSettings:
     backoff_max: float = 5.0
     chunk_size: int = 1 << 20  # preferred size of yielded chunks (HTTP may yield smaller)
     max_fetch_bytes: int = 256 << 20  # fetch_optional refuses bigger objects (indexes are small)
+    # Request budget per mount (sources/budget.py): requests per second; None: unlimited
+    # until the store throttles (then adaptive). `request_burst` requests may go at once.
+    request_rate: float | None = None
+    request_burst: int = 64
     # s3:// (None: from the environment / AWS config files; see shardfs/sources/s3.py)
     s3_endpoint: str | None = None  # S3-compatible store, e.g. http://minio:9000
     s3_region: str | None = None
@@ -63,6 +67,10 @@ class SourceSettings:
     s3_addressing: str = "auto"  # auto | path | virtual (auto: path-style on custom endpoints)
     # ais:// (None: $AIS_ENDPOINT, else http://localhost:8080)
     ais_endpoint: str | None = None
+    # hf:// (None: $HF_ENDPOINT, else https://huggingface.co)
+    hf_endpoint: str | None = None
+    # gs:// (None: $STORAGE_EMULATOR_HOST, else https://storage.googleapis.com)
+    gs_endpoint: str | None = None
     # Keys from the mount's config file (`credentials:`, given by reference there); they win
     # over the environment and the AWS files. Never logged.
     s3_credentials: dict[str, str] | None = field(default=None, repr=False)
@@ -77,6 +85,13 @@ class SourceStats:
     retries: int = 0
     errors: int = 0
     by_status: dict[int, int] = field(default_factory=dict)
+    throttled: int = 0  # answers asking us to slow down: 429, 503, S3 SlowDown
+    budget_waits: int = 0  # requests that waited for the request budget (sources/budget.py)
+    budget_wait_s: float = 0.0  # total seconds spent waiting for it
+    credential_refreshes: int = 0  # temporary credentials obtained again (expiry, rotation)
+    # Which credential provider each signing source uses (botocore's `method`, e.g.
+    # {"s3": "iam-role"}): names only, never a secret. Filled in by Sources.stats().
+    credential_providers: dict[str, str] = field(default_factory=dict)
 
 
 def check_span(shard: ShardInfo, start: int, end: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import email.utils
 import logging
+import random
 import re
 import time
 from collections.abc import AsyncIterator, Callable
@@ -24,13 +25,33 @@ from shardfs.sources.base import (
     Unreachable,
     check_span,
 )
+from shardfs.sources.budget import RequestBudget
 
 GONE = frozenset({403, 404, 410})
 RETRYABLE = frozenset({408, 429})  # plus every 5xx
+THROTTLING = frozenset({429, 503})  # "slow down" (S3 SlowDown is a 503): cut the budget
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", re.IGNORECASE)
 _UNSATISFIED_RANGE = re.compile(r"bytes\s+\*/(\d+)\s*$", re.IGNORECASE)
 
 log = logging.getLogger(__name__)
+
+
+class _HideQueries(logging.Filter):
+    """httpx logs every request's URL (at info level). Query strings can carry credentials
+    (presigned file-store URLs the Hugging Face Hub redirects to, with their signatures), so
+    the logged URL is cut at the `?`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and any(isinstance(a, httpx.URL) and a.query for a in args):
+            record.args = tuple(a.copy_with(query=b"") if isinstance(a, httpx.URL) else a
+                                for a in args)
+        return True
+
+
+logging.getLogger("httpx").addFilter(_HideQueries())
+# httpcore's debug trace prints response headers (a redirect's Location: a presigned URL).
+logging.getLogger("httpcore").setLevel(logging.INFO)
 
 
 class _Retry(Exception):
@@ -109,7 +130,10 @@ class _Patience:
                 f"{self._url}: unreachable, no progress for {now - since:.1f} s "
                 f"(deadline {settings.deadline:g} s); last error: {failure}"
             )
-        delay = self._backoff
+        # Full jitter (a uniform draw below the exponential cap): clients failing together,
+        # e.g. many nodes throttled by one store, spread their retries instead of returning
+        # in lockstep.
+        delay = random.uniform(0, self._backoff)
         self._backoff = min(self._backoff * 2, settings.backoff_max)
         if failure.retry_after is not None:
             delay = max(delay, failure.retry_after)  # the server knows best, within the deadline
@@ -122,9 +146,13 @@ class _Patience:
 class HttpSource:
     """Shards served over http:// or https:// by a server that supports Range requests."""
 
-    def __init__(self, settings: SourceSettings | None = None) -> None:
+    def __init__(self, settings: SourceSettings | None = None, *,
+                 budget: RequestBudget | None = None) -> None:
         self.settings = settings or SourceSettings()
         self.stats = SourceStats()
+        # Shared by all sources of a mount (Sources passes its own); one per source otherwise.
+        self.budget = budget or RequestBudget(self.settings.request_rate,
+                                              self.settings.request_burst)
         # URL -> (when it ran out of deadline, its last progress); see _Patience.
         self._down: dict[str, tuple[float, float]] = {}
         # Servers (scheme://host:port) that have answered at least once. A refused connection
@@ -291,6 +319,14 @@ class HttpSource:
 
     # -- plumbing -----------------------------------------------------------------------------
 
+    async def _before_attempt(self) -> None:
+        """Await what a request needs before it is built: a token from the request budget
+        (and, in subclasses, fresh credentials)."""
+        waited = await self.budget.acquire()
+        if waited:
+            self.stats.budget_waits += 1
+            self.stats.budget_wait_s += waited
+
     def _request(self, url: str, headers: dict[str, str]) -> _Attempt:
         return _Attempt(self, url, lambda: self._build_request(url, headers))
 
@@ -340,6 +376,7 @@ class _Attempt:
 
     async def __aenter__(self) -> httpx.Response:
         src = self._source
+        await src._before_attempt()
         src.stats.requests += 1
         request = None
         try:
@@ -358,8 +395,13 @@ class _Attempt:
         except httpx.TransportError as e:
             raise src._retry(_describe(e)) from e
         src.answered.add(_origin(request.url))
-        by_status = src.stats.by_status
-        by_status[self._resp.status_code] = by_status.get(self._resp.status_code, 0) + 1
+        status = self._resp.status_code
+        src.stats.by_status[status] = src.stats.by_status.get(status, 0) + 1
+        if status in THROTTLING:
+            src.stats.throttled += 1
+            src.budget.throttled()
+        elif status < 400:
+            src.budget.succeeded()
         return self._resp
 
     async def __aexit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:

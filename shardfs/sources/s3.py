@@ -31,6 +31,8 @@ from shardfs.sources.base import (
     SourceError,
     SourceSettings,
 )
+from shardfs.sources.budget import RequestBudget
+from shardfs.sources.credentials import AwsCredentials
 from shardfs.sources.http import (
     RETRYABLE,
     HttpSource,
@@ -50,6 +52,12 @@ LIST_PAGE_SIZE = 1000  # S3's own maximum per ListObjectsV2 page
 _MAX_ERROR_BODY = 64 * 1024
 _DNS_BUCKET = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
 _TRUE = ("1", "true", "yes", "on")
+_CREDENTIAL = re.compile(r"Credential=([^/,\s]+)/")
+# Refusals that mean "this key is no longer (or not yet) valid": obtain credentials again.
+REAUTH_CODES = frozenset({"ExpiredToken", "InvalidAccessKeyId", "InvalidToken",
+                          "TokenRefreshRequired"})
+# A store may answer a plain 403 once a temporary key has expired.
+REAUTH_IF_TEMPORARY = frozenset({"AccessDenied", "SignatureDoesNotMatch", ""})
 
 
 # -- URLs ------------------------------------------------------------------------------------
@@ -76,11 +84,22 @@ class S3Config:
     region: str = DEFAULT_REGION
     endpoint: str | None = None  # scheme://host[:port][/path] of an S3-compatible store
     addressing: str = "auto"  # auto: virtual-hosted on AWS, path-style on custom endpoints
-    credentials: Credentials | None = None  # None: unsigned (anonymous) requests
+    # Fixed credentials (the shardfs config's, or a test's); None: see `chain`.
+    credentials: Credentials | None = None
+    # With no fixed credentials: True, find them as the AWS SDKs do (sources/credentials.py;
+    # none found: unsigned); False: always unsigned (AIStore).
+    chain: bool = False
+    profile: str | None = None  # the named profile the chain uses (None: AWS_PROFILE/default)
 
     def describe(self) -> str:
         """For logs and messages: never includes a secret."""
-        who = self.credentials.source if self.credentials else "anonymous (no credentials)"
+        if self.credentials:
+            who = self.credentials.source
+        elif self.chain:
+            who = "the AWS credential chain" + (f", profile {self.profile!r}"
+                                                if self.profile else "")
+        else:
+            who = "anonymous (unsigned requests)"
         where = self.endpoint or f"AWS S3 ({self.region})"
         return f"{where}, region {self.region}, {self.addressing} addressing, credentials: {who}"
 
@@ -110,10 +129,9 @@ def _nested(value: str) -> dict[str, str]:
 def load_s3_config(settings: SourceSettings, env: Mapping[str, str] | None = None) -> S3Config:
     """Region, endpoint, addressing and credentials the way the AWS CLI/SDKs find them.
 
-    Credentials: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY(/AWS_SESSION_TOKEN), else the profile
-    (settings.s3_profile, AWS_PROFILE, or `default`) in the shared credentials file
-    (AWS_SHARED_CREDENTIALS_FILE, ~/.aws/credentials), else in the config file (AWS_CONFIG_FILE,
-    ~/.aws/config); none found: unsigned requests. Region: settings.s3_region, AWS_REGION,
+    Credentials: the shardfs config's (settings.s3_credentials), else the AWS SDKs' chain,
+    resolved by botocore when the first request is signed (sources/credentials.py), with
+    the profile settings.s3_profile or AWS_PROFILE. Region: settings.s3_region, AWS_REGION,
     AWS_DEFAULT_REGION, the profile's `region`, us-east-1. Endpoint: settings.s3_endpoint,
     AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, the profile's `s3 = endpoint_url` or `endpoint_url`
     (env and file endpoints are ignored when AWS_IGNORE_CONFIGURED_ENDPOINT_URLS is true)."""
@@ -134,12 +152,7 @@ def load_s3_config(settings: SourceSettings, env: Mapping[str, str] | None = Non
         )
     s3_nested = _nested(conf_section.get("s3", ""))
 
-    credentials = _config_credentials(settings) or _env_credentials(env)
-    if credentials is None:
-        for section, path in ((cred_section, cred_path), (conf_section, conf_path)):
-            credentials = _file_credentials(section, f"profile {profile!r} in {path}")
-            if credentials is not None:
-                break
+    credentials = _config_credentials(settings)
 
     region = (settings.s3_region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
               or conf_section.get("region") or DEFAULT_REGION).strip()
@@ -152,7 +165,8 @@ def load_s3_config(settings: SourceSettings, env: Mapping[str, str] | None = Non
     if addressing == "auto" and s3_nested.get("addressing_style") in ("path", "virtual"):
         addressing = s3_nested["addressing_style"]
     return S3Config(region=region, endpoint=_check_endpoint(endpoint) if endpoint else None,
-                    addressing=_check_addressing(addressing), credentials=credentials)
+                    addressing=_check_addressing(addressing), credentials=credentials,
+                    chain=credentials is None, profile=explicit_profile)
 
 
 def _config_credentials(settings: SourceSettings) -> Credentials | None:
@@ -164,28 +178,6 @@ def _config_credentials(settings: SourceSettings) -> Credentials | None:
                           "access_key_id and secret_access_key")
     return Credentials(given["access_key_id"], given["secret_access_key"],
                        given.get("session_token"), source="the shardfs config")
-
-
-def _env_credentials(env: Mapping[str, str]) -> Credentials | None:
-    key, secret = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")
-    if not key and not secret:
-        return None
-    if not key or not secret:
-        missing = "AWS_SECRET_ACCESS_KEY" if key else "AWS_ACCESS_KEY_ID"
-        raise SourceError(f"incomplete AWS credentials in the environment: {missing} is not set")
-    token = env.get("AWS_SESSION_TOKEN") or env.get("AWS_SECURITY_TOKEN") or None
-    return Credentials(key, secret, token, source="environment variables")
-
-
-def _file_credentials(section: Mapping[str, str], where: str) -> Credentials | None:
-    key, secret = section.get("aws_access_key_id"), section.get("aws_secret_access_key")
-    if not key and not secret:
-        return None
-    if not key or not secret:
-        raise SourceError(f"incomplete AWS credentials in {where}: need both "
-                          "aws_access_key_id and aws_secret_access_key")
-    token = section.get("aws_session_token") or section.get("aws_security_token") or None
-    return Credentials(key.strip(), secret.strip(), token.strip() if token else None, where)
 
 
 def _check_endpoint(endpoint: str) -> str:
@@ -233,10 +225,30 @@ class S3Source(HttpSource):
     scheme = "s3"
 
     def __init__(self, settings: SourceSettings | None = None, *,
-                 env: Mapping[str, str] | None = None, config: S3Config | None = None) -> None:
-        super().__init__(settings)
+                 env: Mapping[str, str] | None = None, config: S3Config | None = None,
+                 budget: RequestBudget | None = None) -> None:
+        super().__init__(settings, budget=budget)
         self.config = config or self._load_config(self.settings, env)
-        log.debug("%s:// source: %s", self.scheme, self.config.describe())
+        cfg = self.config
+        # No credentials object at all for unsigned sources: botocore is never imported.
+        self.auth = (AwsCredentials(profile=cfg.profile, region=cfg.region,
+                                    fixed=cfg.credentials,
+                                    stats=self.stats, label=f"{self.scheme}://")
+                     if cfg.credentials is not None or cfg.chain else None)
+        self._signing: Credentials | None = cfg.credentials
+        log.debug("%s:// source: %s", self.scheme, cfg.describe())
+
+    @property
+    def credential_method(self) -> str | None:
+        """botocore's name of the provider the requests are signed with (for stats/logs)."""
+        if self.auth is None:
+            return "anonymous"
+        return self.auth.method
+
+    async def _before_attempt(self) -> None:
+        await super()._before_attempt()
+        if self.auth is not None:
+            self._signing = await self.auth.current()
 
     @staticmethod
     def _load_config(settings: SourceSettings, env: Mapping[str, str] | None) -> S3Config:
@@ -280,7 +292,7 @@ class S3Source(HttpSource):
         if request.url.raw_path != sent.encode("ascii"):  # what we sign must be what is sent
             raise SourceError(f"{url}: the HTTP client rewrote the request path "
                               f"({request.url.raw_path!r} instead of {sent!r})")
-        creds = self.config.credentials
+        creds = self._signing
         if creds is not None:
             signed_headers = {name.lower(): value for name, value in headers.items()}
             request.headers.update(sign(
@@ -418,6 +430,23 @@ class S3Source(HttpSource):
                 fields[_local(child.tag)] = (child.text or "").strip()
         return fields.get("Code", ""), fields.get("Message", ""), fields
 
+    def _who(self) -> str:
+        """Which credentials signed the requests, for messages (never a secret)."""
+        creds = self._signing
+        return (f"access key {creds.access_key} from {creds.source}" if creds
+                else "an anonymous request (no AWS credentials found)")
+
+    def _reauthorize(self, resp: httpx.Response, code: str) -> bool:
+        """Whether a refusal may be the signing key's expiry or rotation: then the
+        credentials are obtained again (once) and the request is retried."""
+        if self.auth is None or not (code in REAUTH_CODES or (
+                resp.status_code == 403 and self.auth.temporary and code in REAUTH_IF_TEMPORARY)):
+            return False
+        sent = resp.request.headers
+        match = _CREDENTIAL.search(sent.get("authorization", ""))
+        return self.auth.invalidate(match.group(1) if match else None,
+                                    sent.get("x-amz-security-token"))
+
     def _failure(self, resp: httpx.Response, url: str, code: str, message: str, *,
                  listing: bool = False) -> Exception:
         """The exception for an S3 error answer, phrased to say what to fix."""
@@ -425,12 +454,12 @@ class S3Source(HttpSource):
         label = f"HTTP {status}" + (f" {code}" if code else "")
         if status >= 500 or status in RETRYABLE or code in ("SlowDown", "RequestTimeout"):
             return self._retry(label, _retry_after(resp.headers.get("retry-after")))
+        if self._reauthorize(resp, code):
+            return self._retry(f"{label}; refreshing the credentials", 0.0)
         self.stats.errors += 1
         bucket, key = split_bucket_url(url, self.scheme)
         what = f"bucket {bucket!r}" + (f", key {key!r}" if key and not listing else "")
-        creds = self.config.credentials
-        who = (f"access key {creds.access_key} from {creds.source}" if creds
-               else "an anonymous request (no AWS credentials found)")
+        who = self._who()
         where = self.config.endpoint or "AWS S3"
         region = resp.headers.get("x-amz-bucket-region")
         if region and region != self.config.region:
