@@ -72,8 +72,10 @@ class Sources:
         self.settings = settings or SourceSettings()
         self._by_kind: dict[str, Source] = {}
         self._earlier = after.stats() if after is not None else SourceStats()
-        self._answered = after.answered() if after is not None else set()
-        self._closed: list[Source] = []  # sources closed by aclose(): their counters remain
+        # Sources closed by aclose(), by kind: their counters remain, and a new source of the
+        # same kind takes over what they learned (servers that answered, credentials).
+        self._closed: dict[str, Source] = {}
+        self._before: dict[str, Source] = dict(after._closed) if after is not None else {}
         # One request budget for the whole mount, shared by every kind of source.
         self.budget = RequestBudget(self.settings.request_rate, self.settings.request_burst)
 
@@ -102,8 +104,9 @@ class Sources:
         else:
             named = f"scheme {scheme!r}" if scheme else "no scheme"
             raise SourceError(f"{url}: unsupported URL ({named}); supported: {SUPPORTED}")
-        if isinstance(getattr(source, "answered", None), set):
-            source.answered |= self._answered  # type: ignore[attr-defined]
+        earlier = self._before.get(kind)
+        if earlier is not None and hasattr(source, "take_over"):
+            source.take_over(earlier)
         self._by_kind[kind] = source
         return source
 
@@ -113,7 +116,8 @@ class Sources:
     def stats(self) -> SourceStats:
         """Counters of all sources, summed."""
         total = SourceStats()
-        for s in [self._earlier] + [source.stats for source in self._opened() + self._closed]:
+        closed = list(self._closed.values())
+        for s in [self._earlier] + [source.stats for source in self._opened() + closed]:
             for f in fields(SourceStats):
                 if f.name not in ("by_status", "credential_providers"):
                     setattr(total, f.name, getattr(total, f.name) + getattr(s, f.name))
@@ -122,11 +126,6 @@ class Sources:
         total.credential_providers = {**self._earlier.credential_providers,
                                       **self.credential_providers()}
         return total
-
-    def answered(self) -> set[str]:
-        """Servers (scheme://host:port) that have answered a request."""
-        return self._answered.union(*(getattr(s, "answered", set())
-                                      for s in self._opened() + self._closed))
 
     def credential_providers(self) -> dict[str, str]:
         """Which credential provider each opened source signs with (names, never secrets)."""
@@ -138,8 +137,8 @@ class Sources:
         return out
 
     async def aclose(self) -> None:
-        opened = self._opened()
+        opened = self._by_kind
         self._by_kind = {}
-        for source in opened:
-            self._closed.append(source)
+        for kind, source in opened.items():
+            self._closed[kind] = source
             await source.aclose()

@@ -155,6 +155,12 @@ class AwsCredentials:
         self._next_try = 0.0
         self._error: SourceError | None = None
 
+    def adopt(self, earlier: AwsCredentials) -> None:
+        """Sign with what `earlier` obtained (its event loop has ended): no new resolution
+        until they are due for refresh."""
+        if self._fixed is None:
+            self._state = earlier._state
+
     @property
     def method(self) -> str | None:
         if self._fixed is not None:

@@ -171,6 +171,11 @@ class HttpSource:
             follow_redirects=True,
         )
 
+    def take_over(self, earlier: HttpSource) -> None:
+        """Continue where `earlier` (closed, of an earlier event loop) stopped: servers that
+        answered it are not first contacts here."""
+        self.answered |= earlier.answered
+
     async def aclose(self) -> None:
         await self._client.aclose()
 

@@ -238,6 +238,11 @@ class S3Source(HttpSource):
         self._signing: Credentials | None = cfg.credentials
         log.debug("%s:// source: %s", self.scheme, cfg.describe())
 
+    def take_over(self, earlier: HttpSource) -> None:
+        super().take_over(earlier)
+        if self.auth is not None and isinstance(earlier, S3Source) and earlier.auth is not None:
+            self.auth.adopt(earlier.auth)  # the same credentials, refreshed when they expire
+
     @property
     def credential_method(self) -> str | None:
         """botocore's name of the provider the requests are signed with (for stats/logs)."""
