@@ -62,7 +62,8 @@ def absolute_specs(specs: list[str]) -> list[str]:
 # a config file or -o option is only overridden by flags the user really typed.
 _FLAG_KEYS = ("cache_dir", "cache_size", "timeout", "deadline", "max_fetches", "prefetch",
               "index_parallel", "log_level", "log_file", "metrics_listen", "uid", "gid",
-              "s3_endpoint", "s3_region", "s3_profile", "s3_addressing", "ais_endpoint")
+              "s3_endpoint", "s3_region", "s3_profile", "s3_addressing", "ais_endpoint",
+              "lookahead_buffer")
 
 
 def add_mount_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,6 +88,8 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch", choices=("touched", "all"),
                    help="fetch shards once read (touched, default) or warm all that fit (all)")
     p.add_argument("--index-parallel", help="shards indexed at once (default 8)")
+    p.add_argument("--lookahead-buffer", help="RAM for files announced by "
+                   "shardfs.torch.Lookahead, fetched and not yet read (default 64MiB; 0: off)")
     p.add_argument("--no-warm", action="store_true",
                    help="do not keep the bytes streamed for indexing in the cache")
     p.add_argument("--allow-other", action="store_true",
@@ -143,6 +146,7 @@ def mount_settings(args: argparse.Namespace) -> dict:
 def _mount_config(args: argparse.Namespace):
     from shardfs.cli.config import resolve_credentials
     from shardfs.daemon.lifecycle import MountConfig
+    from shardfs.read.lookahead import LookaheadPolicy
     from shardfs.read.reader import ReadPolicy
     from shardfs.sources import SourceSettings
 
@@ -160,6 +164,8 @@ def _mount_config(args: argparse.Namespace):
             s3_credentials=resolve_credentials(s["credentials"]) or None),
         policy=ReadPolicy(max_fetches=s["max_fetches"],
                           max_member_fetches=s["max_member_fetches"], prefetch=s["prefetch"]),
+        lookahead=LookaheadPolicy(buffer_bytes=s["lookahead_buffer"],
+                                  max_requests=s["lookahead_requests"]),
         index_parallel=s["index_parallel"], warm_while_indexing=s["warm_while_indexing"],
         allow_other=s["allow_other"],
         uid=os.getuid() if s["uid"] is None else s["uid"],

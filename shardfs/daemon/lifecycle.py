@@ -10,6 +10,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,12 @@ import trio
 
 from shardfs.catalog.catalog import Catalog, open_catalog
 from shardfs.catalog.resolve import resolve_sources
+from shardfs.daemon.announce import announce_address, attach_lookahead, serve_announcements
 from shardfs.daemon.control import control_address, serve_control
 from shardfs.daemon.notify import sd_notify
 from shardfs.fuse.ops import ShardFS
 from shardfs.read.cache import ShardCache
+from shardfs.read.lookahead import Lookahead, LookaheadPolicy
 from shardfs.read.reader import Reader, ReadPolicy
 from shardfs.sources import Sources, SourceSettings
 from shardfs.util.progress import ProgressLine
@@ -38,6 +41,7 @@ class MountConfig:
     cache_size: int
     settings: SourceSettings = field(default_factory=SourceSettings)
     policy: ReadPolicy = field(default_factory=ReadPolicy)
+    lookahead: LookaheadPolicy = field(default_factory=LookaheadPolicy)
     index_parallel: int = 8
     warm_while_indexing: bool = True
     allow_other: bool = False
@@ -51,6 +55,10 @@ class MountConfig:
     @property
     def control_socket(self) -> str:
         return control_address(str(self.cache_dir))
+
+    @property
+    def lookahead_socket(self) -> str:
+        return announce_address(str(self.cache_dir))
 
 
 def fuse_options(cfg: MountConfig) -> set[str]:
@@ -89,10 +97,13 @@ class Mounted:
     started: float = field(default_factory=time.monotonic)
     throughput: Throughput = field(default_factory=Throughput)
     latest: dict[str, Any] = field(default_factory=dict)  # read by the metrics thread
+    lookahead: Lookahead | None = None  # announced reads (shardfs.torch.Lookahead)
 
     def snapshot(self) -> dict[str, Any]:
         rs, catalog, cache = self.reader.stats, self.catalog, self.cache
         fetched = rs.shard_bytes + rs.member_bytes + catalog.indexed_bytes
+        if self.lookahead is not None:
+            fetched += self.lookahead.stats.bytes_fetched
         return {
             "mountpoint": self.cfg.mountpoint,
             "pid": os.getpid(),
@@ -121,6 +132,8 @@ class Mounted:
             if rs.reads else None,
             "reader": asdict(rs),
             "source": asdict(self.sources.stats()),
+            "lookahead_socket": self.cfg.lookahead_socket if self.lookahead else None,
+            "lookahead": self.lookahead.snapshot() if self.lookahead else None,
         }
 
     def status_line(self) -> str:
@@ -186,6 +199,7 @@ async def serve(cfg: MountConfig, cache: ShardCache,
                         "shown as directories", report.conflicts)
         mounted = Mounted(cfg, catalog, cache, Reader(catalog, cache, sources, cfg.policy),
                           sources)
+        mounted.lookahead = attach_lookahead(mounted.reader, cfg.lookahead)
         ops = ShardFS(catalog.tree, mounted.reader, [s.url for s in catalog.shards],
                       uid=cfg.uid, gid=cfg.gid,
                       stats_json=lambda: json.dumps(mounted.snapshot()).encode())
@@ -237,6 +251,9 @@ async def _serve_mounted(mounted: Mounted, on_ready: Callable[[str], None]) -> N
 
             nursery.start_soon(fuse_main)
             await nursery.start(serve_control, cfg.control_socket, mounted.handle)
+            if mounted.lookahead is not None:
+                await nursery.start(partial(serve_announcements, allow_other=cfg.allow_other),
+                                    cfg.lookahead_socket, mounted.lookahead, catalog.tree)
             await _probe_ready(cfg.mountpoint)
             nursery.start_soon(_report_status, mounted)
             interval = _watchdog_interval()

@@ -33,6 +33,7 @@ from cachetools import LRUCache
 from shardfs.catalog.catalog import Catalog
 from shardfs.catalog.codecs import CodecError, decompressor
 from shardfs.read.cache import DISK_FULL, PartFile, ShardCache, pwrite_all
+from shardfs.read.lookahead import Lookahead
 from shardfs.sources import ShardChanged, SourceError, Sources
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,7 @@ class Reader:
         per_shard = files // max(1, len(catalog.shards))
         self.window = self.policy.working_set_reads or min(512, max(32, per_shard))
         self.started = time.monotonic()
+        self.lookahead: Lookahead | None = None  # announced reads (shardfs/daemon/announce.py)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -183,6 +185,10 @@ class Reader:
             return os.pread(cached.fd, size, start)  # type: ignore[arg-type]
         if self.codecs[shard] is not None:
             return await self._read_compressed(shard, key, start, end)
+        if self.lookahead is not None:  # announced by a training process: fetched ahead
+            data = await self.lookahead.take(shard, member_off, member_size, start, end)
+            if data is not None:
+                return data
         fetch = self.fetches.get(shard) or self._maybe_start(shard)
         if fetch is not None and fetch.failed is None:
             if end <= fetch.arrived:
