@@ -229,7 +229,10 @@ os.setgid(65534); os.setuid(65534)
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.settimeout(30)
 s.connect("\0" + sys.argv[1][1:])
-s.sendall(json.dumps({"paths": [sys.argv[2]]}).encode() + b"\n")
+try:
+    s.sendall(json.dumps({"paths": [sys.argv[2]]}).encode() + b"\n")
+except OSError:  # refused: the daemon answered and closed before we sent
+    pass
 data = b""
 while not data.endswith(b"\n"):
     chunk = s.recv(65536)
