@@ -120,6 +120,7 @@ class Stream:
         self.order: deque[_Slot] = deque()  # live (and some consumed) slots by position
         self.queue: deque[_Slot] = deque()  # slots not fetched yet, by position (lazy pops)
         self.next_pos = 0
+        self.first_pos = 0  # position of the first entry since the last reset
         self.live = 0  # slots announced and not yet read or dropped
         self.cursor = -1  # highest position read so far
         self.misses_at_hit = owner.stats.misses
@@ -193,6 +194,7 @@ class Lookahead:
             self._drop(stream.order.popleft(), stale=True)
         stream.queue.clear()
         stream.cursor = -1
+        stream.first_pos = stream.next_pos
         stream.misses_at_hit = self.stats.misses
         self.stats.resets += 1
         self._wake.set()
@@ -298,6 +300,8 @@ class Lookahead:
             return None
         room -= head.size
         group, lo, hi = [head], head.start, head.end
+        if head.pos - stream.first_pos < 2 * policy.max_requests:
+            return group  # the epoch's first reads: one member per GET, the first bytes soonest
         gap, span, ratio = policy.coalesce_gap, policy.coalesce_span, policy.gap_ratio
         # Neighbours announced within about a buffer's worth of entries will be fetched before
         # they are read anyway: fetching them with the head saves a request each.
