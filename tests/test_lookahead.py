@@ -268,3 +268,20 @@ def test_not_on_a_mount_passes_through_with_a_warning(dataset):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert list(sampler) == list(RandomSampler(ds, generator=gen(2)))
+
+
+def test_lookahead_off_passes_through(dataset, nginx, mounter: Mounter):
+    publish_with_index(dataset, nginx.root)
+    m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None, "--no-warm",
+                      "--cache-size", SMALL_CACHE, "--lookahead-buffer", "0")
+    stats = m.stats()
+    assert stats["lookahead"] is None and stats["lookahead_socket"] is None
+    ds = folder(m)
+    with pytest.warns(UserWarning, match="not on a shardfs mount with lookahead"):
+        sampler = Lookahead(RandomSampler(ds, generator=gen(4)))
+    assert not sampler.active
+    order = list(sampler)
+    assert order == list(RandomSampler(ds, generator=gen(4)))
+    for i in order[:10]:
+        read_bytes(ds.samples[i][0])
+    assert m.stats()["reader"]["member_fetches"] > 0  # today's policy, unchanged
