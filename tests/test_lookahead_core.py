@@ -143,22 +143,3 @@ def test_a_read_of_an_entry_not_yet_fetched_fetches_it_now(tmp_path: Path):
         assert la.stats.urgent == 1
 
     run(tmp_path, LookaheadPolicy(buffer_bytes=50_000), body)
-
-
-def test_a_new_stream_ramps_up_with_its_reads(tmp_path: Path):
-    ramp = 100_000
-
-    async def body(la, members, content):
-        stream = la.open_stream()
-        order = members[::-1]
-        stream.announce(order)
-        await trio.sleep(0.5)
-        assert 0 < stream.buffered <= ramp  # nothing read yet: only the first run-ahead
-        await take_all(la, order[:5], content)
-        await trio.sleep(0.5)
-        assert ramp < stream.buffered <= ramp + 4 * stream.consumed
-        await take_all(la, order[5:], content)
-
-    la = run(tmp_path, LookaheadPolicy(buffer_bytes=1 << 20, ramp_bytes=ramp, ramp_factor=4),
-             body)
-    assert la.stats.hits == 60

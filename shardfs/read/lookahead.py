@@ -14,9 +14,7 @@ worker at a time:
   requests, nearly no extra bytes.
 - Fetched bytes wait in RAM until read. Bytes held plus bytes in flight never exceed
   `buffer_bytes`: when the announced window is longer than the buffer holds, fetching pauses
-  until reads consume (and so free) buffered members; it paces itself on consumption. A new
-  stream (or epoch) starts with `ramp_bytes` of run-ahead that grows by `ramp_factor` bytes
-  per byte its reads take, so its first reads are not queued behind a whole buffer's fill.
+  until reads consume (and so free) buffered members; it paces itself on consumption.
 - A member is dropped once its bytes have all been read. A read of a member still waiting for
   its turn fetches it at once (the read needs it now).
 - Stale announcements cost bytes, never correctness: bytes are only ever handed out for the
@@ -62,8 +60,6 @@ class LookaheadPolicy:
     coalesce_scan: int = 64  # coalesce with members announced this many entries ahead, or
     # as many as the buffer holds when that is more
     max_pending: int = 65536  # entries one connection may have announced and not yet read
-    ramp_bytes: int = 4 * MiB  # a stream's first run-ahead; it grows as its reads consume
-    ramp_factor: int = 4
     stale_lag: int = 4096  # unread entries this far behind the stream's reads are dropped
     miss_limit: int = 1024  # unmatched reads (buffer full, no hit) before a stream is reset
 
@@ -128,8 +124,6 @@ class Stream:
         self.live = 0  # slots announced and not yet read or dropped
         self.cursor = -1  # highest position read so far
         self.misses_at_hit = owner.stats.misses
-        self.buffered = 0  # this stream's share of the buffer (held + in flight)
-        self.consumed = 0  # bytes its reads took since the last reset (the ramp, below)
         self.closed = False
 
     def announce(self, refs: Iterable[tuple[int, int, int]]) -> tuple[int, int]:
@@ -201,7 +195,6 @@ class Lookahead:
         stream.queue.clear()
         stream.cursor = -1
         stream.first_pos = stream.next_pos
-        stream.consumed = 0
         stream.misses_at_hit = self.stats.misses
         self.stats.resets += 1
         self._wake.set()
@@ -246,7 +239,6 @@ class Lookahead:
         stats = self.stats
         stats.hits += 1
         stats.hit_bytes += len(data)
-        slot.stream.consumed += len(data)
         slot.served += len(data)
         stream = slot.stream
         stream.misses_at_hit = stats.misses
@@ -302,11 +294,7 @@ class Lookahead:
             break
         else:
             return None
-        # Slow start: a stream may run ahead by ramp_bytes plus ramp_factor times what its
-        # reads have taken. Filling the whole buffer at once would spend the daemon's CPU on
-        # far-ahead bytes while the first reads wait behind them on the same loop.
-        ahead = policy.ramp_bytes + policy.ramp_factor * stream.consumed - stream.buffered
-        room = min(policy.buffer_bytes - self.stats.buffered_bytes, ahead)
+        room = policy.buffer_bytes - self.stats.buffered_bytes
         if head.size > room:
             self._paced = True  # wait for reads to free the buffer
             return None
@@ -377,7 +365,6 @@ class Lookahead:
             slot.event = trio.Event()
             slot.reserved = slot.size
             self.stats.buffered_bytes += slot.size
-            slot.stream.buffered += slot.size
         if self.stats.buffered_bytes > self.stats.peak_buffered_bytes:
             self.stats.peak_buffered_bytes = self.stats.buffered_bytes
         self._requests += 1
@@ -451,7 +438,6 @@ class Lookahead:
 
     def _release(self, slot: _Slot) -> None:
         self.stats.buffered_bytes -= slot.reserved
-        slot.stream.buffered -= slot.reserved
         slot.reserved = 0
         slot.data = b""
 
