@@ -450,9 +450,27 @@ class ShardfsSampler(Shardfs):
         return None
 
 
+class ShardfsLookahead(ShardfsSampler):
+    name = "shardfs-lookahead"
+    label = "shardfs + Lookahead(RandomSampler)"
+    how = ("as shardfs, with `sampler=shardfs.torch.Lookahead(RandomSampler(dataset, "
+           "generator=g))` instead of shuffle=True: the stock order (same generator), announced "
+           "to the daemon 2048 samples ahead")
+    sampler = "lookahead"
+
+    def unavailable(self) -> str | None:
+        try:
+            mod = importlib.import_module("shardfs.torch")
+        except ImportError as exc:
+            return f"not available yet: cannot import shardfs.torch ({exc})"
+        if not hasattr(mod, "Lookahead"):
+            return "not available yet: shardfs.torch has no Lookahead"
+        return None
+
+
 def all_contenders() -> list[Contender]:
     return [LocalDisk(), RcloneHttp(), Ratarmount(), Wids(), WebDatasetStream(), Shardfs(),
-            ShardfsSampler()]
+            ShardfsSampler(), ShardfsLookahead()]
 
 
 CONTENDER_NAMES = [c.name for c in all_contenders()]

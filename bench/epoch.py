@@ -108,6 +108,13 @@ def build(spec: dict):
             sampler = ShardAwareSampler(ds, shuffle=True, seed=spec.get("seed", 0),
                                         map_cache=spec.get("map_cache", True))
             return ds, DataLoader(ds, sampler=sampler, **common)
+        if sampler_name == "lookahead":  # the stock order (same generator), announced ahead
+            from torch.utils.data import RandomSampler
+
+            from shardfs.torch import Lookahead
+
+            return ds, DataLoader(ds, sampler=Lookahead(RandomSampler(ds, generator=g)),
+                                  **common)
         return ds, DataLoader(ds, shuffle=True, generator=g, **common)
     if kind == "wids":
         import wids

@@ -3,6 +3,10 @@
 The only shardfs-specific line is the sampler (`--sampler shard`):
 
     sampler = DistributedShardSampler(dataset)                # instead of DistributedSampler
+
+or, to keep DistributedSampler's exact order (`--sampler lookahead`):
+
+    sampler = Lookahead(DistributedSampler(dataset))
     loader = DataLoader(dataset, batch_size=..., sampler=sampler, num_workers=...)
 
 Runs N ranks on this machine with torch.multiprocessing (default 2), or under torchrun when
@@ -67,8 +71,14 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
         if rank == 0:
             print(f"DistributedShardSampler: {len(sampler.map.shards)} shards, window "
                   f"{sampler.window}, {sampler.num_nodes} node(s)", flush=True)
+    elif args.sampler == "lookahead":
+        from shardfs.torch import Lookahead
+
+        # The stock order, exactly; the mount is told which files come next.
+        sampler = Lookahead(DistributedSampler(dataset, seed=args.seed))
     else:
         sampler = DistributedSampler(dataset, seed=args.seed)
+    order = getattr(sampler, "sampler", sampler)  # Lookahead: its wrapped sampler's order
     # Persistent workers: ranks started by mp.spawn would spawn (not fork) fresh workers each
     # epoch, re-importing torch every time.
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
@@ -94,7 +104,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
         dist.barrier()
         after = mount_stats(data)
         record = {"epoch": epoch, "batches": batches, "samples": seen, "seconds": took,
-                  "indices": list(sampler)}  # the order the loader consumed (same epoch)
+                  "indices": list(order)}  # the order the loader consumed (same epoch)
         line = f"rank {rank} epoch {epoch}: {batches} batches, {seen} samples in {took:.2f} s"
         if before is not None and after is not None:
             record["bytes_fetched"] = after["bytes_fetched"] - before["bytes_fetched"]
@@ -136,7 +146,9 @@ def main() -> None:
     p.add_argument("data", nargs="+", help="ImageFolder root(s); rank r uses DATA[r % len]")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--nproc", type=int, default=2, help="ranks to spawn (without torchrun)")
-    p.add_argument("--sampler", choices=("shard", "distributed"), default="shard")
+    p.add_argument("--sampler", choices=("shard", "distributed", "lookahead"), default="shard",
+                   help="DistributedShardSampler, stock DistributedSampler, or "
+                   "Lookahead(DistributedSampler): the stock order announced to the mount")
     p.add_argument("--window", type=int, default=None,
                    help="shards shuffled together (default: 4, fewer if the cache is small)")
     p.add_argument("--local-world-size", type=int, default=None,

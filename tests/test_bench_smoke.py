@@ -60,7 +60,7 @@ def test_bench_tiny_end_to_end(tmp_path: Path) -> None:
         assert record["link"]["active"] is False  # --no-tc: loopback left alone
         names = set(record["contenders"])
         assert {"local", "perfile-http", "ratarmount", "wids", "webdataset", "shardfs",
-                "shardfs-sampler"} <= names
+                "shardfs-sampler", "shardfs-lookahead"} <= names
         for scenario in ("main", "meta"):
             results = record["scenarios"][scenario]
             assert set(results) == names, scenario
@@ -79,7 +79,8 @@ def test_bench_tiny_end_to_end(tmp_path: Path) -> None:
         assert record["scenarios"]["meta"]["shardfs"]["epochs"]["meta"]["imagefolder_files"] == 300
         # A contender whose tools are installed must run (a harness bug otherwise); one whose
         # tools are missing (CI installs only .[torch,test]) is reported unavailable, with why.
-        for name in ("perfile-http", "ratarmount", "wids", "webdataset", "shardfs-sampler"):
+        for name in ("perfile-http", "ratarmount", "wids", "webdataset", "shardfs-sampler",
+                     "shardfs-lookahead"):
             missing = record["contenders"][name]["unavailable"]
             expected = "unavailable" if missing else "ok"
             assert main[name]["status"] == expected, (name, main[name])

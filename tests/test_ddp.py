@@ -32,10 +32,10 @@ def publish_with_index(ds: Dataset, root: Path) -> None:
 
 
 def run_ddp(ds: Dataset, nginx, mounter: Mounter, tmp_path: Path, sampler: str,
-            epochs: int) -> tuple[list[dict], list]:
+            epochs: int, *mount_args: str) -> tuple[list[dict], list]:
     publish_with_index(ds, nginx.root)
     source = brace(ds, f"{nginx.url}/data")
-    mounts = [mounter.mount([source], None, None, "--no-warm") for _ in range(2)]
+    mounts = [mounter.mount([source], None, None, "--no-warm", *mount_args) for _ in range(2)]
     for m in mounts:
         assert m.stats()["bytes_fetched"] == 0  # the published indexes were used
     out = tmp_path / "ddp-out"
@@ -96,3 +96,24 @@ def test_stock_distributed_sampler_is_correct_but_every_node_reads_everything(
     for r, m in zip(ranks, mounts, strict=True):
         assert r["epochs"][0]["bytes_fetched"] >= 0.75 * total
         assert m.stats()["reader"]["eio"] == 0
+
+
+def test_lookahead_keeps_each_ranks_stock_order(dataset, nginx, mounter: Mounter,
+                                                tmp_path: Path):
+    """Lookahead(DistributedSampler) on two "nodes" whose caches are smaller than the dataset:
+    each rank reads exactly DistributedSampler's order, mostly out of its mount's lookahead."""
+    from torch.utils.data import DistributedSampler
+
+    ranks, mounts = run_ddp(dataset, nginx, mounter, tmp_path, "lookahead", 2,
+                            "--cache-size", "256KiB")
+    n = dataset.shards.nfiles
+    check_correct(ranks, n)
+    for r, rank in enumerate(ranks):
+        for epoch, record in enumerate(rank["epochs"]):
+            stock = DistributedSampler(range(n), num_replicas=2, rank=r, seed=0)
+            stock.set_epoch(epoch)
+            assert record["indices"] == list(stock)
+    for m in mounts:
+        stats = m.stats()
+        assert stats["reader"]["eio"] == 0
+        assert stats["lookahead"]["hits"] >= 0.9 * stats["reader"]["reads"], stats["lookahead"]

@@ -52,6 +52,13 @@ def _rate(value: Any) -> float:
     return number
 
 
+def _size_or_zero(value: Any) -> int:
+    """A size, where 0 (or "0") switches the feature off."""
+    if value == 0 or value == "0":
+        return 0
+    return _size(value)
+
+
 def _positive_float(value: Any) -> float:
     try:
         number = float(value)
@@ -155,6 +162,8 @@ OPTIONS: dict[str, Option] = {o.key: o for o in (
     Option("deadline", _positive_float, 60.0, "seconds > 0"),
     Option("max_fetches", _positive_int, 8, "a whole number >= 1"),
     Option("max_member_fetches", _positive_int, 32, "a whole number >= 1"),
+    Option("lookahead_buffer", _size_or_zero, 64 << 20, f"a size ({UNITS_HELP}), 0: off"),
+    Option("lookahead_requests", _positive_int, 16, "a whole number >= 1"),
     Option("prefetch", _choice("touched", "all"), "touched", "touched or all"),
     Option("index_parallel", _positive_int, 8, "a whole number >= 1"),
     Option("workers", _positive_int, None, "a whole number >= 1"),

@@ -56,7 +56,7 @@ _FLAG_KEYS = ("cache_dir", "cache_size", "timeout", "deadline", "max_fetches",
               "max_member_fetches", "prefetch", "index_parallel", "workers",
               "log_level", "log_file", "metrics_listen", "uid", "gid",
               "s3_endpoint", "s3_region", "s3_profile", "s3_addressing", "ais_endpoint",
-              "hf_endpoint", "gs_endpoint", "request_rate")
+              "hf_endpoint", "gs_endpoint", "request_rate", "lookahead_buffer")
 
 
 def add_mount_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,6 +86,8 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index-parallel", help="shards indexed at once (default 8)")
     p.add_argument("--workers", help="processes answering FUSE requests (default: the "
                    "machine's cores, at most 8; 1: the daemon alone)")
+    p.add_argument("--lookahead-buffer", help="RAM for files announced by "
+                   "shardfs.torch.Lookahead, fetched and not yet read (default 64MiB; 0: off)")
     p.add_argument("--no-warm", action="store_true",
                    help="do not keep the bytes streamed for indexing in the cache")
     p.add_argument("--nonempty", action="store_true",
@@ -166,6 +168,7 @@ def mount_settings(args: argparse.Namespace) -> dict:
 def _mount_config(s: dict):
     from shardfs.cli.config import resolve_credentials
     from shardfs.daemon.lifecycle import MountConfig
+    from shardfs.read.lookahead import LookaheadPolicy
     from shardfs.read.reader import ReadPolicy
     from shardfs.sources import SourceSettings
 
@@ -184,6 +187,8 @@ def _mount_config(s: dict):
             s3_credentials=resolve_credentials(s["credentials"]) or None),
         policy=ReadPolicy(max_fetches=s["max_fetches"],
                           max_member_fetches=s["max_member_fetches"], prefetch=s["prefetch"]),
+        lookahead=LookaheadPolicy(buffer_bytes=s["lookahead_buffer"],
+                                  max_requests=s["lookahead_requests"]),
         index_parallel=s["index_parallel"], warm_while_indexing=s["warm_while_indexing"],
         workers=s["workers"] or default_workers(),
         allow_other=s["allow_other"],

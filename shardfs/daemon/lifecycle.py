@@ -10,6 +10,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import trio
 
 from shardfs.catalog.catalog import Catalog, open_catalog
 from shardfs.catalog.resolve import resolve_sources
+from shardfs.daemon.announce import announce_address, attach_lookahead, serve_announcements
 from shardfs.daemon.control import control_address, serve_control
 from shardfs.daemon.mountpoint import is_mounted
 from shardfs.daemon.notify import sd_notify
@@ -26,6 +28,7 @@ from shardfs.fuse import shim
 from shardfs.fuse.ops import ShardFS
 from shardfs.fuse.worker import WorkerSetup, run_worker
 from shardfs.read.cache import ShardCache
+from shardfs.read.lookahead import Lookahead, LookaheadPolicy
 from shardfs.read.reader import Reader, ReadPolicy
 from shardfs.read.states import ShardStates
 from shardfs.sources import Sources, SourceSettings
@@ -44,6 +47,7 @@ class MountConfig:
     cache_size: int
     settings: SourceSettings = field(default_factory=SourceSettings)
     policy: ReadPolicy = field(default_factory=ReadPolicy)
+    lookahead: LookaheadPolicy = field(default_factory=LookaheadPolicy)
     index_parallel: int = 8
     warm_while_indexing: bool = True
     allow_other: bool = False
@@ -63,6 +67,10 @@ class MountConfig:
     @property
     def control_socket(self) -> str:
         return control_address(str(self.cache_dir))
+
+    @property
+    def lookahead_socket(self) -> str:
+        return announce_address(str(self.cache_dir))
 
 
 def fuse_options(cfg: MountConfig) -> set[str]:
@@ -103,10 +111,13 @@ class Mounted:
     latest: dict[str, Any] = field(default_factory=dict)  # read by the metrics thread
     workers: WorkerPool | None = None
     ops: ShardFS | None = None  # when the daemon answers FUSE requests itself
+    lookahead: Lookahead | None = None  # announced reads (shardfs.torch.Lookahead)
 
     def snapshot(self) -> dict[str, Any]:
         rs, catalog, cache = self.reader.stats, self.catalog, self.cache
         fetched = rs.shard_bytes + rs.member_bytes + catalog.indexed_bytes
+        if self.lookahead is not None:
+            fetched += self.lookahead.stats.bytes_fetched
         return {
             "mountpoint": self.cfg.mountpoint,
             "pid": os.getpid(),
@@ -144,6 +155,8 @@ class Mounted:
             "disk_reads": {"inline": self.reader.disk.inline,
                            "threaded": self.reader.disk.threaded},
             "source": asdict(self.sources.stats()),
+            "lookahead_socket": self.cfg.lookahead_socket if self.lookahead else None,
+            "lookahead": self.lookahead.snapshot() if self.lookahead else None,
         }
 
     async def snapshot_json(self) -> bytes:
@@ -281,6 +294,7 @@ async def _serve(cfg: MountConfig, cache: ShardCache, catalog: Catalog, ops: Sha
     try:
         reader = Reader(catalog, cache, sources, cfg.policy, states=states)
         mounted = Mounted(cfg, catalog, cache, reader, sources)
+        mounted.lookahead = attach_lookahead(reader, cfg.lookahead)
         if zygote is None:
             ops.reader = reader
             ops.stats_json = mounted.snapshot_json
@@ -321,6 +335,9 @@ async def _serve_mounted(mounted: Mounted, zygote: Zygote | None,
         async with trio.open_nursery() as nursery:
             await nursery.start(mounted.reader.run)
             await nursery.start(serve_control, cfg.control_socket, mounted.handle)
+            if mounted.lookahead is not None:
+                await nursery.start(partial(serve_announcements, allow_other=cfg.allow_other),
+                                    cfg.lookahead_socket, mounted.lookahead, catalog.tree)
             if zygote is None:
                 async def fuse_main() -> None:
                     await fuse_session.serve(cfg.max_tasks)

@@ -33,6 +33,7 @@ from shardfs.catalog.catalog import Catalog
 from shardfs.catalog.codecs import CodecError, decompressor
 from shardfs.read.cache import DISK_FULL, PartFile, ShardCache, pwrite_all
 from shardfs.read.diskread import DiskReads
+from shardfs.read.lookahead import Lookahead
 from shardfs.read.states import ShardStates
 from shardfs.sources import ShardChanged, SourceError, Sources
 
@@ -186,6 +187,7 @@ class Reader:
         self._member_rtt: float | None = None  # seconds per member read, moving average
         self._whole_bytes_started = 0  # bytes of all whole-shard fetches started
         self.started = time.monotonic()
+        self.lookahead: Lookahead | None = None  # announced reads (shardfs/daemon/announce.py)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -257,6 +259,10 @@ class Reader:
             return await self._local(cached.fd, size, start, want)  # type: ignore[arg-type]
         if self.whole_only[shard]:
             return await self._read_compressed(shard, key, start, end, want)
+        if self.lookahead is not None:  # announced by a training process: fetched ahead
+            data = await self.lookahead.take(shard, member_off, member_size, start, end)
+            if data is not None:
+                return data
         fetch = self.fetches.get(shard) or self._maybe_start(shard)
         if fetch is not None and fetch.failed is None:
             if end <= fetch.arrived:

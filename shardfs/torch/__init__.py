@@ -40,9 +40,11 @@ from torch.utils.data import Sampler, Subset
 
 from shardfs.catalog.dirmap import PREFIX as DIRMAP_PREFIX
 from shardfs.catalog.dirmap import decode_page
+from shardfs.torch.lookahead import Lookahead
 
 __all__ = [
     "DistributedShardSampler",
+    "Lookahead",
     "ShardAwareSampler",
     "ShardMap",
     "fitting_window",

@@ -1,0 +1,171 @@
+"""The announce socket: training processes tell the daemon which files they will read next.
+
+`shardfs.torch.Lookahead` connects to `@shardfs/<hash of the cache dir>.lookahead` (Linux's
+abstract namespace; the name is in the mount's stats xattr as `lookahead_socket`) and keeps the
+connection open for as long as it iterates. Each line it sends is a JSON object:
+
+    {"paths": ["train/n01/x.jpg", ...]}   append these files (relative to the mount root)
+    {"reset": true, "paths": [...]}       forget what this connection announced, then append
+
+and each gets one JSON line back: `{"accepted": N, "refused": N, "unknown": N, "pending": N}`
+(refused: over the per-connection cap; unknown: not a file of the mount) or `{"error": ...}`.
+Closing the connection drops its announcements.
+
+Who may announce: anyone who may read the mount — the daemon's own user, root, and, when the
+mount has allow_other, every user (checked with SO_PEERCRED when the connection opens). An
+announcement can only make the daemon fetch bytes of the mounted dataset ahead of time within
+a fixed RAM budget, and each connection is capped (`max_pending` entries, `MAX_LINE` bytes per
+line), so a careless or hostile client costs bandwidth, never memory beyond those bounds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from shardfs.catalog.shardindex import KIND_FILE
+from shardfs.catalog.tree import Tree
+from shardfs.daemon.control import control_address
+from shardfs.read.lookahead import Lookahead, LookaheadPolicy, Stream
+from shardfs.read.reader import Reader
+
+log = logging.getLogger(__name__)
+MAX_LINE = 4 << 20  # bytes in one announcement line (~40k paths)
+
+
+def announce_address(cache_dir: str) -> str:
+    return control_address(cache_dir) + ".lookahead"
+
+
+def attach_lookahead(reader: Reader, policy: LookaheadPolicy) -> Lookahead | None:
+    """A Lookahead for a mount's reader (None when disabled: buffer_bytes 0), hooked into it."""
+    if policy.buffer_bytes <= 0:
+        return None
+    catalog, cache = reader.catalog, reader.cache
+
+    def covered(shard: int) -> bool:
+        """The reader serves this shard without member reads: leave it to whole-shard caching."""
+        return (reader.dataset_bytes <= cache.budget or reader.codecs[shard] is not None
+                or shard in reader.fetches or cache.has(catalog.keys[shard]))
+
+    lookahead = Lookahead(catalog.shards, reader.sources, policy, covered=covered)
+    reader.lookahead = lookahead
+    return lookahead
+
+
+def _peer(sock: socket.socket) -> tuple[int, int]:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", creds)
+    return pid, uid
+
+
+def resolver(tree: Tree) -> Callable[[str], tuple[int, int, int] | None]:
+    """Path relative to the mount root -> (shard, offset, size) of a regular file, or None."""
+
+    def resolve(path: str) -> tuple[int, int, int] | None:
+        if not isinstance(path, str):
+            return None
+        raw = os.fsencode(path).strip(b"/")
+        if not raw or b".." in raw.split(b"/"):
+            return None
+        ino = tree.resolve(raw)
+        if ino is None or tree.kind[ino - 1] != KIND_FILE:
+            return None
+        ref = tree.file_ref(ino)
+        return ref.shard, ref.offset, ref.size
+
+    return resolve
+
+
+async def serve_announcements(address: str, lookahead: Lookahead, tree: Tree, *,
+                              allow_other: bool,
+                              task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                              ) -> None:
+    """Run the Lookahead and answer announcing connections until cancelled."""
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    await sock.bind("\0" + address[1:])
+    sock.listen(64)
+    listener = trio.SocketListener(sock)
+    resolve = resolver(tree)
+    owner = os.getuid()
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(lookahead.run)
+            task_status.started()
+
+            async def one(stream: trio.SocketStream) -> None:
+                async with stream:
+                    pid, uid = _peer(stream.socket)
+                    if not (allow_other or uid in (0, owner)):
+                        await _reply(stream, {"error": f"permission denied: uid {uid} may not "
+                                              "read this mount (it has no allow_other)"})
+                        return
+                    await _converse(stream, lookahead.open_stream(f"pid {pid} uid {uid}"),
+                                    resolve)
+
+            while True:
+                nursery.start_soon(one, await listener.accept())
+    finally:
+        with trio.CancelScope(shield=True):
+            await listener.aclose()
+
+
+async def _reply(stream: trio.SocketStream, message: dict[str, Any]) -> None:
+    await stream.send_all(json.dumps(message).encode() + b"\n")
+
+
+async def _converse(sock: trio.SocketStream, stream: Stream,
+                    resolve: Callable[[str], tuple[int, int, int] | None]) -> None:
+    buf = bytearray()
+    try:
+        while True:
+            newline = buf.find(b"\n")
+            if newline < 0:
+                if len(buf) > MAX_LINE:
+                    await _reply(sock, {"error": f"announcement line over {MAX_LINE} bytes"})
+                    return
+                try:
+                    chunk = await sock.receive_some(1 << 16)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return
+                if not chunk:
+                    return
+                buf += chunk
+                continue
+            line = bytes(buf[:newline])
+            del buf[: newline + 1]
+            try:
+                response = _handle(line, stream, resolve)
+            except (ValueError, TypeError) as exc:
+                response = {"error": f"bad announcement: {exc}"}
+            try:
+                await _reply(sock, response)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+    finally:
+        stream.close()
+
+
+def _handle(line: bytes, stream: Stream,
+            resolve: Callable[[str], tuple[int, int, int] | None]) -> dict[str, Any]:
+    message = json.loads(line)
+    if not isinstance(message, dict):
+        raise ValueError("expected a JSON object")
+    if message.get("reset"):
+        stream.reset()
+    paths = message.get("paths") or []
+    if not isinstance(paths, list):
+        raise ValueError("paths must be a list of strings")
+    refs = [resolve(p) for p in paths]
+    unknown = sum(r is None for r in refs)
+    stream.owner.stats.unknown += unknown
+    accepted, refused = stream.announce(r for r in refs if r is not None)
+    return {"accepted": accepted, "refused": refused, "unknown": unknown,
+            "pending": stream.live}

@@ -1,0 +1,446 @@
+"""Lookahead: fetch the members a training process says it will read next, in its order.
+
+A process that knows its future reads (`shardfs.torch.Lookahead` wraps its sampler) announces
+them as an ordered list of members over a socket (see shardfs/daemon/announce.py); each
+connection is one *stream*. This module keeps a bounded window of those members in flight and
+in RAM so a truly random order reads at link speed instead of one member request per DataLoader
+worker at a time:
+
+- Announced members are fetched in announcement order, round robin over the streams, with up
+  to `max_requests` ranged GETs in flight. A GET also takes the member's neighbours in its
+  shard that the stream announced within about a buffer's worth of entries (they would be
+  fetched before being read anyway), when the bytes between them are at most `coalesce_gap`
+  and 1/`gap_ratio` of the member joined (the tar headers between neighbours): fewer, larger
+  requests, nearly no extra bytes.
+- Fetched bytes wait in RAM until read. Bytes held plus bytes in flight never exceed
+  `buffer_bytes`: when the announced window is longer than the buffer holds, fetching pauses
+  until reads consume (and so free) buffered members; it paces itself on consumption.
+- A member is dropped once its bytes have all been read. A read of a member still waiting for
+  its turn fetches it at once (the read needs it now).
+- Stale announcements cost bytes, never correctness: bytes are only ever handed out for the
+  exact member range the read asked for, and anything unread is dropped when its stream's
+  reads have moved `stale_lag` entries past it, when the buffer is full while the stream's
+  reads have missed `miss_limit` times in a row (its announcements do not match what it reads),
+  on `reset` (a new epoch) and when the connection closes.
+- Shards the reader serves without help (the dataset fits the cache, the shard is cached or
+  being fetched whole, compressed shards) are skipped: whole-shard caching stays as it is.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import itertools
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+import trio
+
+from shardfs.sources import ShardInfo, SourceError, Sources
+
+log = logging.getLogger(__name__)
+KiB = 1 << 10
+MiB = 1 << 20
+
+_QUEUED, _INFLIGHT, _READY, _GONE = range(4)
+
+
+@dataclass(slots=True)
+class LookaheadPolicy:
+    buffer_bytes: int = 64 * MiB  # RAM for announced members fetched (or in flight), unread
+    # Ranged GETs in flight at once. 16 fill a 100 MB/s link with 20 ms latency; more cost
+    # the HTTP client's connection pool more CPU per request than they gain (measured).
+    max_requests: int = 16
+    coalesce_gap: int = 64 * KiB  # members of one shard this close share one GET, when the
+    # gap is also at most 1/gap_ratio of the member it joins (bytes fetched stay near read)
+    gap_ratio: int = 16
+    coalesce_span: int = 1 * MiB  # the largest coalesced GET (larger: later first bytes)
+    coalesce_scan: int = 64  # coalesce with members announced this many entries ahead, or
+    # as many as the buffer holds when that is more
+    max_pending: int = 65536  # entries one connection may have announced and not yet read
+    stale_lag: int = 4096  # unread entries this far behind the stream's reads are dropped
+    miss_limit: int = 1024  # unmatched reads (buffer full, no hit) before a stream is reset
+
+
+@dataclass(slots=True)
+class LookaheadStats:
+    connections: int = 0  # announcing connections open now
+    connections_total: int = 0
+    announced: int = 0  # entries accepted
+    refused: int = 0  # entries over a connection's max_pending
+    unknown: int = 0  # announced paths that are not files of the mount
+    skipped: int = 0  # entries the reader serves anyway (cached / whole-shard / compressed)
+    requests: int = 0  # ranged GETs
+    bytes_fetched: int = 0  # bytes those GETs brought (members + coalescing gaps)
+    gap_bytes: int = 0  # of which between coalesced members
+    hits: int = 0  # reads served from the buffer
+    hit_bytes: int = 0
+    waits: int = 0  # of which waited for their GET to land
+    urgent: int = 0  # entries fetched ahead of their turn because a read asked for them
+    misses: int = 0  # reads of members not announced (or already dropped)
+    stale: int = 0  # entries dropped unread
+    stale_bytes: int = 0  # fetched bytes dropped unread
+    resets: int = 0  # streams reset (new epoch or announcements not matching reads)
+    errors: int = 0  # failed GETs (their reads fall back to the reader's own path)
+    buffered_bytes: int = 0  # held + in flight now
+    peak_buffered_bytes: int = 0
+
+
+class _Slot:
+    """One announced member occurrence."""
+
+    __slots__ = ("data", "end", "event", "pos", "reserved", "served", "shard", "start", "state",
+                 "stream")
+
+    def __init__(self, stream: Stream, pos: int, shard: int, start: int, end: int) -> None:
+        self.stream = stream
+        self.pos = pos
+        self.shard = shard
+        self.start = start
+        self.end = end
+        self.state = _QUEUED
+        self.data = b""
+        self.event: trio.Event | None = None
+        self.served = 0  # bytes handed out so far
+        self.reserved = 0  # buffer bytes counted for it
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+class Stream:
+    """The announcements of one connection, in order."""
+
+    def __init__(self, owner: Lookahead, name: str) -> None:
+        self.owner = owner
+        self.name = name
+        self.order: deque[_Slot] = deque()  # live (and some consumed) slots by position
+        self.queue: deque[_Slot] = deque()  # slots not fetched yet, by position (lazy pops)
+        self.next_pos = 0
+        self.first_pos = 0  # position of the first entry since the last reset
+        self.live = 0  # slots announced and not yet read or dropped
+        self.cursor = -1  # highest position read so far
+        self.misses_at_hit = owner.stats.misses
+        self.closed = False
+
+    def announce(self, refs: Iterable[tuple[int, int, int]]) -> tuple[int, int]:
+        """Append members (shard, offset, size); (accepted, refused over max_pending)."""
+        return self.owner.announce(self, refs)
+
+    def reset(self) -> None:
+        self.owner.reset(self)
+
+    def close(self) -> None:
+        self.owner.close(self)
+
+
+class Lookahead:
+    def __init__(self, shards: Sequence[ShardInfo], sources: Sources,
+                 policy: LookaheadPolicy | None = None, *,
+                 covered: Callable[[int], bool] = lambda shard: False) -> None:
+        self.shards = shards
+        self.sources = sources
+        self.policy = policy or LookaheadPolicy()
+        self.covered = covered  # shards the reader serves without us
+        self.stats = LookaheadStats()
+        self._index: dict[tuple[int, int], deque[_Slot]] = {}
+        self._queued: dict[int, list[int]] = {}  # shard -> sorted offsets of unfetched slots
+        self._streams: deque[Stream] = deque()  # round robin: the next to fetch for is first
+        self._requests = 0
+        self._wake = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self._names = itertools.count(1)
+        self._paced = False  # the last scheduling round stopped at a full buffer
+
+    # -- streams ---------------------------------------------------------------------------
+    def open_stream(self, peer: str = "") -> Stream:
+        stream = Stream(self, f"{next(self._names)}{' ' + peer if peer else ''}")
+        self._streams.append(stream)
+        self.stats.connections += 1
+        self.stats.connections_total += 1
+        return stream
+
+    def announce(self, stream: Stream, refs: Iterable[tuple[int, int, int]]) -> tuple[int, int]:
+        if stream.closed:
+            return 0, 0
+        accepted = refused = 0
+        room = self.policy.max_pending - stream.live
+        for shard, offset, size in refs:
+            if size <= 0:
+                continue
+            if accepted >= room:
+                refused += 1
+                continue
+            slot = _Slot(stream, stream.next_pos, shard, offset, offset + size)
+            stream.next_pos += 1
+            stream.order.append(slot)
+            stream.queue.append(slot)
+            stream.live += 1
+            self._index.setdefault((shard, offset), deque()).append(slot)
+            bisect.insort(self._queued.setdefault(shard, []), offset)
+            accepted += 1
+        self.stats.announced += accepted
+        self.stats.refused += refused
+        if accepted:
+            self._wake.set()
+        return accepted, refused
+
+    def reset(self, stream: Stream) -> None:
+        """Forget a stream's announcements (a new epoch starts, or they proved wrong)."""
+        while stream.order:
+            self._drop(stream.order.popleft(), stale=True)
+        stream.queue.clear()
+        stream.cursor = -1
+        stream.first_pos = stream.next_pos
+        stream.misses_at_hit = self.stats.misses
+        self.stats.resets += 1
+        self._wake.set()
+
+    def close(self, stream: Stream) -> None:
+        if stream.closed:
+            return
+        stream.closed = True
+        while stream.order:
+            self._drop(stream.order.popleft(), stale=True)
+        stream.queue.clear()
+        self._streams.remove(stream)
+        self.stats.connections -= 1
+        self._wake.set()
+
+    # -- the read side ---------------------------------------------------------------------
+    async def take(self, shard: int, member_off: int, member_size: int, start: int,
+                   end: int) -> bytes | None:
+        """Bytes [start, end) (shard offsets within one member) if that member was announced;
+        waits while its GET is in flight. None: not announced, dropped, or its GET failed
+        (the reader then reads it its own way)."""
+        slots = self._index.get((shard, member_off))
+        if not slots:
+            self.stats.misses += 1
+            return None
+        slot = slots[0]  # the earliest announced occurrence
+        if slot.end != member_off + member_size:  # the tree changed? never hand out guesses
+            self.stats.misses += 1
+            return None
+        if slot.state == _QUEUED:
+            self.stats.urgent += 1
+            self._launch([slot])
+        if slot.state == _INFLIGHT:
+            self.stats.waits += 1
+            assert slot.event is not None
+            await slot.event.wait()
+        if slot.state != _READY:  # its GET failed, or the stream dropped it meanwhile
+            return None
+        data = slot.data
+        if start != slot.start or end != slot.end:
+            data = data[start - slot.start : end - slot.start]
+        stats = self.stats
+        stats.hits += 1
+        stats.hit_bytes += len(data)
+        slot.served += len(data)
+        stream = slot.stream
+        stream.misses_at_hit = stats.misses
+        if slot.pos > stream.cursor:
+            stream.cursor = slot.pos
+            self._expire(stream)
+        if slot.served >= slot.size and slot.state == _READY:
+            self._drop(slot, stale=False)
+        return data
+
+    # -- fetching --------------------------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the GETs; runs until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            while True:
+                self._schedule()
+                await self._wake.wait()
+                self._wake = trio.Event()
+
+    def _schedule(self) -> None:
+        policy = self.policy
+        while self._requests < policy.max_requests and self._streams:
+            group = None
+            self._paced = False
+            for _ in range(len(self._streams)):
+                stream = self._streams[0]
+                self._streams.rotate(-1)
+                group = self._next_group(stream)
+                if group:
+                    break
+            if not group:
+                if self._paced and self._reset_mismatched():
+                    continue
+                return
+            self._launch(group)
+
+    def _next_group(self, stream: Stream) -> list[_Slot] | None:
+        """The next GET for a stream: its first unfetched entry plus members of the same
+        shard close to it among the next few entries; None when nothing fits the buffer."""
+        queue, policy = stream.queue, self.policy
+        while queue:
+            head = queue[0]
+            if head.state != _QUEUED:
+                queue.popleft()
+                continue
+            if self.covered(head.shard) or head.size > policy.buffer_bytes:
+                queue.popleft()
+                self.stats.skipped += 1
+                self._drop(head, stale=False)
+                continue
+            break
+        else:
+            return None
+        room = policy.buffer_bytes - self.stats.buffered_bytes
+        if head.size > room:
+            self._paced = True  # wait for reads to free the buffer
+            return None
+        room -= head.size
+        group, lo, hi = [head], head.start, head.end
+        if head.pos - stream.first_pos < 2 * policy.max_requests:
+            return group  # the epoch's first reads: one member per GET, the first bytes soonest
+        gap, span, ratio = policy.coalesce_gap, policy.coalesce_span, policy.gap_ratio
+        # Neighbours announced within about a buffer's worth of entries will be fetched before
+        # they are read anyway: fetching them with the head saves a request each.
+        horizon = head.pos + max(policy.coalesce_scan, policy.buffer_bytes // max(1, head.size))
+        offsets = self._queued.get(head.shard, [])
+        i = bisect.bisect_right(offsets, head.start)
+        while i < len(offsets):  # members after the head, nearest first
+            off = offsets[i]
+            i += 1
+            if off < hi:
+                continue  # the head (or a member already taken) announced twice
+            s = self._queued_at(head.shard, off, stream, horizon)
+            if s is None or off - hi > min(gap, s.size // ratio) or s.end - lo > span \
+                    or s.size > room:
+                break
+            group.append(s)
+            hi = s.end
+            room -= s.size
+        i = bisect.bisect_left(offsets, head.start)
+        while i > 0:  # members before the head, nearest first
+            i -= 1
+            s = self._queued_at(head.shard, offsets[i], stream, horizon)
+            if s is None or lo - s.end > min(gap, s.size // ratio) or hi - s.start > span \
+                    or s.size > room:
+                break
+            group.append(s)
+            lo = s.start
+            room -= s.size
+        return group
+
+    def _queued_at(self, shard: int, offset: int, stream: Stream, horizon: int) -> _Slot | None:
+        """The stream's first unfetched announcement of a member, if within the horizon."""
+        for s in self._index.get((shard, offset), ()):
+            if s.state == _QUEUED and s.stream is stream and s.pos <= horizon:
+                return s
+        return None
+
+    def _unqueue(self, slot: _Slot) -> None:
+        offsets = self._queued[slot.shard]
+        del offsets[bisect.bisect_left(offsets, slot.start)]
+        if not offsets:
+            del self._queued[slot.shard]
+
+    def _reset_mismatched(self) -> bool:
+        """The buffer is full and nothing can be fetched: reset streams whose reads keep
+        missing (their announcements do not match what they read). True if any was."""
+        limit = self.stats.misses - self.policy.miss_limit
+        found = False
+        for stream in list(self._streams):
+            if stream.misses_at_hit < limit and stream.live:
+                log.warning("lookahead: stream %s announces members its reads do not ask for; "
+                            "dropping its announcements", stream.name)
+                self.reset(stream)
+                found = True
+        return found
+
+    def _launch(self, group: list[_Slot]) -> None:
+        for slot in group:
+            self._unqueue(slot)
+            slot.state = _INFLIGHT
+            slot.event = trio.Event()
+            slot.reserved = slot.size
+            self.stats.buffered_bytes += slot.size
+        if self.stats.buffered_bytes > self.stats.peak_buffered_bytes:
+            self.stats.peak_buffered_bytes = self.stats.buffered_bytes
+        self._requests += 1
+        assert self._nursery is not None, "Lookahead.run() must be started first"
+        self._nursery.start_soon(self._fetch, group)
+
+    async def _fetch(self, group: list[_Slot]) -> None:
+        shard = group[0].shard
+        lo = min(s.start for s in group)
+        hi = max(s.end for s in group)
+        info = self.shards[shard]
+        stats = self.stats
+        landed = False
+        try:
+            source = self.sources.for_url(info.url)
+            data = b"".join([chunk async for chunk in source.stream(info, lo, hi)])
+            stats.requests += 1
+            stats.bytes_fetched += len(data)
+            if len(data) != hi - lo:
+                raise SourceError(f"{info.url}: {len(data)} bytes for range [{lo}, {hi})")
+            stats.gap_bytes += max(0, (hi - lo) - sum(s.size for s in group))
+            for slot in group:
+                if slot.state == _INFLIGHT:
+                    slot.data = data if len(group) == 1 else \
+                        data[slot.start - lo : slot.end - lo]
+                    slot.state = _READY
+            landed = True
+        except (SourceError, OSError) as exc:
+            stats.errors += 1
+            log.warning("lookahead: reading %s [%d, %d) failed: %s; its reads fall back",
+                        info.url, lo, hi, exc)
+        finally:
+            self._requests -= 1
+            for slot in group:
+                if slot.state == _GONE or not landed:
+                    self._drop(slot, stale=False)
+                    self._release(slot)
+                assert slot.event is not None
+                slot.event.set()
+            self._wake.set()
+
+    # -- dropping --------------------------------------------------------------------------
+    def _expire(self, stream: Stream) -> None:
+        """Drop what the stream's reads have left `stale_lag` entries behind."""
+        order, horizon = stream.order, stream.cursor - self.policy.stale_lag
+        while order and (order[0].state == _GONE or order[0].pos < horizon):
+            self._drop(order.popleft(), stale=True)
+
+    def _drop(self, slot: _Slot, *, stale: bool) -> None:
+        if slot.state == _GONE:
+            return
+        if stale and slot.served == 0:
+            self.stats.stale += 1
+            if slot.state in (_READY, _INFLIGHT):
+                self.stats.stale_bytes += slot.size
+        key = (slot.shard, slot.start)
+        slots = self._index.get(key)
+        if slots is not None:
+            with contextlib.suppress(ValueError):
+                slots.remove(slot)
+            if not slots:
+                del self._index[key]
+        inflight = slot.state == _INFLIGHT
+        if slot.state == _QUEUED:
+            self._unqueue(slot)
+        slot.state = _GONE
+        slot.stream.live -= 1
+        if not inflight:  # an in-flight slot's bytes are released when its GET ends
+            self._release(slot)
+        self._wake.set()
+
+    def _release(self, slot: _Slot) -> None:
+        self.stats.buffered_bytes -= slot.reserved
+        slot.reserved = 0
+        slot.data = b""
+
+    def snapshot(self) -> dict[str, int]:
+        return {**asdict(self.stats), "buffer_bytes": self.policy.buffer_bytes,
+                "streams": len(self._streams)}

@@ -1,0 +1,228 @@
+"""`Lookahead(sampler)`: any sampler's exact order, announced to the shardfs daemon ahead of use.
+
+With a dataset larger than the mount's cache, a uniformly random order (RandomSampler,
+DistributedSampler) makes every sample its own member request, and only as many are in
+flight as DataLoader workers ask for at once: the epoch is latency bound. The order is known
+in advance, though (NoPFS, "Clairvoyant Prefetching for Distributed Machine Learning I/O",
+SC'21): this wrapper pulls indices from the wrapped sampler a window ahead of what it yields
+and tells the mount's daemon which files they name, so the daemon fetches them with many
+requests in flight and holds them in RAM until read (shardfs/read/lookahead.py).
+
+The order is the wrapped sampler's, untouched: same indices, same length, `set_epoch`
+forwarded. Announcements only steer prefetching; a wrong one costs bytes, never correctness.
+The announcing connection is opened lazily by the process that iterates (the DataLoader's main
+process), reopened after a fork, and never pickled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import warnings
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from torch.utils.data import Sampler
+
+log = logging.getLogger(__name__)
+STATS_XATTR = "user.shardfs.stats"
+DEFAULT_WINDOW = 2048  # samples announced ahead of the one yielded
+_PROBES = 16
+_TIMEOUT_S = 10.0
+
+
+class _Link:
+    """One connection to a daemon's announce socket, owned by the process that opened it."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.pid = os.getpid()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self.sock.settimeout(_TIMEOUT_S)
+        try:
+            self.sock.connect("\0" + address[1:] if address.startswith("@") else address)
+        except OSError:
+            self.sock.close()
+            raise
+        self._buf = b""
+
+    def send(self, message: dict[str, Any]) -> dict[str, Any]:
+        self.sock.sendall(json.dumps(message).encode() + b"\n")
+        while b"\n" not in self._buf:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("the daemon closed the announce connection")
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise ConnectionError(reply["error"])
+        return reply
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Lookahead(Sampler[int]):
+    """Yields exactly the wrapped sampler's indices and announces the files they name to the
+    shardfs daemon `window` samples ahead, so a random order reads at link speed.
+
+    `sampler=Lookahead(RandomSampler(ds))` in place of `shuffle=True`; works with any sampler
+    of single indices (RandomSampler, DistributedSampler, SubsetRandomSampler, your own). The
+    dataset is taken from the sampler (`.data_source`, `.dataset`) or given as `dataset`; its
+    files come from `.samples`/`.imgs` (ImageFolder-like, also through Subset), or `paths`
+    gives one path per dataset index. Files not on a shardfs mount pass through unannounced
+    (with a warning when none is).
+    """
+
+    def __init__(self, sampler: Sampler[int] | Any, dataset: Any = None, *,
+                 window: int = DEFAULT_WINDOW, paths: Sequence[str] | None = None) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1 (got {window})")
+        self.sampler = sampler
+        self.window = window
+        if paths is None:
+            if dataset is None:
+                dataset = getattr(sampler, "data_source", None)
+            if dataset is None:
+                dataset = getattr(sampler, "dataset", None)
+            if dataset is None:
+                raise TypeError(f"cannot find the dataset of {type(sampler).__name__}: pass it "
+                                "as Lookahead(sampler, dataset) or give paths=")
+            from shardfs.torch import sample_paths
+
+            paths = sample_paths(dataset)
+        self.paths = [os.fspath(p) for p in paths]
+        self._where: dict[str, tuple[str, str] | None] = {}  # directory -> (socket, rel dir)
+        self._roots: dict[str, str | None] = {}  # mount root -> its announce socket
+        self._links: dict[str, _Link] = {}
+        self._dead: set[str] = set()  # sockets that failed: not tried again
+        self.active = self._probe()
+        if not self.active and self.paths:
+            warnings.warn("the dataset's files are not on a shardfs mount with lookahead: "
+                          "Lookahead passes the sampler's order through unannounced",
+                          stacklevel=2)
+
+    # -- the sampler -----------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        it = iter(self.sampler)
+        if not self.active:
+            yield from it
+            return
+        ahead: deque[int] = deque()
+        unsent: list[int] = []
+        first, exhausted = True, False
+        batch = max(1, self.window // 4)
+        while True:
+            while not exhausted and len(ahead) < self.window:
+                try:
+                    index = next(it)
+                except StopIteration:
+                    exhausted = True
+                    break
+                ahead.append(index)
+                unsent.append(index)
+            if unsent and (first or exhausted or len(unsent) >= batch):
+                self._announce(unsent, reset=first)
+                first = False
+                unsent = []
+            if not ahead:
+                return
+            yield ahead.popleft()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_links"] = {}  # a connection belongs to the process that opened it
+        state["_dead"] = set()
+        return state
+
+    def close(self) -> None:
+        """Close the announcing connections (the daemon drops what they announced)."""
+        for link in self._links.values():
+            if link.pid == os.getpid():
+                link.close()
+        self._links.clear()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    # -- announcing ------------------------------------------------------------------------
+    def _probe(self) -> bool:
+        n = len(self.paths)
+        picks = sorted({i * n // _PROBES for i in range(min(n, _PROBES))})
+        return any(self._locate(self.paths[i]) is not None for i in picks)
+
+    def _locate(self, path: str) -> tuple[str, str] | None:
+        """(announce socket, path relative to its mount root), or None: not on a mount."""
+        directory, name = os.path.split(path)
+        where = self._where.get(directory, ...)
+        if where is ...:
+            where = self._where[directory] = self._dir_location(directory)
+        if where is None:
+            return None
+        address, rel_dir = where
+        return address, (f"{rel_dir}/{name}" if rel_dir else name)
+
+    def _dir_location(self, directory: str) -> tuple[str, str] | None:
+        full = os.path.abspath(directory)
+        root = full
+        while not os.path.ismount(root) and root != "/":
+            root = os.path.dirname(root)
+        if root not in self._roots:
+            address = None
+            with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+                address = json.loads(os.getxattr(root, STATS_XATTR)).get("lookahead_socket")
+            self._roots[root] = address if isinstance(address, str) else None
+        address = self._roots[root]
+        if address is None:
+            return None
+        rel = os.path.relpath(full, root)
+        return address, "" if rel == "." else rel
+
+    def _announce(self, indices: list[int], *, reset: bool) -> None:
+        per_socket: dict[str, list[str]] = {}
+        paths = self.paths
+        for index in indices:
+            try:
+                where = self._locate(paths[index])
+            except (IndexError, TypeError):
+                continue  # not an index of this dataset: nothing to announce for it
+            if where is not None:
+                per_socket.setdefault(where[0], []).append(where[1])
+        if reset:  # a new epoch: every mount forgets what the last one left unread
+            for address in self._links:
+                per_socket.setdefault(address, [])
+        for address, rels in per_socket.items():
+            if address in self._dead:
+                continue
+            try:
+                link = self._links.get(address)
+                if link is None or link.pid != os.getpid():
+                    link = self._links[address] = _Link(address)
+                message: dict[str, Any] = {"paths": rels}
+                if reset:
+                    message["reset"] = True
+                reply = link.send(message)
+                if reply.get("refused"):
+                    log.debug("the daemon at %s refused %d announcements (its cap)", address,
+                              reply["refused"])
+            except (OSError, ValueError) as exc:
+                self._dead.add(address)
+                link = self._links.pop(address, None)
+                if link is not None:
+                    link.close()
+                warnings.warn(f"cannot announce to the shardfs daemon at {address} ({exc}); "
+                              "reading on without lookahead", stacklevel=3)

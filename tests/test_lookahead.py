@@ -1,0 +1,287 @@
+"""shardfs.torch.Lookahead and the daemon's lookahead, through real mounts over nginx.
+
+Every mount here has a cache smaller than the dataset (so whole-shard caching is off and the
+stock samplers read member by member) and publishes its index files (--no-warm: every byte
+nginx sends is caused by the reads under test).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import warnings
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Dataset, Mount, Mounter, brace
+from tests.test_ddp import publish_with_index
+
+torch = pytest.importorskip("torch")
+datasets = pytest.importorskip("torchvision.datasets")
+
+from torch.utils.data import (  # noqa: E402
+    DataLoader,
+    DistributedSampler,
+    RandomSampler,
+    SubsetRandomSampler,
+)
+
+from shardfs.torch import Lookahead  # noqa: E402
+
+SMALL_CACHE = "256KiB"  # the test dataset is ~1 MB
+
+
+def read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def mount_small(ds: Dataset, nginx, mounter: Mounter, *extra: str) -> Mount:
+    publish_with_index(ds, nginx.root)
+    m = mounter.mount([brace(ds, f"{nginx.url}/data")], None, None, "--no-warm",
+                      "--cache-size", SMALL_CACHE, *extra)
+    stats = m.stats()
+    assert stats["dataset_bytes"] > stats["cache_budget_bytes"]
+    assert stats["lookahead_socket"]
+    return m
+
+
+def folder(m: Mount) -> datasets.ImageFolder:
+    return datasets.ImageFolder(str(m.mountpoint / "train"), loader=read_bytes)
+
+
+def gen(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def announce(address: str, message: dict, sock: socket.socket | None = None) -> dict:
+    """One announcement line and its reply, on `sock` (kept open by the caller) or a new one."""
+    own = sock is None
+    if sock is None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(30)
+        sock.connect("\0" + address[1:])
+    try:
+        sock.sendall(json.dumps(message).encode() + b"\n")
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = sock.recv(65536)
+            assert chunk, "the daemon closed the connection"
+            data += chunk
+        return json.loads(data)
+    finally:
+        if own:
+            sock.close()
+
+
+def test_order_identical_and_reads_served_from_the_buffer(dataset, nginx, mounter: Mounter):
+    # The announced window (every file) is longer than the buffer holds: fetching is paced.
+    m = mount_small(dataset, nginx, mounter, "--lookahead-buffer", "256KiB")
+    ds = folder(m)
+    local = {p.relative_to(dataset.root / "train").as_posix(): p.read_bytes()
+             for p in (dataset.root / "train").rglob("*") if p.is_file()}
+    # A real epoch: DataLoader workers read what the wrapper announced.
+    sampler = Lookahead(RandomSampler(ds, generator=gen(8)))
+    expected = list(RandomSampler(ds, generator=gen(8)))
+    loader = DataLoader(ds, sampler=sampler, batch_size=8, num_workers=2,
+                        collate_fn=lambda batch: batch)
+    before = m.stats()
+    got = [(data, target) for batch in loader for data, target in batch]
+    assert [t for _, t in got] == [ds.targets[i] for i in expected]
+    root = str(m.mountpoint / "train") + "/"
+    for (data, _), i in zip(got, expected, strict=True):
+        assert data == local[ds.samples[i][0][len(root):]]
+
+    after = m.stats()
+    la, reader = after["lookahead"], after["reader"]
+    reads = reader["reads"] - before["reader"]["reads"]
+    hits = la["hits"] - before["lookahead"]["hits"]
+    assert reads >= len(ds)
+    assert hits >= 0.9 * reads, (hits, reads, la)
+    assert reader["member_fetches"] - before["reader"]["member_fetches"] <= 0.1 * len(ds)
+    served = reader["bytes_served"] - before["reader"]["bytes_served"]
+    fetched = after["bytes_fetched"] - before["bytes_fetched"]
+    assert fetched <= 1.15 * served, json.dumps([fetched, served, la])
+    assert la["peak_buffered_bytes"] <= la["buffer_bytes"] + 64 * 1024  # + urgent reads
+    assert after["reader"]["eio"] == 0
+
+    # The order alone, two epochs: the generator moves on in both alike.
+    sampler = Lookahead(RandomSampler(ds, generator=gen(7)))
+    stock = RandomSampler(ds, generator=gen(7))
+    assert len(sampler) == len(stock) == len(ds)
+    for _ in range(2):
+        assert list(sampler) == list(stock)
+
+
+def test_distributed_and_subset_orders_identical(dataset, nginx, mounter: Mounter):
+    m = mount_small(dataset, nginx, mounter)
+    ds = folder(m)
+    wrapped = [Lookahead(DistributedSampler(ds, num_replicas=2, rank=r, seed=3))
+               for r in range(2)]
+    stock = [DistributedSampler(ds, num_replicas=2, rank=r, seed=3) for r in range(2)]
+    for epoch in range(2):
+        for s in (*wrapped, *stock):
+            s.set_epoch(epoch)
+        # Both ranks announce at once (two streams), each reads its own files.
+        its = [iter(s) for s in wrapped]
+        orders: list[list[int]] = [[], []]
+        for _ in range(len(stock[0])):
+            for r in range(2):
+                i = next(its[r])
+                orders[r].append(i)
+                read_bytes(ds.samples[i][0])
+        for r in range(2):
+            assert next(its[r], None) is None
+            assert orders[r] == list(stock[r])
+            assert len(wrapped[r]) == len(stock[r])
+
+    indices = list(range(0, len(ds), 3))
+    sub = Lookahead(SubsetRandomSampler(indices, generator=gen(5)), ds)
+    assert list(sub) == list(SubsetRandomSampler(indices, generator=gen(5)))
+    with pytest.raises(TypeError, match="pass it"):
+        Lookahead(SubsetRandomSampler(indices))
+    stats = m.stats()["lookahead"]
+    assert stats["hits"] > 0 and stats["connections_total"] >= 3
+    assert m.stats()["reader"]["eio"] == 0
+
+
+def test_pickles_and_announces_lazily(dataset, nginx, mounter: Mounter):
+    import pickle
+
+    m = mount_small(dataset, nginx, mounter)
+    ds = folder(m)
+    sampler = Lookahead(RandomSampler(ds, generator=gen(1)))
+    assert m.stats()["lookahead"]["connections_total"] == 0  # nothing opened until iterated
+    first = list(sampler)
+    assert m.stats()["lookahead"]["connections"] == 1
+    clone = pickle.loads(pickle.dumps(sampler))  # the connection is not part of it
+    assert clone._links == {} and clone.sampler is not sampler.sampler
+    assert list(clone) == list(sampler)  # the same generator state: the same next order
+    assert sorted(first) == list(range(len(ds)))
+
+
+def test_wrong_announcement_costs_bytes_not_correctness(dataset, nginx, mounter: Mounter):
+    m = mount_small(dataset, nginx, mounter, "--lookahead-buffer", "128KiB")
+    ds = folder(m)
+    address = m.stats()["lookahead_socket"]
+    root = str(m.mountpoint) + "/"
+    paths = [p for p, _ in ds.samples]
+    announced = [p[len(root):] for p in paths if "/n00000000/" in p or "/n00000001/" in p]
+    assert announced
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(30)
+        sock.connect("\0" + address[1:])
+        reply = announce(address, {"paths": [*announced, "train/nope.jpg", "../etc/passwd"]},
+                         sock)
+        assert reply["accepted"] == len(announced) and reply["unknown"] == 2
+        # Read everything else: every byte correct, the announced files are simply unused.
+        for p in paths:
+            if p[len(root):] not in announced:
+                rel = Path(p).relative_to(m.mountpoint)
+                assert read_bytes(p) == (dataset.root / rel).read_bytes()
+        la = m.stats()["lookahead"]
+        assert la["hits"] == 0
+        # Fetching stopped at the buffer: the wrong announcement cost at most a buffer's bytes.
+        assert la["bytes_fetched"] <= la["buffer_bytes"]
+        assert la["peak_buffered_bytes"] <= la["buffer_bytes"]
+    # The connection closed: its announcements and their bytes are dropped.
+    for _ in range(100):
+        la = m.stats()["lookahead"]
+        if la["connections"] == 0:
+            break
+        import time
+
+        time.sleep(0.05)
+    assert la["connections"] == 0 and la["buffered_bytes"] == 0
+    assert m.stats()["reader"]["eio"] == 0
+
+
+def test_per_connection_cap(dataset, nginx, mounter: Mounter):
+    m = mount_small(dataset, nginx, mounter, "--lookahead-buffer", "64KiB")
+    ds = folder(m)
+    root = str(m.mountpoint) + "/"
+    rel = [p[len(root):] for p, _ in ds.samples]
+    cap = 65536  # LookaheadPolicy.max_pending
+    repeats = cap // len(rel) + 2
+    address = m.stats()["lookahead_socket"]
+    reply = announce(address, {"paths": rel * repeats})
+    assert reply["accepted"] == cap
+    assert reply["refused"] == len(rel) * repeats - cap
+    assert m.stats()["lookahead"]["refused"] == reply["refused"]
+    # A line longer than the daemon takes is refused, not buffered without end.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(30)
+        sock.connect("\0" + address[1:])
+        with pytest.raises((BrokenPipeError, ConnectionResetError)):
+            sock.sendall(b"x" * (16 << 20))
+            sock.sendall(b"\n")
+    assert m.stats()["lookahead"]["buffered_bytes"] <= 64 * 1024
+
+
+_AS_NOBODY = r"""
+import json, os, socket, sys
+os.setgid(65534); os.setuid(65534)
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(30)
+s.connect("\0" + sys.argv[1][1:])
+try:
+    s.sendall(json.dumps({"paths": [sys.argv[2]]}).encode() + b"\n")
+except OSError:  # refused: the daemon answered and closed before we sent
+    pass
+data = b""
+while not data.endswith(b"\n"):
+    chunk = s.recv(65536)
+    if not chunk:
+        break
+    data += chunk
+print(data.decode())
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another user")
+@pytest.mark.parametrize("allow_other", [False, True])
+def test_other_users_announce_only_with_allow_other(dataset, nginx, mounter: Mounter,
+                                                    allow_other: bool):
+    extra = ("--allow-other",) if allow_other else ()
+    m = mount_small(dataset, nginx, mounter, *extra)
+    ds = folder(m)
+    rel = os.path.relpath(ds.samples[0][0], m.mountpoint)
+    out = subprocess.run(["/usr/bin/python3", "-c", _AS_NOBODY, m.stats()["lookahead_socket"],
+                          rel], capture_output=True, text=True, timeout=60, check=True).stdout
+    reply = json.loads(out)
+    if allow_other:
+        assert reply["accepted"] == 1
+    else:
+        assert "permission denied" in reply["error"]
+        assert m.stats()["lookahead"]["announced"] == 0
+
+
+def test_not_on_a_mount_passes_through_with_a_warning(dataset):
+    ds = datasets.ImageFolder(str(dataset.root / "train"), loader=read_bytes)
+    with pytest.warns(UserWarning, match="not on a shardfs mount"):
+        sampler = Lookahead(RandomSampler(ds, generator=gen(2)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert list(sampler) == list(RandomSampler(ds, generator=gen(2)))
+
+
+def test_lookahead_off_passes_through(dataset, nginx, mounter: Mounter):
+    publish_with_index(dataset, nginx.root)
+    m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None, "--no-warm",
+                      "--cache-size", SMALL_CACHE, "--lookahead-buffer", "0")
+    stats = m.stats()
+    assert stats["lookahead"] is None and stats["lookahead_socket"] is None
+    ds = folder(m)
+    with pytest.warns(UserWarning, match="not on a shardfs mount with lookahead"):
+        sampler = Lookahead(RandomSampler(ds, generator=gen(4)))
+    assert not sampler.active
+    order = list(sampler)
+    assert order == list(RandomSampler(ds, generator=gen(4)))
+    for i in order[:10]:
+        read_bytes(ds.samples[i][0])
+    assert m.stats()["reader"]["member_fetches"] > 0  # today's policy, unchanged
