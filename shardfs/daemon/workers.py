@@ -203,7 +203,7 @@ class WorkerPool:
             await channel.aclose()
             await self._worker_gone(pid)
 
-    async def flush(self, timeout: float = 1.0) -> None:
+    async def flush(self, timeout: float = 5.0) -> None:
         """Have every worker send the notes of the reads it served so far (so that stats
         count them); gives up on a worker after `timeout`."""
         self._flush_seq += 1
