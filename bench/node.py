@@ -119,10 +119,19 @@ def _cpu_ticks(pids: list[int]) -> int:
 
 
 def _mount_pids(pid: int) -> list[int]:
-    """The daemon and its worker processes."""
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
+    """The daemon and every process below it (the worker zygote and its workers)."""
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True,
                          text=True).stdout
-    return [pid, *(int(p) for p in out.split())]
+    children: dict[int, list[int]] = {}
+    for line in out.splitlines():
+        child, parent = (int(x) for x in line.split())
+        children.setdefault(parent, []).append(child)
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo += children.get(p, [])
+    return found
 
 
 class Mount:
