@@ -121,10 +121,5 @@ def prepare_mountpoint(path: str, *, nonempty: bool = False) -> str:
 
 
 def is_mounted(path: str) -> bool:
-    """Whether `path` is a mountpoint in this process's mount namespace."""
-    target = os.path.abspath(path)
-    try:
-        with open("/proc/self/mounts") as f:
-            return any(line.split()[1] == target for line in f)
-    except OSError:
-        return False
+    """Whether something is mounted at `path` in this process's mount namespace."""
+    return mounted_fstype(path) is not None
