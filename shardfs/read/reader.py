@@ -429,22 +429,28 @@ class Reader:
         try:
             plain = decompressor(codec) if codec else None
 
-            def check_and_decode(chunk: bytes) -> bytes:
+            def append_from_thread(piece: bytes) -> None:
+                trio.from_thread.run_sync(self._append, fetch, piece)
+
+            def check_and_decode(chunk: bytes) -> None:  # in a worker thread
                 if digest is not None:
                     digest.update(chunk)
-                return plain.feed(chunk) if plain is not None else chunk
+                if plain is None:
+                    trio.from_thread.run_sync(self._append, fetch, chunk)
+                else:
+                    # Output in bounded pieces: a small input may inflate to gigabytes.
+                    plain.feed_into(chunk, append_from_thread)
 
             source = self.sources.for_url(info.url)
             async for chunk in source.stream(info, 0, info.size):
                 self.stats.shard_bytes += len(chunk)
                 if digest is None and plain is None:
-                    data = chunk
+                    self._append(fetch, chunk)
                 else:
                     # Hashing and decompressing cost milliseconds per MiB; hashlib, zlib,
                     # zstd and lz4 release the GIL, so a worker thread keeps them off the
-                    # loop that answers FUSE requests.
-                    data = await trio.to_thread.run_sync(check_and_decode, chunk)
-                self._append(fetch, data)
+                    # loop that answers FUSE requests. Writes happen on the loop.
+                    await trio.to_thread.run_sync(check_and_decode, chunk)
             if plain is not None:
                 self._append(fetch, plain.finish())
             if fetch.arrived != fetch.part.size:
