@@ -158,7 +158,8 @@ def test_nginx_latency_is_per_request_and_concurrent(tmp_path: Path) -> None:
             assert sorted(results) == sorted(data[i * 1000 : i * 1000 + 1000] for i in range(5))
             return time.monotonic() - t0
 
-        elapsed = with_http(fetch_all)
+        # A timeout well above the 1 s latency: on a loaded machine a 2 s one can fire.
+        elapsed = with_http(fetch_all, SourceSettings(timeout=10.0, deadline=20.0))
         assert 1.0 <= elapsed < 4.0  # five delayed requests overlap (one after another: 5 s)
         assert all(r.status == 206 for r in server.access_log()[1:])
 
