@@ -53,9 +53,10 @@ class ReadPolicy:
     working_set_reads: int | None = None
     member_block: int = 4 * MiB  # larger members are fetched in blocks of this size
     # A read whose bytes an in-progress whole-shard fetch will not deliver within about two
-    # member-read round trips (judged by the fetch's measured rate) reads its member instead,
-    # while the fetch goes on — as long as such duplicate bytes stay under this fraction of
-    # the bytes of whole-shard fetches started (bytes fetched / read stays near 1).
+    # member-read round trips (judged by the fetch's measured rate), or whose shard still
+    # waits for a fetch slot, reads its member instead — as long as such duplicate bytes stay
+    # under this fraction of the bytes of whole-shard fetches started (bytes fetched / read
+    # stays near 1); past it, reads wait for the fetch.
     early_member_fraction: float = 0.05
     member_cache: int = 64 * MiB  # RAM for recently fetched members/blocks
     prefetch: str = "touched"  # "touched": shards once read; "all": warm all if they fit
@@ -70,8 +71,10 @@ class ReaderStats:
     waits: int = 0  # reads that waited for a fetch's frontier
     member_fetches: int = 0
     member_bytes: int = 0
-    early_member_reads: int = 0  # member reads instead of waiting on a slow frontier
-    early_member_bytes: int = 0  # ...their bytes, which the whole-shard fetch brings again
+    # Member reads of shards a whole-shard fetch also brings (its frontier too slow, or its
+    # fetch still queued for a slot): duplicate bytes, bounded by early_member_fraction.
+    early_member_reads: int = 0
+    early_member_bytes: int = 0
     shard_fetches_started: int = 0
     shard_fetches_done: int = 0
     shard_bytes: int = 0
@@ -263,7 +266,10 @@ class Reader:
             data = await self.lookahead.take(shard, member_off, member_size, start, end)
             if data is not None:
                 return data
-        fetch = self.fetches.get(shard) or self._maybe_start(shard)
+        fetch = await self._fetch_for(shard, key, min(member_size, self.policy.member_block))
+        if fetch is None and (cached := self.cache.get(key)) is not None:
+            stats.cache_hits += 1  # its fetch completed while this read waited for it
+            return await self._local(cached.fd, size, start, want)  # type: ignore[arg-type]
         if fetch is not None and fetch.failed is None:
             if end <= fetch.arrived:
                 stats.frontier_hits += 1
@@ -273,6 +279,21 @@ class Reader:
                 if await self._wait(fetch, key, start, end, member_bytes):
                     return await self._local(fetch.part.fd, size, start, want)
         return await self._read_blocks(shard, member_off, member_size, start, end)
+
+    async def _fetch_for(self, shard: int, key: str, member_bytes: int) -> Fetch | None:
+        """The whole-shard fetch this read may wait on (started now if the policy says so),
+        or None: read the member. A shard queued for a fetch slot will be fetched whole, so a
+        member read of it now fetches bytes twice: that is allowed within the duplicate
+        allowance (`early_member_fraction`), else the read waits for the fetch to start."""
+        while True:
+            fetch = self.fetches.get(shard) or self._maybe_start(shard)
+            if fetch is not None or shard not in self._queue or self.cache.has(key):
+                return fetch
+            if self._early_allowed(member_bytes):
+                self._count_early(member_bytes)
+                return None
+            event = self._slot_waiters.setdefault(shard, trio.Event())
+            await event.wait()  # set when the shard's fetch starts or it leaves the queue
 
     def _patience(self, fetch: Fetch) -> float:
         """How long a read waits on a frontier before reading its member instead: about two
