@@ -295,10 +295,18 @@ def test_pax_fractional_mtime_is_floored() -> None:
 
 
 def test_pax_global_header_applies_to_following_members() -> None:
-    entries = [Entry("f", b"a", b"x"), Entry("f", b"b", b"y", mtime=5.5)]
+    entries = [Entry("f", b"a", b"x"), Entry("f", b"b", b"y", mtime=5.5), Entry("f", b"c", b"z")]
     archive = make_tar(tarfile.PAX_FORMAT, entries, pax_globals={"mtime": "1234", "comment": "c"})
     members = scan(archive).members
-    assert [(m.path, m.mtime) for m in members] == [(b"a", 1234), (b"b", 5)]  # 'x' wins
+    # 'x' wins over 'g' for b; c, after it, still gets the global value.
+    assert [(m.path, m.mtime) for m in members] == [(b"a", 1234), (b"b", 5), (b"c", 1234)]
+
+
+def test_directories_keep_mtime_and_mode() -> None:
+    archive = make_tar(tarfile.GNU_FORMAT, [Entry("d", b"top", mtime=1234, mode=0o750),
+                                            Entry("f", b"top/f", b"x", mtime=99, mode=0o640)])
+    assert [(m.path, m.kind, m.mtime, m.mode) for m in scan(archive).members] == [
+        (b"top", "d", 1234, 0o750), (b"top/f", "f", 99, 0o640)]
 
 
 def test_pax_size_overrides_header_size() -> None:
