@@ -47,7 +47,7 @@ def _sockaddr(address: str) -> str:
     return "\0" + address[1:] if address.startswith("@") else address
 
 
-def _peer_allowed(sock: socket.socket) -> bool:
+def peer_allowed(sock: socket.socket) -> bool:
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     _, uid, _ = struct.unpack("3i", creds)
     return uid in (0, os.getuid())
@@ -66,7 +66,7 @@ async def serve_control(address: str, handler: Handler, *,
 
             async def one(stream: trio.SocketStream) -> None:
                 async with stream:
-                    await _answer(stream, handler, _peer_allowed(stream.socket))
+                    await _answer(stream, handler, peer_allowed(stream.socket))
 
             while True:
                 stream = await listener.accept()

@@ -27,7 +27,7 @@ from typing import Any
 
 import trio
 
-from shardfs.daemon.control import _peer_allowed
+from shardfs.daemon.control import peer_allowed
 from shardfs.read.reader import Reader, ReadError
 from shardfs.util.rpc import Channel, ChannelClosed
 
@@ -165,7 +165,7 @@ class WorkerPool:
     async def _accept(self, sock: trio.socket.SocketType, nursery: trio.Nursery) -> None:
         while True:
             conn, _ = await sock.accept()
-            if not _peer_allowed(conn):  # type: ignore[arg-type]
+            if not peer_allowed(conn):  # type: ignore[arg-type]
                 conn.close()
                 continue
             nursery.start_soon(self._serve_worker, Channel(trio.SocketStream(conn)))
