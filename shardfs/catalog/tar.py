@@ -541,9 +541,7 @@ class TarScanner:
         elif typeflag == 0x53:  # 'S': old GNU sparse
             self._old_sparse_member(block, name, data, size, mtime, mode, offset, out)
         elif typeflag in _REGULAR and not name.endswith(b"/"):
-            path = normalize_path(name)
-            if path is None:
-                path = self._stripped(name)
+            path = self._member_path(name)
             if path is not None:
                 self._files[path] = (data, size, None)
                 out.append(Member(path, "f", data, size, mtime, mode))
@@ -714,11 +712,9 @@ class TarScanner:
                        runs: list[tuple[int, int]] | None, mtime: int, mode: int,
                        out: list[Member]) -> None:
         """Emit a sparse member whose data runs are stored from `data` on."""
-        path = normalize_path(name)
+        path = self._member_path(name)
         if path is None:
-            path = self._stripped(name)
-            if path is None:
-                return
+            return
         smap = make_map(runs, real) if runs is not None and 0 <= real <= _MAX_SIZE else None
         if smap is None or stored_size(smap) > stored:
             self.skipped["bad-sparse-map"] += 1
@@ -729,9 +725,12 @@ class TarScanner:
         self._files[path] = (data, real, sparse)
         out.append(Member(path, "f", data, real, mtime, mode, b"", sparse))
 
-    def _stripped(self, name: bytes) -> bytes | None:
-        """The path of an unsafe name with its leading '/' removed (as GNU tar does), or
-        None after counting it as unsafe."""
+    def _member_path(self, name: bytes) -> bytes | None:
+        """The member's path: its name normalised, or for an absolute name the name with
+        its leading '/' removed (as GNU tar does); None after counting it as unsafe."""
+        path = normalize_path(name)
+        if path is not None:
+            return path
         path = normalize_path(name.lstrip(b"/")) if name.startswith(b"/") else None
         if path is None:
             self.skipped["unsafe-name"] += 1
@@ -742,26 +741,22 @@ class TarScanner:
     # -- member kinds ---------------------------------------------------------------------
 
     def _directory(self, name: bytes, data: int, mtime: int, mode: int, out: list[Member]) -> None:
-        path = normalize_path(name)
-        if path is None:
+        if not name.strip(b"./"):
             # "./" is the archive root itself (GNU tar writes it), not an attack.
-            if not name.strip(b"./"):
-                self.skipped["root-dir"] += 1
-                return
-            path = self._stripped(name)
-            if path is None:
-                return
+            self.skipped["root-dir"] += 1
+            return
+        path = self._member_path(name)
+        if path is None:
+            return
         self._files.pop(path, None)
         out.append(Member(path, "d", data, 0, mtime, mode))
 
     def _symlink(
         self, name: bytes, target: bytes, data: int, mtime: int, mode: int, out: list[Member]
     ) -> None:
-        path = normalize_path(name)
+        path = self._member_path(name)
         if path is None:
-            path = self._stripped(name)
-            if path is None:
-                return
+            return
         if not _symlink_inside(path, target):
             self.skipped["symlink-escapes"] += 1
             return
@@ -771,11 +766,9 @@ class TarScanner:
     def _hardlink(
         self, name: bytes, target: bytes, mtime: int, mode: int, out: list[Member]
     ) -> None:
-        path = normalize_path(name)
+        path = self._member_path(name)
         if path is None:
-            path = self._stripped(name)
-            if path is None:
-                return
+            return
         target_path = normalize_path(target.lstrip(b"/"))  # GNU tar strips the '/' here too
         found = self._files.get(target_path) if target_path is not None else None
         if found is None:
