@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from shardfs.daemon.metrics import _METRICS
 from shardfs.devtools.nginx import free_port
 from tests.conftest import SHARDFS, Dataset, Mount, Mounter, brace, stop_foreground
 from tests.faultproxy import FaultProxy
@@ -346,10 +347,19 @@ def test_prometheus_metrics(dataset: Dataset, mounter: Mounter):
     assert files <= metrics["shardfs_reads_total"] == m.stats()["reader"]["reads"]
     assert 0 < metrics["shardfs_cache_hits_total"] < metrics["shardfs_reads_total"]
     assert metrics["shardfs_source_requests_total"] >= shards
+    stats = m.stats()
+    assert metrics["shardfs_workers"] == stats["worker_count"]
+    assert metrics["shardfs_worker_restarts_total"] == 0
+    assert metrics["shardfs_opens_total"] == stats["opens"]
+    assert metrics["shardfs_disk_reads_inline_total"] \
+        + metrics["shardfs_disk_reads_threaded_total"] > 0
+    assert metrics["shardfs_source_throttled_total"] == 0
+    # Documented is exactly what the daemon serves: no metric without docs, nor the reverse.
     documented = set(re.findall(r"`(shardfs_\w+)`", (REPO / "systemd" / "README.md").read_text()))
-    assert documented == set(exact) | {"shardfs_uptime_seconds", "shardfs_reads_total",
-                                       "shardfs_cache_hits_total",
-                                       "shardfs_source_requests_total"}
+    served = {name + ("_total" if kind == "counter" else "") for name, _, kind, _ in _METRICS}
+    assert documented == served, (documented ^ served)
+    assert set(exact) | {"shardfs_uptime_seconds", "shardfs_reads_total",
+                         "shardfs_cache_hits_total", "shardfs_source_requests_total"} <= served
     assert documented <= set(metrics), documented - set(metrics)
 
 
