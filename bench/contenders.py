@@ -434,14 +434,15 @@ class ShardfsSampler(Shardfs):
            "seed=0)` instead of shuffle=True (its file-to-shard map cached in the run's scratch "
            "dir: built from xattrs in the first epoch's set-up, reused after)")
     sampler = "shard-aware"
+    needs = "ShardAwareSampler"  # what shardfs.torch must provide for this contender
 
     def unavailable(self) -> str | None:
         try:
             mod = importlib.import_module("shardfs.torch")
         except ImportError as exc:
             return f"not available yet: cannot import shardfs.torch ({exc})"
-        if not hasattr(mod, "ShardAwareSampler"):
-            return "not available yet: shardfs.torch has no ShardAwareSampler"
+        if not hasattr(mod, self.needs):
+            return f"not available yet: shardfs.torch has no {self.needs}"
         return None
 
     def not_applicable(self, scenario: str, ctx: Ctx) -> str | None:
@@ -457,15 +458,7 @@ class ShardfsLookahead(ShardfsSampler):
            "generator=g))` instead of shuffle=True: the stock order (same generator), announced "
            "to the daemon 2048 samples ahead")
     sampler = "lookahead"
-
-    def unavailable(self) -> str | None:
-        try:
-            mod = importlib.import_module("shardfs.torch")
-        except ImportError as exc:
-            return f"not available yet: cannot import shardfs.torch ({exc})"
-        if not hasattr(mod, "Lookahead"):
-            return "not available yet: shardfs.torch has no Lookahead"
-        return None
+    needs = "Lookahead"
 
 
 def all_contenders() -> list[Contender]:
