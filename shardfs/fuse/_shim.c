@@ -14,6 +14,10 @@
  * 3. shardfs_shim_process_one: receives and processes one request synchronously (used to
  *    answer INIT before worker processes are forked). Call it holding the GIL (ctypes.PyDLL):
  *    pyfuse3's callbacks expect it.
+ * 4. Metadata in C (meta.c's job, included below): when shardfs_shim_serve_metadata() was given
+ *    the tree's arrays before the session is created, LOOKUP, GETATTR, OPENDIR, READDIR,
+ *    READDIRPLUS, RELEASEDIR and FORGET are answered here from those (immutable) arrays,
+ *    without entering Python; everything else still goes to pyfuse3.
  *
  * No libfuse3 link at build time: the real functions are looked up in the already loaded
  * libfuse3 (pyfuse3 loaded it) on first use.
@@ -34,6 +38,9 @@ typedef void (*process_buf_fn)(struct fuse_session *, const struct fuse_buf *);
 typedef void (*read_fn)(fuse_req_t, fuse_ino_t, size_t, off_t, struct fuse_file_info *);
 
 static read_fn real_read;
+static void *real(const char *name);
+#include "_shim_meta.c"
+
 static void *patched_ops;          /* our copy of the caller's ops, READ replaced */
 static struct fuse_session *last_session;
 static int sessions_patched;
@@ -72,6 +79,7 @@ struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_
     memcpy(copy, op, op_size);
     real_read = op->read;
     ((struct fuse_lowlevel_ops *)copy)->read = read_with_inode;
+    meta_install(copy, op_size);
     struct fuse_session *se = next(args, copy, op_size, userdata);
     if (se != NULL) {
         free(patched_ops);   /* libfuse copied the ops into the session */

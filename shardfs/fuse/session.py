@@ -7,15 +7,18 @@ import logging
 import pyfuse3  # after the shim: shardfs.fuse's __init__ loads it first
 
 from shardfs.fuse import shim
+from shardfs.fuse.ops import TIMEOUT, ShardFS
 
 log = logging.getLogger(__name__)
 
 
-def mount(ops: pyfuse3.Operations, mountpoint: str, options: set[str]) -> bool:
+def mount(ops: ShardFS, mountpoint: str, options: set[str]) -> bool:
     """Mount; True when reads need no OPEN (the shim is in effect, see docs/pyfuse3.md)."""
+    shim.serve_metadata(ops.tree, uid=ops.uid, gid=ops.gid, timeout=TIMEOUT)
     pyfuse3.init(ops, mountpoint, options)
     if shim.active():
-        log.info("serving reads without OPEN requests (pyfuse3 shim in effect)")
+        log.info("serving reads without OPEN requests, metadata %s (pyfuse3 shim in effect)",
+                 "in C" if shim.metadata_in_c() else "in Python")
         return True
     log.info("pyfuse3 shim not in effect (%s): files are opened as usual",
              shim.load_error or "not used by pyfuse3")

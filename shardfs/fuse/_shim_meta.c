@@ -1,0 +1,321 @@
+/*
+ * Metadata answered in C from the tree's arrays (part of _shim.c; see docs/pyfuse3.md).
+ *
+ * The tree (shardfs/catalog/tree.py) is immutable for the life of the mount and lives in flat
+ * arrays, so LOOKUP, GETATTR, OPENDIR, READDIR(PLUS), RELEASEDIR and FORGET need nothing from
+ * Python: answering them here saves the ~20-90 us a pyfuse3 round trip costs per request
+ * (a LOOKUP per file after drop_caches; an entry per file in a listing). The answers must be
+ * exactly those of shardfs/fuse/ops.py (the path without the shim); a test compares both.
+ * Worker processes are forked after the session exists and inherit these pointers.
+ */
+#include <stdint.h>
+#include <sys/stat.h>
+
+/* Mirrors shim.py's MetaTree (ctypes.Structure): keep both in step. */
+struct meta_tree {
+    const char *names;          /* all names, concatenated */
+    const uint64_t *name_end;   /* entry i's name ends here in `names` */
+    const uint8_t *kind;        /* 'f', 'd' or 'l' */
+    const uint64_t *size;
+    const int64_t *mtime;
+    const uint16_t *mode;
+    const uint32_t *children;   /* entry positions, per directory, sorted by name */
+    const uint32_t *child_start;
+    const uint32_t *child_count;
+    uint64_t entries;
+    const uint32_t *link_entry; /* symlinks' entry positions, ascending */
+    const uint64_t *link_size;  /* their target lengths (st_size) */
+    uint64_t links;
+    uint32_t uid, gid;
+    double timeout;             /* entry and attribute timeout, seconds */
+    int readdirplus;            /* 0: never (plain READDIR), 1: adaptive, 2: always */
+};
+
+#define KIND_FILE 'f'
+#define KIND_DIR 'd'
+#define KIND_LINK 'l'
+
+typedef void (*init_fn_t)(void *, struct fuse_conn_info *);
+typedef void (*lookup_fn_t)(fuse_req_t, fuse_ino_t, const char *);
+
+static struct meta_tree meta;
+static int meta_ready, meta_installed;
+static init_fn_t real_meta_init;
+static lookup_fn_t real_lookup;
+
+/* libfuse3's reply functions, looked up when the session is created (no link-time libfuse3:
+ * see _shim.c); the names shadow the declarations of fuse_lowlevel.h on purpose. */
+static int (*reply_err)(fuse_req_t, int);
+static int (*reply_entry)(fuse_req_t, const struct fuse_entry_param *);
+static int (*reply_attr)(fuse_req_t, const struct stat *, double);
+static int (*reply_open)(fuse_req_t, const struct fuse_file_info *);
+static int (*reply_buf)(fuse_req_t, const char *, size_t);
+static void (*reply_none)(fuse_req_t);
+static size_t (*add_direntry)(fuse_req_t, char *, size_t, const char *, const struct stat *,
+                              off_t);
+static size_t (*add_direntry_plus)(fuse_req_t, char *, size_t, const char *,
+                                   const struct fuse_entry_param *, off_t);
+
+/* Called from Python before the session is created (shim.serve_metadata). */
+int shardfs_shim_serve_metadata(const struct meta_tree *tree, size_t size)
+{
+    if (tree == NULL || size != sizeof(struct meta_tree))
+        return -EINVAL;
+    meta = *tree;
+    meta_ready = 1;
+    return 0;
+}
+
+/* 1 once the session answers metadata here (Python: shim.metadata_in_c()). */
+int shardfs_shim_metadata_installed(void)
+{
+    return meta_installed;
+}
+
+static int meta_valid(fuse_ino_t ino)
+{
+    return ino >= 1 && ino <= meta.entries;
+}
+
+static uint64_t meta_link_size(uint64_t i)
+{
+    uint64_t lo = 0, hi = meta.links;
+    while (lo < hi) {
+        uint64_t mid = lo + (hi - lo) / 2;
+        if (meta.link_entry[mid] < i)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < meta.links && meta.link_entry[lo] == i ? meta.link_size[lo] : 0;
+}
+
+/* The same attributes as ShardFS._attr. */
+static void meta_stat(uint64_t i, struct stat *st)
+{
+    memset(st, 0, sizeof(*st));
+    st->st_ino = i + 1;
+    switch (meta.kind[i]) {
+    case KIND_FILE:
+        st->st_mode = S_IFREG | 0444 | (meta.mode[i] & 0111);
+        st->st_size = (off_t)meta.size[i];
+        st->st_blocks = (blkcnt_t)((meta.size[i] + 511) >> 9);
+        break;
+    case KIND_DIR:
+        st->st_mode = S_IFDIR | 0555;
+        break;
+    default:
+        st->st_mode = S_IFLNK | 0777;
+        st->st_size = (off_t)meta_link_size(i);
+    }
+    st->st_nlink = 1;
+    st->st_uid = meta.uid;
+    st->st_gid = meta.gid;
+    st->st_blksize = 1 << 17;
+    st->st_mtim.tv_sec = st->st_ctim.tv_sec = st->st_atim.tv_sec = (time_t)meta.mtime[i];
+}
+
+static void meta_entry(uint64_t i, struct fuse_entry_param *e)
+{
+    memset(e, 0, sizeof(*e));
+    e->ino = i + 1;
+    e->attr_timeout = meta.timeout;
+    e->entry_timeout = meta.timeout;
+    meta_stat(i, &e->attr);
+}
+
+static const char *meta_name(uint64_t i, size_t *len)
+{
+    uint64_t start = i ? meta.name_end[i - 1] : 0;
+    *len = (size_t)(meta.name_end[i] - start);
+    return meta.names + start;
+}
+
+static void meta_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
+{
+    if (!meta_valid(parent)) {
+        reply_err(req, ENOENT);
+        return;
+    }
+    if (name[0] == '.' && (name[1] == 0 || (name[1] == '.' && name[2] == 0))) {
+        real_lookup(req, parent, name);   /* rare (NFS export): Python answers */
+        return;
+    }
+    struct fuse_entry_param e;
+    uint64_t p = parent - 1;
+    if (meta.kind[p] == KIND_DIR) {
+        size_t want = strlen(name);
+        uint64_t lo = meta.child_start[p], hi = lo + meta.child_count[p];
+        while (lo < hi) {
+            uint64_t mid = lo + (hi - lo) / 2;
+            uint32_t c = meta.children[mid];
+            size_t len;
+            const char *have = meta_name(c, &len);
+            int cmp = memcmp(have, name, len < want ? len : want);
+            if (cmp == 0)
+                cmp = len < want ? -1 : len > want ? 1 : 0;
+            if (cmp < 0) {
+                lo = mid + 1;
+            } else if (cmp > 0) {
+                hi = mid;
+            } else {
+                meta_entry(c, &e);
+                reply_entry(req, &e);
+                return;
+            }
+        }
+    }
+    memset(&e, 0, sizeof(e));   /* ino 0: the kernel caches the negative entry */
+    e.entry_timeout = meta.timeout;
+    reply_entry(req, &e);
+}
+
+static void meta_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    (void)fi;
+    if (!meta_valid(ino)) {
+        reply_err(req, ENOENT);
+        return;
+    }
+    struct stat st;
+    meta_stat(ino - 1, &st);
+    reply_attr(req, &st, meta.timeout);
+}
+
+static void meta_opendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    if (!meta_valid(ino)) {
+        reply_err(req, ENOENT);
+        return;
+    }
+    if (meta.kind[ino - 1] != KIND_DIR) {
+        reply_err(req, ENOTDIR);
+        return;
+    }
+    fi->fh = ino;
+    /* Listings never change: the kernel may keep them in its page cache across opens. */
+    fi->cache_readdir = 1;
+    fi->keep_cache = 1;
+    reply_open(req, fi);
+}
+
+static void meta_list(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, int plus)
+{
+    if (!meta_valid(ino) || meta.kind[ino - 1] != KIND_DIR) {
+        reply_err(req, ENOTDIR);
+        return;
+    }
+    static char *name;   /* NUL-terminated copy of one name, grown as needed */
+    static size_t name_cap;
+    char *buf = malloc(size ? size : 1);
+    if (buf == NULL) {
+        reply_err(req, ENOMEM);
+        return;
+    }
+    uint64_t p = ino - 1, first = meta.child_start[p], count = meta.child_count[p];
+    size_t used = 0;
+    for (uint64_t pos = off < 0 ? 0 : (uint64_t)off; pos < count; pos++) {
+        uint32_t c = meta.children[first + pos];
+        size_t len;
+        const char *raw = meta_name(c, &len);
+        if (len + 1 > name_cap) {
+            char *grown = realloc(name, len + 1);
+            if (grown == NULL)
+                break;
+            name = grown;
+            name_cap = len + 1;
+        }
+        memcpy(name, raw, len);
+        name[len] = 0;
+        size_t n;
+        if (plus) {
+            struct fuse_entry_param e;
+            meta_entry(c, &e);
+            n = add_direntry_plus(req, buf + used, size - used, name, &e, (off_t)pos + 1);
+        } else {
+            struct stat st;
+            meta_stat(c, &st);
+            n = add_direntry(req, buf + used, size - used, name, &st, (off_t)pos + 1);
+        }
+        if (n > size - used)
+            break;
+        used += n;
+    }
+    reply_buf(req, buf, used);
+    free(buf);
+}
+
+static void meta_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
+                         struct fuse_file_info *fi)
+{
+    (void)fi;
+    meta_list(req, ino, size, off, 0);
+}
+
+static void meta_readdirplus(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
+                             struct fuse_file_info *fi)
+{
+    (void)fi;
+    meta_list(req, ino, size, off, 1);
+}
+
+static void meta_releasedir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    (void)ino;
+    (void)fi;
+    reply_err(req, 0);
+}
+
+/* Inodes are entry positions and live as long as the mount: lookup counts need no keeping. */
+static void meta_forget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup)
+{
+    (void)ino;
+    (void)nlookup;
+    reply_none(req);
+}
+
+static void meta_forget_multi(fuse_req_t req, size_t count, struct fuse_forget_data *forgets)
+{
+    (void)count;
+    (void)forgets;
+    reply_none(req);
+}
+
+static void meta_init(void *userdata, struct fuse_conn_info *conn)
+{
+    real_meta_init(userdata, conn);   /* pyfuse3's: READDIRPLUS on, adaptive off */
+    if (meta.readdirplus == 0)
+        conn->want &= ~FUSE_CAP_READDIRPLUS;
+    else if (meta.readdirplus == 1 && (conn->capable & FUSE_CAP_READDIRPLUS_AUTO))
+        conn->want |= FUSE_CAP_READDIRPLUS_AUTO;
+}
+
+static void meta_install(struct fuse_lowlevel_ops *ops, size_t op_size)
+{
+    size_t end = offsetof(struct fuse_lowlevel_ops, readdirplus) + sizeof(ops->readdirplus);
+    if (!meta_ready || op_size < end || ops->init == NULL || ops->lookup == NULL)
+        return;
+    reply_err = real("fuse_reply_err");
+    reply_entry = real("fuse_reply_entry");
+    reply_attr = real("fuse_reply_attr");
+    reply_open = real("fuse_reply_open");
+    reply_buf = real("fuse_reply_buf");
+    reply_none = real("fuse_reply_none");
+    add_direntry = real("fuse_add_direntry");
+    add_direntry_plus = real("fuse_add_direntry_plus");
+    if (!reply_err || !reply_entry || !reply_attr || !reply_open || !reply_buf || !reply_none
+        || !add_direntry || !add_direntry_plus)
+        return;
+    real_meta_init = ops->init;
+    real_lookup = ops->lookup;
+    ops->init = meta_init;
+    ops->lookup = meta_lookup;
+    ops->getattr = meta_getattr;
+    ops->opendir = meta_opendir;
+    ops->readdir = meta_readdir;
+    ops->readdirplus = meta_readdirplus;
+    ops->releasedir = meta_releasedir;
+    ops->forget = meta_forget;
+    ops->forget_multi = meta_forget_multi;
+    meta_installed = 1;
+}
