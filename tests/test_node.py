@@ -114,6 +114,32 @@ def test_cache_file_reads_that_would_block_go_to_threads(nodedata, mounter: Moun
     assert after["threaded"] > before["threaded"], (before, after)
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_complete_shards_are_read_in_c_and_counted(nodedata, mounter: Mounter, workers: str):
+    m = mounter.mount(file_sources(nodedata), None, None, "--no-warm", "--workers", workers,
+                      "--prefetch", "all")
+    assert_all_right(nodedata, m.mountpoint)
+    wait_until(lambda: m.stats()["shards_cached"] == len(nodedata.names), "every shard cached")
+    # The cache files in the page cache, the mount's files not: every read reaches a serving
+    # process again, which answers it in C (fuse/fastread.py) once it holds the file open.
+    assert_all_right(nodedata, m.mountpoint)  # Python reads of complete shards open them
+    for shard in (m.cache_dir / "shards").iterdir():
+        shard.read_bytes()
+    for rel in nodedata.sha:
+        drop_pages(m.mountpoint / rel)
+    before = m.stats()
+    assert_all_right(nodedata, m.mountpoint)
+    after = m.stats()
+    reads = after["reader"]["reads"] - before["reader"]["reads"]
+    in_c = after["disk_reads"]["in_c"] - before["disk_reads"]["in_c"]
+    nonempty = sum(1 for rel in nodedata.sha if (nodedata.root / rel).stat().st_size)
+    assert reads >= nonempty  # every read counted, wherever it was answered
+    assert in_c >= 0.9 * reads, (before, after)  # and nearly all of them in C
+    assert after["bytes_served"] - before["bytes_served"] == nodedata.nbytes
+    assert after["reader"]["cache_hits"] - before["reader"]["cache_hits"] == reads
+    assert after["disk_reads"]["threaded"] == before["disk_reads"]["threaded"]
+
+
 def test_reads_do_not_wait_for_a_stalled_whole_shard_fetch(nodedata, nginx: Nginx,
                                                           mounter: Mounter):
     """Whole-shard GETs stall after 32 KiB; reads of members further in are served by member

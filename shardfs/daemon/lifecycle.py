@@ -25,6 +25,7 @@ from shardfs.daemon.notify import sd_notify
 from shardfs.daemon.workers import WorkerPool, Zygote, worker_address
 from shardfs.fuse import session as fuse_session
 from shardfs.fuse import shim
+from shardfs.fuse.fastread import COLLECT_INTERVAL, FastReads
 from shardfs.fuse.ops import ShardFS
 from shardfs.fuse.worker import WorkerSetup, run_worker
 from shardfs.read.cache import ShardCache
@@ -113,7 +114,27 @@ class Mounted:
     ops: ShardFS | None = None  # when the daemon answers FUSE requests itself
     lookahead: Lookahead | None = None  # announced reads (shardfs.torch.Lookahead)
 
+    def collect_fast_reads(self) -> None:
+        """Count the reads the shim answered in C in this process (complete shards, page
+        cache) as the reader's own: stats, working set, LRU order."""
+        fast = self.ops.fast if self.ops is not None else None
+        if fast is None:
+            return
+        shards, nbytes = fast.collect()
+        if shards:
+            self.reader.note_reads(shards, nbytes, len(shards), 0)
+            self.reader.disk.in_c += len(shards)
+
+    async def keep_fast_reads(self) -> None:
+        """Collect C reads and close descriptors of evicted shards; runs until cancelled."""
+        assert self.ops is not None and self.ops.fast is not None
+        while True:
+            await trio.sleep(COLLECT_INTERVAL)
+            self.ops.fast.close_stale()
+            self.collect_fast_reads()
+
     def snapshot(self) -> dict[str, Any]:
+        self.collect_fast_reads()
         rs, catalog, cache = self.reader.stats, self.catalog, self.cache
         fetched = rs.shard_bytes + rs.member_bytes + catalog.indexed_bytes
         if self.lookahead is not None:
@@ -151,8 +172,9 @@ class Mounted:
             "hit_ratio": round((rs.cache_hits + rs.frontier_hits) / rs.reads, 4)
             if rs.reads else None,
             "reader": asdict(rs),
-            # cache file reads: from the page cache on the loop, or in a thread (disk)
-            "disk_reads": {"inline": self.reader.disk.inline,
+            # cache file reads: from the page cache in C (the shim) or on the loop, or in a
+            # thread (disk)
+            "disk_reads": {"in_c": self.reader.disk.in_c, "inline": self.reader.disk.inline,
                            "threaded": self.reader.disk.threaded},
             "source": asdict(self.sources.stats()),
             "lookahead_socket": self.cfg.lookahead_socket if self.lookahead else None,
@@ -298,6 +320,7 @@ async def _serve(cfg: MountConfig, cache: ShardCache, catalog: Catalog, ops: Sha
         if zygote is None:
             ops.reader = reader
             ops.stats_json = mounted.snapshot_json
+            ops.fast = FastReads(states, cache.shards_dir, catalog.keys)
             mounted.ops = ops
         await _serve_mounted(mounted, zygote, on_ready)
     finally:
@@ -346,6 +369,8 @@ async def _serve_mounted(mounted: Mounted, zygote: Zygote | None,
                     nursery.cancel_scope.cancel()
 
                 nursery.start_soon(fuse_main)
+                if mounted.ops is not None and mounted.ops.fast is not None:
+                    nursery.start_soon(mounted.keep_fast_reads)
             else:
                 pool = WorkerPool(zygote, cfg.workers, mounted.reader,
                                   worker_address(cfg.control_socket), mounted.snapshot_json,

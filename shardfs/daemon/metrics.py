@@ -30,6 +30,8 @@ _METRICS = (
     ("shardfs_workers", ("worker_count",), "gauge", "FUSE worker processes serving"),
     ("shardfs_worker_restarts", ("worker_restarts",), "counter", "Workers replaced"),
     ("shardfs_opens", ("opens",), "counter", "OPEN requests (one, with the shim)"),
+    ("shardfs_disk_reads_in_c", ("disk_reads", "in_c"), "counter",
+     "Cache-file reads answered in C by the shim, from the page cache"),
     ("shardfs_disk_reads_inline", ("disk_reads", "inline"), "counter",
      "Cache-file reads served from the page cache without a thread"),
     ("shardfs_disk_reads_threaded", ("disk_reads", "threaded"), "counter",

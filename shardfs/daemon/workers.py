@@ -216,11 +216,12 @@ class WorkerPool:
                 await event.wait()
 
     def _note_reads(self, shards: list[int], nbytes: int, cache_hits: int, frontier_hits: int,
-                    inline: int, threaded: int, opens: int) -> None:
+                    inline: int, threaded: int, in_c: int, opens: int) -> None:
         self.reader.note_reads(shards, nbytes, cache_hits, frontier_hits)
         self.opens += opens
         self.reader.disk.inline += inline
         self.reader.disk.threaded += threaded
+        self.reader.disk.in_c += in_c
 
     async def _answer(self, channel: Channel, rid: int, request: tuple) -> None:
         answer: tuple

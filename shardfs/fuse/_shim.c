@@ -17,7 +17,8 @@
  * 4. Metadata in C (meta.c's job, included below): when shardfs_shim_serve_metadata() was given
  *    the tree's arrays before the session is created, LOOKUP, GETATTR, OPENDIR, READDIR,
  *    READDIRPLUS, RELEASEDIR and FORGET are answered here from those (immutable) arrays,
- *    without entering Python; everything else still goes to pyfuse3.
+ *    without entering Python, and so are READs of complete cached shards whose bytes are in
+ *    the page cache (shardfs_shim_serve_reads); everything else still goes to pyfuse3.
  *
  * No libfuse3 link at build time: the real functions are looked up in the already loaded
  * libfuse3 (pyfuse3 loaded it) on first use.
@@ -39,6 +40,7 @@ typedef void (*read_fn)(fuse_req_t, fuse_ino_t, size_t, off_t, struct fuse_file_
 
 static read_fn real_read;
 static void *real(const char *name);
+static int fast_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off);
 #include "_shim_meta.c"
 
 static void *patched_ops;          /* our copy of the caller's ops, READ replaced */
@@ -61,6 +63,8 @@ static void read_with_inode(fuse_req_t req, fuse_ino_t ino, size_t size, off_t o
 {
     if (fi != NULL && fi->fh == 0)
         fi->fh = ino;
+    if (fast_read(req, ino, size, off))
+        return;
     real_read(req, ino, size, off, fi);
 }
 
@@ -95,11 +99,24 @@ struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_
 int fuse_session_receive_buf(struct fuse_session *se, struct fuse_buf *buf)
 {
     static receive_buf_fn next;
-    if (next == NULL)
+    static process_buf_fn process;
+    typedef int (*fd_fn)(struct fuse_session *);
+    static fd_fn session_fd;
+    if (next == NULL) {
         next = (receive_buf_fn)real("fuse_session_receive_buf");
+        process = (process_buf_fn)real("fuse_session_process_buf");
+        session_fd = (fd_fn)real("fuse_session_fd");
+    }
     if (next == NULL)
         return -ENOSYS;
     int res = next(se, buf);
+    /* Answer what C can answer without going back to pyfuse3's loop (_shim_meta.c). */
+    while (res > 0 && process != NULL && session_fd != NULL
+           && drain_in_c(se, buf, res, process)) {
+        if (!readable_now(session_fd(se)))
+            return -EINTR;   /* pyfuse3: nothing to do, wait again */
+        res = next(se, buf);
+    }
     return res == -EAGAIN ? -EINTR : res;
 }
 

@@ -26,6 +26,10 @@ struct meta_tree {
     const uint32_t *link_entry; /* symlinks' entry positions, ascending */
     const uint64_t *link_size;  /* their target lengths (st_size) */
     uint64_t links;
+    const uint32_t *shard;      /* a file's shard, and where its bytes start in it */
+    const uint64_t *offset;
+    const uint32_t *sparse_entry; /* sparse files' entry positions, ascending (Python reads) */
+    uint64_t sparse;
     uint32_t uid, gid;
     double timeout;             /* entry and attribute timeout, seconds */
     int readdirplus;            /* 0: never (plain READDIR), 1: adaptive, 2: always */
@@ -77,17 +81,24 @@ static int meta_valid(fuse_ino_t ino)
     return ino >= 1 && ino <= meta.entries;
 }
 
-static uint64_t meta_link_size(uint64_t i)
+/* Position of `i` in an ascending array of n entry positions, or n if absent. */
+static uint64_t meta_find(const uint32_t *sorted, uint64_t n, uint64_t i)
 {
-    uint64_t lo = 0, hi = meta.links;
+    uint64_t lo = 0, hi = n;
     while (lo < hi) {
         uint64_t mid = lo + (hi - lo) / 2;
-        if (meta.link_entry[mid] < i)
+        if (sorted[mid] < i)
             lo = mid + 1;
         else
             hi = mid;
     }
-    return lo < meta.links && meta.link_entry[lo] == i ? meta.link_size[lo] : 0;
+    return lo < n && sorted[lo] == i ? lo : n;
+}
+
+static uint64_t meta_link_size(uint64_t i)
+{
+    uint64_t at = meta_find(meta.link_entry, meta.links, i);
+    return at < meta.links ? meta.link_size[at] : 0;
 }
 
 /* The same attributes as ShardFS._attr. */
@@ -318,4 +329,172 @@ static void meta_install(struct fuse_lowlevel_ops *ops, size_t op_size)
     ops->forget = meta_forget;
     ops->forget_multi = meta_forget_multi;
     meta_installed = 1;
+}
+
+/*
+ * Reads of complete cached shards, answered in C (shardfs/fuse/fastread.py sets them up in
+ * each process that serves requests). A READ is answered here when the shared shard states
+ * say the shard is complete on disk (avail == -2), this process holds a descriptor of its
+ * cache file, and the bytes are in the page cache (preadv2 RWF_NOWAIT). Anything else (a
+ * fetch in progress, a sparse file, bytes on disk but not in memory) goes to Python's read,
+ * which applies the policy. Reads answered here are counted per shard; Python collects the
+ * counts for the LRU order, the working set and the stats.
+ */
+#include <sys/uio.h>
+
+#define SHARD_COMPLETE (-2)
+
+static const int64_t *fast_avail;   /* ShardStates.avail: shared by every process */
+static int32_t *fast_fds;           /* this process's descriptor per shard, or -1 */
+static uint32_t *fast_counts;       /* reads answered here per shard since collected */
+static uint64_t *fast_bytes;        /* bytes answered here since collected */
+static uint64_t fast_shards;
+
+int shardfs_shim_serve_reads(const int64_t *avail, int32_t *fds, uint32_t *counts,
+                             uint64_t *bytes, uint64_t shards)
+{
+    if (!meta_installed)
+        return -ENOSYS;
+    fast_avail = avail;
+    fast_fds = fds;
+    fast_counts = counts;
+    fast_bytes = bytes;
+    fast_shards = shards;
+    return 0;
+}
+
+/* A read whose bytes were read before libfuse dispatched it (see drain_in_c). */
+static struct {
+    int ready;
+    fuse_ino_t ino;
+    off_t off;
+    size_t size, n;
+    uint32_t shard;
+} pre;
+
+/* Read a READ's bytes from a complete cached shard into `fast_buf`: the byte count, or -1
+ * when Python must answer (not a plain file of a complete shard held open here, or the
+ * bytes are not all in the page cache: RWF_NOWAIT). */
+static char *fast_buf;
+static ssize_t fast_prepare(fuse_ino_t ino, size_t size, off_t off, uint32_t *shard)
+{
+    static size_t cap;
+    if (fast_fds == NULL || !meta_valid(ino) || off < 0)
+        return -1;
+    uint64_t i = ino - 1;
+    if (meta.kind[i] != KIND_FILE)
+        return -1;
+    if (meta.sparse && meta_find(meta.sparse_entry, meta.sparse, i) < meta.sparse)
+        return -1;
+    uint32_t s = meta.shard[i];
+    if (s >= fast_shards || fast_avail[s] != SHARD_COMPLETE || fast_fds[s] < 0)
+        return -1;
+    uint64_t member = meta.size[i];
+    size_t n = (uint64_t)off >= member ? 0 : size;
+    if (n > member - (uint64_t)off)
+        n = (size_t)(member - (uint64_t)off);
+    if (n > cap) {
+        char *grown = realloc(fast_buf, n);
+        if (grown == NULL)
+            return -1;
+        fast_buf = grown;
+        cap = n;
+    }
+    if (n > 0) {
+        struct iovec iov = {fast_buf, n};
+        ssize_t got = preadv2(fast_fds[s], &iov, 1, (off_t)meta.offset[i] + off, RWF_NOWAIT);
+        if (got != (ssize_t)n)
+            return -1;
+    }
+    *shard = s;
+    return (ssize_t)n;
+}
+
+static void fast_reply(fuse_req_t req, uint32_t shard, size_t n)
+{
+    reply_buf(req, fast_buf, n);
+    fast_counts[shard]++;
+    *fast_bytes += n;
+}
+
+/* 1 if answered here, 0 if Python must answer. */
+static int fast_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off)
+{
+    if (pre.ready) {
+        pre.ready = 0;
+        if (pre.ino == ino && pre.off == off && pre.size == size) {
+            fast_reply(req, pre.shard, pre.n);
+            return 1;
+        }
+    }
+    uint32_t shard;
+    ssize_t n = fast_prepare(ino, size, off, &shard);
+    if (n < 0)
+        return 0;
+    fast_reply(req, shard, (size_t)n);
+    return 1;
+}
+
+/*
+ * Requests answered in C still cost a wake-up of pyfuse3's loop each (a trio lock and a
+ * wait for readability, tens of microseconds of Python). So after receiving a request, the
+ * wrapper of fuse_session_receive_buf answers it right there if it is one of ours and the
+ * next one is already waiting, and goes on until the queue is empty (pyfuse3 waits again)
+ * or a request needs Python (handed to pyfuse3 as if just received).
+ */
+#include <linux/fuse.h>
+#include <poll.h>
+
+static int drain_in_c(struct fuse_session *se, struct fuse_buf *buf, int len,
+                      process_buf_fn process)
+{
+    if (!meta_installed || (buf->flags & FUSE_BUF_IS_FD)
+        || (size_t)len < sizeof(struct fuse_in_header))
+        return 0;
+    const struct fuse_in_header *in = buf->mem;
+    switch (in->opcode) {
+    case FUSE_LOOKUP: {
+        const char *name = (const char *)(in + 1);
+        size_t room = (size_t)len - sizeof(*in);
+        if (room < 2 || (name[0] == '.' && (name[1] == 0 || (name[1] == '.' && room > 2
+                                                           && name[2] == 0))))
+            return 0;   /* "." and "..": Python */
+        break;
+    }
+    case FUSE_GETATTR:
+    case FUSE_OPENDIR:
+    case FUSE_READDIR:
+    case FUSE_READDIRPLUS:
+    case FUSE_RELEASEDIR:
+    case FUSE_FORGET:
+    case FUSE_BATCH_FORGET:
+        break;
+    case FUSE_READ: {
+        if ((size_t)len < sizeof(*in) + sizeof(struct fuse_read_in))
+            return 0;
+        const struct fuse_read_in *arg = (const void *)(in + 1);
+        uint32_t shard;
+        ssize_t n = fast_prepare(in->nodeid, arg->size, (off_t)arg->offset, &shard);
+        if (n < 0)
+            return 0;
+        pre.ready = 1;
+        pre.ino = in->nodeid;
+        pre.off = (off_t)arg->offset;
+        pre.size = arg->size;
+        pre.n = (size_t)n;
+        pre.shard = shard;
+        break;
+    }
+    default:
+        return 0;
+    }
+    process(se, buf);
+    pre.ready = 0;
+    return 1;
+}
+
+static int readable_now(int fd)
+{
+    struct pollfd p = {fd, POLLIN, 0};
+    return poll(&p, 1, 0) == 1 && (p.revents & POLLIN);
 }

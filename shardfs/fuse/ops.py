@@ -26,6 +26,7 @@ from shardfs.catalog.dirmap import PREFIX as PAGE_PREFIX
 from shardfs.catalog.dirmap import encode_pages
 from shardfs.catalog.shardindex import KIND_DIR, KIND_FILE, KIND_LINK
 from shardfs.catalog.tree import Tree
+from shardfs.fuse.fastread import FastReads
 from shardfs.read.reader import ReadError
 from shardfs.read.sparse import read_sparse
 
@@ -65,6 +66,7 @@ class ShardFS(pyfuse3.Operations):
         self.stats_json = stats_json
         self.no_open = False  # set once mounted: True when the shim passes inodes on READ
         self.opens = 0  # OPEN requests received (with no_open: the first one only)
+        self.fast: FastReads | None = None  # reads the shim answers in C (complete shards)
         # Directory inode -> its file->shard xattr pages. Readers go one directory at a time
         # (listxattr, then each page), so a few entries suffice and memory stays flat.
         self._pages: LRUCache = LRUCache(maxsize=8)
@@ -183,7 +185,11 @@ class ShardFS(pyfuse3.Operations):
             if tree.sparse and i in tree.sparse:  # holes read as zeros (rare: a dict lookup)
                 return await read_sparse(self.reader, tree.file_ref(fh), tree.sparse[i], off,
                                          size)
-            return await self.reader.read(tree.shard[i], tree.offset[i], tree.size[i], off, size)
+            shard = tree.shard[i]
+            data = await self.reader.read(shard, tree.offset[i], tree.size[i], off, size)
+            if self.fast is not None:
+                self.fast.offer(shard)  # complete now? the next reads of it need no Python
+            return data
         except ReadError as exc:
             log.error("EIO for %s: %s", self.tree.path(fh).decode(errors="replace"), exc)
             raise pyfuse3.FUSEError(errno.EIO) from None

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import trio
 
+from shardfs.fuse.fastread import FastReads
 from shardfs.read.diskread import DiskReads
 from shardfs.read.reader import ReadError
 from shardfs.read.states import COMPLETE, NONE, ShardStates
@@ -38,10 +39,9 @@ class RemoteReader:
         self._bytes = 0
         self._cache_hits = 0
         self._frontier_hits = 0
-        self._sent_inline = 0
-        self._sent_threaded = 0
-        self._sent_opens = 0
+        self._sent = (0, 0, 0, 0)  # disk reads inline, threaded, in C; opens: as last sent
         self.opens: Callable[[], int] = lambda: 0  # OPEN requests this worker answered
+        self.fast: FastReads | None = None  # reads answered in C, reported with ours
 
     # -- descriptors of cache files ----------------------------------------------------------
     def _open(self, shard: int, complete: bool) -> int | None:
@@ -121,19 +121,26 @@ class RemoteReader:
         while True:
             await trio.sleep(NOTE_INTERVAL)
             self.close_stale()
+            if self.fast is not None:
+                self.fast.close_stale()
             await self.send_notes()
 
     async def send_notes(self) -> None:
         """Tell the daemon about the reads served here since the last note."""
-        inline, threaded, opens = self.disk.inline, self.disk.threaded, self.opens()
-        if self._shards or (inline, threaded, opens) != (self._sent_inline,
-                                                         self._sent_threaded, self._sent_opens):
+        if self.fast is not None:  # complete shards, from the page cache: inline hits
+            shards, nbytes = self.fast.collect()
+            self._shards += shards
+            self._bytes += nbytes
+            self._cache_hits += len(shards)
+            self.disk.in_c += len(shards)
+        disk, opens = self.disk, self.opens()
+        counted = (disk.inline, disk.threaded, disk.in_c, opens)
+        if self._shards or counted != self._sent:
             note = ("reads", self._shards, self._bytes, self._cache_hits, self._frontier_hits,
-                    inline - self._sent_inline, threaded - self._sent_threaded,
-                    opens - self._sent_opens)
+                    *(now - sent for now, sent in zip(counted, self._sent, strict=True)))
             self._shards = []
             self._bytes = self._cache_hits = self._frontier_hits = 0
-            self._sent_inline, self._sent_threaded, self._sent_opens = inline, threaded, opens
+            self._sent = counted
             await self.caller.notify(*note)
 
     async def on_message(self, message: tuple) -> None:

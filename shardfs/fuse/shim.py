@@ -63,7 +63,9 @@ class MetaTree(ctypes.Structure):
         ("children", ctypes.c_void_p), ("child_start", ctypes.c_void_p),
         ("child_count", ctypes.c_void_p), ("entries", ctypes.c_uint64),
         ("link_entry", ctypes.c_void_p), ("link_size", ctypes.c_void_p),
-        ("links", ctypes.c_uint64), ("uid", ctypes.c_uint32), ("gid", ctypes.c_uint32),
+        ("links", ctypes.c_uint64), ("shard", ctypes.c_void_p), ("offset", ctypes.c_void_p),
+        ("sparse_entry", ctypes.c_void_p), ("sparse", ctypes.c_uint64),
+        ("uid", ctypes.c_uint32), ("gid", ctypes.c_uint32),
         ("timeout", ctypes.c_double), ("readdirplus", ctypes.c_int),
     ]
 
@@ -77,7 +79,7 @@ _meta_keep: list[Any] = []
 # 1: READDIRPLUS for a directory's first reply (FUSE_CAP_READDIRPLUS_AUTO); 2: always.
 READDIRPLUS_NEVER = 0
 _TYPECODES = {"name_end": "Q", "size": "Q", "mtime": "q", "mode": "H", "children": "I",
-              "child_start": "I", "child_count": "I"}
+              "child_start": "I", "child_count": "I", "shard": "I", "offset": "Q"}
 
 
 def _address(buf: Any) -> int:
@@ -104,6 +106,7 @@ def serve_metadata(tree: Any, *, uid: int, gid: int, timeout: float,
             return False
     link_entry = array("I", sorted(tree.links))
     link_size = array("Q", (len(tree.links[i]) for i in link_entry))
+    sparse_entry = array("I", sorted(tree.sparse))
     names = bytes(tree.names)
     kind = bytearray(tree.kind)
     t = MetaTree(names=_address(names), name_end=_address(tree.name_end), kind=_address(kind),
@@ -111,10 +114,27 @@ def serve_metadata(tree: Any, *, uid: int, gid: int, timeout: float,
                  children=_address(tree.children), child_start=_address(tree.child_start),
                  child_count=_address(tree.child_count), entries=len(tree.kind),
                  link_entry=_address(link_entry), link_size=_address(link_size),
-                 links=len(link_entry), uid=uid, gid=gid, timeout=timeout,
+                 links=len(link_entry), shard=_address(tree.shard),
+                 offset=_address(tree.offset), sparse_entry=_address(sparse_entry),
+                 sparse=len(sparse_entry), uid=uid, gid=gid, timeout=timeout,
                  readdirplus=readdirplus)
-    _meta_keep[:] = [tree, names, kind, link_entry, link_size]
+    _meta_keep[:] = [tree, names, kind, link_entry, link_size, sparse_entry]
     return _lib.shardfs_shim_serve_metadata(ctypes.byref(t), ctypes.sizeof(t)) == 0
+
+
+def serve_reads(avail_address: int, fds: array, counts: array, nbytes: array) -> bool:
+    """Let the shim answer reads of complete cached shards in this process (see
+    shardfs/fuse/fastread.py, which owns the arrays); needs metadata in C. `avail_address`:
+    where the shared shard states' int64 `avail` array is; `fds` int32, `counts` uint32 per
+    shard, `nbytes` one uint64."""
+    if _lib is None or not metadata_in_c():
+        return False
+    if (fds.typecode, counts.typecode, nbytes.typecode) != ("i", "I", "Q") or fds.itemsize != 4:
+        return False
+    return _lib.shardfs_shim_serve_reads(
+        ctypes.c_void_p(avail_address), ctypes.c_void_p(_address(fds)),
+        ctypes.c_void_p(_address(counts)), ctypes.c_void_p(_address(nbytes)),
+        ctypes.c_uint64(len(fds))) == 0
 
 
 def metadata_in_c() -> bool:

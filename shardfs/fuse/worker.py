@@ -24,6 +24,7 @@ import trio
 
 from shardfs.fuse import session as fuse_session
 from shardfs.fuse import shim
+from shardfs.fuse.fastread import FastReads
 from shardfs.fuse.ops import ShardFS
 from shardfs.fuse.remote import RemoteReader
 from shardfs.read.states import ShardStates
@@ -68,6 +69,7 @@ async def _serve(setup: WorkerSetup) -> None:
     caller.on_message = reader.on_message
     ops = setup.ops
     ops.reader = reader
+    ops.fast = reader.fast = FastReads(setup.states, setup.shards_dir, setup.keys)
     reader.opens = lambda: ops.opens
 
     async def stats_json() -> bytes:

@@ -16,6 +16,7 @@ below k.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 
 NONE = -1
@@ -30,6 +31,10 @@ class ShardStates:
         self.gen = memoryview(self._map)[8 * shards : 16 * shards].cast("q")
         for s in range(shards):
             self.avail[s] = NONE
+
+    def avail_address(self) -> int:
+        """Where `avail` is in this process's memory (the shim's C reads check it)."""
+        return ctypes.addressof(ctypes.c_char.from_buffer(self._map))
 
     def arrived(self, shard: int, nbytes: int) -> None:
         self.avail[shard] = nbytes
