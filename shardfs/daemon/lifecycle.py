@@ -115,15 +115,15 @@ class Mounted:
     lookahead: Lookahead | None = None  # announced reads (shardfs.torch.Lookahead)
 
     def collect_fast_reads(self) -> None:
-        """Count the reads the shim answered in C in this process (complete shards, page
-        cache) as the reader's own: stats, working set, LRU order."""
+        """Count the reads the shim answered in C in this process (bytes on disk, in the
+        page cache) as the reader's own: stats, working set, LRU order."""
         fast = self.ops.fast if self.ops is not None else None
         if fast is None:
             return
-        shards, nbytes = fast.collect()
-        if shards:
-            self.reader.note_reads(shards, nbytes, len(shards), 0)
-            self.reader.disk.in_c += len(shards)
+        got = fast.collect()
+        if got.shards:
+            self.reader.note_reads(got.shards, got.nbytes, got.complete, got.frontier)
+            self.reader.disk.in_c += len(got.shards)
 
     async def keep_fast_reads(self) -> None:
         """Collect C reads and close descriptors of evicted shards; runs until cancelled."""

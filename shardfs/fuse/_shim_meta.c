@@ -332,34 +332,40 @@ static void meta_install(struct fuse_lowlevel_ops *ops, size_t op_size)
 }
 
 /*
- * Reads of complete cached shards, answered in C (shardfs/fuse/fastread.py sets them up in
- * each process that serves requests). A READ is answered here when the shared shard states
- * say the shard is complete on disk (avail == -2), this process holds a descriptor of its
- * cache file, and the bytes are in the page cache (preadv2 RWF_NOWAIT). Anything else (a
- * fetch in progress, a sparse file, bytes on disk but not in memory) goes to Python's read,
- * which applies the policy. Reads answered here are counted per shard; Python collects the
- * counts for the LRU order, the working set and the stats.
+ * Reads of cached shard bytes, answered in C (shardfs/fuse/fastread.py sets them up in each
+ * process that serves requests). A READ is answered here when the shared shard states say
+ * its bytes are on disk (the shard is complete, avail == -2, or a fetch's frontier has passed
+ * them, avail >= end), this process holds a descriptor of the shard's cache file opened at
+ * the current generation, and the bytes are in the page cache (preadv2 RWF_NOWAIT). Anything
+ * else (bytes not fetched yet, a sparse file, bytes on disk but not in memory) goes to
+ * Python's read, which applies the policy. Reads answered here are counted per shard; Python
+ * collects the counts for the LRU order, the working set and the stats.
  */
 #include <sys/uio.h>
 
 #define SHARD_COMPLETE (-2)
 
-static const int64_t *fast_avail;   /* ShardStates.avail: shared by every process */
-static int32_t *fast_fds;           /* this process's descriptor per shard, or -1 */
-static uint32_t *fast_counts;       /* reads answered here per shard since collected */
-static uint64_t *fast_bytes;        /* bytes answered here since collected */
-static uint64_t fast_shards;
+/* Mirrors shim.py's FastReadArrays (ctypes.Structure): keep both in step. */
+struct fast_arrays {
+    const int64_t *avail;   /* ShardStates.avail, shared by every process of the mount */
+    const int64_t *gen;     /* ShardStates.gen: bumped when a shard's files go away */
+    int32_t *fds;           /* this process's descriptor of each shard's file, or -1 */
+    const int64_t *fd_gen;  /* the generation each descriptor was opened at */
+    uint32_t *complete;     /* reads answered here from complete shards, since collected */
+    uint32_t *frontier;     /* ... from below a fetch's frontier */
+    uint64_t *bytes;        /* bytes answered here, since collected */
+    uint64_t shards;
+};
 
-int shardfs_shim_serve_reads(const int64_t *avail, int32_t *fds, uint32_t *counts,
-                             uint64_t *bytes, uint64_t shards)
+static struct fast_arrays fast;
+static int32_t *fast_fds;   /* non-NULL once reads are answered here */
+
+int shardfs_shim_serve_reads(const struct fast_arrays *arrays, size_t size)
 {
-    if (!meta_installed)
-        return -ENOSYS;
-    fast_avail = avail;
-    fast_fds = fds;
-    fast_counts = counts;
-    fast_bytes = bytes;
-    fast_shards = shards;
+    if (!meta_installed || arrays == NULL || size != sizeof(struct fast_arrays))
+        return -EINVAL;
+    fast = *arrays;
+    fast_fds = fast.fds;
     return 0;
 }
 
@@ -370,13 +376,15 @@ static struct {
     off_t off;
     size_t size, n;
     uint32_t shard;
+    int from_frontier;
 } pre;
 
 /* Read a READ's bytes from a complete cached shard into `fast_buf`: the byte count, or -1
  * when Python must answer (not a plain file of a complete shard held open here, or the
  * bytes are not all in the page cache: RWF_NOWAIT). */
 static char *fast_buf;
-static ssize_t fast_prepare(fuse_ino_t ino, size_t size, off_t off, uint32_t *shard)
+static ssize_t fast_prepare(fuse_ino_t ino, size_t size, off_t off, uint32_t *shard,
+                            int *from_frontier)
 {
     static size_t cap;
     if (fast_fds == NULL || !meta_valid(ino) || off < 0)
@@ -387,12 +395,19 @@ static ssize_t fast_prepare(fuse_ino_t ino, size_t size, off_t off, uint32_t *sh
     if (meta.sparse && meta_find(meta.sparse_entry, meta.sparse, i) < meta.sparse)
         return -1;
     uint32_t s = meta.shard[i];
-    if (s >= fast_shards || fast_avail[s] != SHARD_COMPLETE || fast_fds[s] < 0)
+    if (s >= fast.shards || fast_fds[s] < 0)
         return -1;
     uint64_t member = meta.size[i];
     size_t n = (uint64_t)off >= member ? 0 : size;
     if (n > member - (uint64_t)off)
         n = (size_t)(member - (uint64_t)off);
+    /* avail before gen: a writer bumps gen before it announces bytes of a new file. */
+    int64_t avail = __atomic_load_n(&fast.avail[s], __ATOMIC_ACQUIRE);
+    int complete = avail == SHARD_COMPLETE;
+    if (!complete && (avail < 0 || meta.offset[i] + (uint64_t)off + n > (uint64_t)avail))
+        return -1;
+    if (__atomic_load_n(&fast.gen[s], __ATOMIC_ACQUIRE) != fast.fd_gen[s])
+        return -1;   /* our descriptor names a file that has gone since */
     if (n > cap) {
         char *grown = realloc(fast_buf, n);
         if (grown == NULL)
@@ -407,14 +422,15 @@ static ssize_t fast_prepare(fuse_ino_t ino, size_t size, off_t off, uint32_t *sh
             return -1;
     }
     *shard = s;
+    *from_frontier = !complete;
     return (ssize_t)n;
 }
 
-static void fast_reply(fuse_req_t req, uint32_t shard, size_t n)
+static void fast_reply(fuse_req_t req, uint32_t shard, size_t n, int from_frontier)
 {
     reply_buf(req, fast_buf, n);
-    fast_counts[shard]++;
-    *fast_bytes += n;
+    (from_frontier ? fast.frontier : fast.complete)[shard]++;
+    *fast.bytes += n;
 }
 
 /* 1 if answered here, 0 if Python must answer. */
@@ -423,15 +439,16 @@ static int fast_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off)
     if (pre.ready) {
         pre.ready = 0;
         if (pre.ino == ino && pre.off == off && pre.size == size) {
-            fast_reply(req, pre.shard, pre.n);
+            fast_reply(req, pre.shard, pre.n, pre.from_frontier);
             return 1;
         }
     }
     uint32_t shard;
-    ssize_t n = fast_prepare(ino, size, off, &shard);
+    int from_frontier;
+    ssize_t n = fast_prepare(ino, size, off, &shard, &from_frontier);
     if (n < 0)
         return 0;
-    fast_reply(req, shard, (size_t)n);
+    fast_reply(req, shard, (size_t)n, from_frontier);
     return 1;
 }
 
@@ -474,9 +491,12 @@ static int drain_in_c(struct fuse_session *se, struct fuse_buf *buf, int len,
             return 0;
         const struct fuse_read_in *arg = (const void *)(in + 1);
         uint32_t shard;
-        ssize_t n = fast_prepare(in->nodeid, arg->size, (off_t)arg->offset, &shard);
+        int from_frontier;
+        ssize_t n = fast_prepare(in->nodeid, arg->size, (off_t)arg->offset, &shard,
+                                 &from_frontier);
         if (n < 0)
             return 0;
+        pre.from_frontier = from_frontier;
         pre.ready = 1;
         pre.ino = in->nodeid;
         pre.off = (off_t)arg->offset;

@@ -1,17 +1,20 @@
-"""Reads of complete cached shards answered in C, in the process that reads the request.
+"""Reads of cached shard bytes answered in C, in the process that reads the request.
 
 With the shim in effect (docs/pyfuse3.md), its READ wrapper answers a read itself when the
-shared shard states (read/states.py) say the shard is complete on disk, this process holds a
-descriptor of the cache file in `fds`, and the bytes are in the page cache; the rest comes to
+shared shard states (read/states.py) say its bytes are on disk (a complete shard, or below a
+fetch's frontier), this process holds a descriptor of the shard's cache file opened at the
+shard's current generation, and the bytes are in the page cache; the rest comes to
 `ShardFS.read` as before. This class owns what the C side reads and counts:
 
-- `fds[shard]`: a descriptor this process opened for the complete cache file, or -1. Opened
-  on the first Python read of a complete shard (`offer`), closed when the states say the
-  files went away (`close_stale`). A shard's bytes never change, so a descriptor of an
-  evicted (unlinked) file still reads right bytes until it is closed; it is closed within a
-  collection interval so that the disk space goes.
-- `counts[shard]`, `nbytes`: reads and bytes answered in C since the last `collect`, which
-  hands them to whoever keeps the stats (the daemon's Reader, or a worker's notes to it).
+- `fds[shard]`: a descriptor of the shard's cache file (`KEY.part` while it is fetched; the
+  rename to `KEY` keeps the same file), or -1; `fd_gen[shard]`: the states' generation when
+  it was opened. Opened on the first Python read of a shard with bytes on disk (`offer`),
+  closed when the generation moves on (`close_stale`: the files went away; the disk space
+  goes with the last descriptor). The C side reads only while the generations match, so a
+  descriptor of a gone file is never read at another file's frontier.
+- `complete[shard]`, `frontier[shard]`, `nbytes`: reads and bytes answered in C since the last
+  `collect`, which hands them to whoever keeps the stats (the daemon's Reader, or a worker's
+  notes to it).
 
 Everything runs on the thread of the serving loop, which holds the GIL while the C wrapper
 runs, so the arrays need no locks.
@@ -21,12 +24,21 @@ from __future__ import annotations
 
 import os
 from array import array
+from dataclasses import dataclass
 from pathlib import Path
 
 from shardfs.fuse import shim
-from shardfs.read.states import COMPLETE, ShardStates
+from shardfs.read.states import NONE, ShardStates
 
 COLLECT_INTERVAL = 0.05  # seconds between collections of the C side's counts
+
+
+@dataclass(slots=True)
+class Collected:
+    shards: list[int]  # one entry per read answered in C
+    nbytes: int
+    complete: int  # of them, reads of complete shards
+    frontier: int  # and reads below a fetch's frontier
 
 
 class FastReads:
@@ -36,47 +48,59 @@ class FastReads:
         self.shards_dir = shards_dir
         self.keys = keys
         self.fds = array("i", [-1]) * n
-        self.counts = array("I", [0]) * n
+        self.fd_gen = array("q", [0]) * n
+        self.complete = array("I", [0]) * n
+        self.frontier = array("I", [0]) * n
         self.nbytes = array("Q", [0])
-        self._gens: dict[int, int] = {}  # shard with a descriptor -> states.gen when opened
-        self._carried: list[int] = []  # counted reads of shards closed since the collection
-        self.active = shim.serve_reads(states.avail_address(), self.fds, self.counts,
-                                       self.nbytes)
+        self._open: set[int] = set()  # shards with a descriptor
+        self._carried = Collected([], 0, 0, 0)  # counts of shards closed since collected
+        avail, gen = states.addresses()
+        self.active = shim.serve_reads(avail, gen, fds=self.fds, fd_gen=self.fd_gen,
+                                       complete=self.complete, frontier=self.frontier,
+                                       nbytes=self.nbytes)
 
     def offer(self, shard: int) -> None:
-        """Open the shard's cache file for C reads if it is complete and not open yet."""
-        if not self.active or self.fds[shard] >= 0 or self.states.avail[shard] != COMPLETE:
+        """Open the shard's cache file for C reads if bytes of it are on disk."""
+        if not self.active or self.fds[shard] >= 0 or self.states.avail[shard] == NONE:
             return
         gen = self.states.gen[shard]
-        try:
-            fd = os.open(self.shards_dir / self.keys[shard], os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return  # evicted meanwhile: Python reads go on as before
-        if self.states.gen[shard] != gen or self.states.avail[shard] != COMPLETE:
+        key = self.keys[shard]
+        for name in (key + ".part", key):  # the fetch may just have ended (renamed)
+            try:
+                fd = os.open(self.shards_dir / name, os.O_RDONLY | os.O_CLOEXEC)
+                break
+            except OSError:
+                continue
+        else:
+            return  # gone meanwhile: Python reads go on as before
+        if self.states.gen[shard] != gen:  # went away while we opened it
             os.close(fd)
             return
-        self._gens[shard] = gen
+        self.fd_gen[shard] = gen
         self.fds[shard] = fd
+        self._open.add(shard)
 
     def close_stale(self) -> None:
         """Close descriptors of cache files the daemon has removed since they were opened."""
-        for shard, gen in list(self._gens.items()):
-            if self.states.gen[shard] != gen or self.states.avail[shard] != COMPLETE:
+        for shard in list(self._open):
+            if self.states.gen[shard] != self.fd_gen[shard]:
                 fd, self.fds[shard] = self.fds[shard], -1  # C stops using it first
-                del self._gens[shard]
+                self._open.discard(shard)
                 os.close(fd)
-                self._carried += self._take(shard)
+                self._take(shard, self._carried)
 
-    def _take(self, shard: int) -> list[int]:
-        count, self.counts[shard] = self.counts[shard], 0
-        return [shard] * count
+    def _take(self, shard: int, into: Collected) -> None:
+        complete, frontier = self.complete[shard], self.frontier[shard]
+        self.complete[shard] = self.frontier[shard] = 0
+        into.shards += [shard] * (complete + frontier)
+        into.complete += complete
+        into.frontier += frontier
 
-    def collect(self) -> tuple[list[int], int]:
-        """The shards of the reads answered in C since the last call (one entry per read;
-        empty reads at or past a file's end included), and their bytes."""
-        shards, self._carried = self._carried, []
-        for shard in self._gens:
-            if self.counts[shard]:
-                shards += self._take(shard)
-        nbytes, self.nbytes[0] = self.nbytes[0], 0
-        return shards, nbytes
+    def collect(self) -> Collected:
+        """The reads answered in C since the last call (empty reads at a file's end too)."""
+        got, self._carried = self._carried, Collected([], 0, 0, 0)
+        for shard in self._open:
+            if self.complete[shard] or self.frontier[shard]:
+                self._take(shard, got)
+        got.nbytes, self.nbytes[0] = self.nbytes[0], 0
+        return got

@@ -127,12 +127,13 @@ class RemoteReader:
 
     async def send_notes(self) -> None:
         """Tell the daemon about the reads served here since the last note."""
-        if self.fast is not None:  # complete shards, from the page cache: inline hits
-            shards, nbytes = self.fast.collect()
-            self._shards += shards
-            self._bytes += nbytes
-            self._cache_hits += len(shards)
-            self.disk.in_c += len(shards)
+        if self.fast is not None:  # answered in C from the page cache
+            got = self.fast.collect()
+            self._shards += got.shards
+            self._bytes += got.nbytes
+            self._cache_hits += got.complete
+            self._frontier_hits += got.frontier
+            self.disk.in_c += len(got.shards)
         disk, opens = self.disk, self.opens()
         counted = (disk.inline, disk.threaded, disk.in_c, opens)
         if self._shards or counted != self._sent:

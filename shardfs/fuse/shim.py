@@ -122,19 +122,37 @@ def serve_metadata(tree: Any, *, uid: int, gid: int, timeout: float,
     return _lib.shardfs_shim_serve_metadata(ctypes.byref(t), ctypes.sizeof(t)) == 0
 
 
-def serve_reads(avail_address: int, fds: array, counts: array, nbytes: array) -> bool:
-    """Let the shim answer reads of complete cached shards in this process (see
-    shardfs/fuse/fastread.py, which owns the arrays); needs metadata in C. `avail_address`:
-    where the shared shard states' int64 `avail` array is; `fds` int32, `counts` uint32 per
-    shard, `nbytes` one uint64."""
+class FastReadArrays(ctypes.Structure):
+    """What the shim's C reads use (struct fast_arrays in _shim_meta.c: keep both in step)."""
+
+    _fields_ = [
+        ("avail", ctypes.c_void_p), ("gen", ctypes.c_void_p), ("fds", ctypes.c_void_p),
+        ("fd_gen", ctypes.c_void_p), ("complete", ctypes.c_void_p),
+        ("frontier", ctypes.c_void_p), ("bytes", ctypes.c_void_p), ("shards", ctypes.c_uint64),
+    ]
+
+
+_ARRAY_TYPES = {"fds": "i", "fd_gen": "q", "complete": "I", "frontier": "I", "nbytes": "Q"}
+
+
+def serve_reads(avail_address: int, gen_address: int, *, fds: array, fd_gen: array,
+                complete: array, frontier: array, nbytes: array) -> bool:
+    """Let the shim answer reads of cached shard bytes in this process (see
+    shardfs/fuse/fastread.py, which owns the arrays; they must stay alive and unresized).
+    Needs metadata in C. `avail_address`, `gen_address`: where the shared shard states'
+    int64 arrays are in this process."""
     if _lib is None or not metadata_in_c():
         return False
-    if (fds.typecode, counts.typecode, nbytes.typecode) != ("i", "I", "Q") or fds.itemsize != 4:
+    given = {"fds": fds, "fd_gen": fd_gen, "complete": complete, "frontier": frontier,
+             "nbytes": nbytes}
+    if any(given[name].typecode != code for name, code in _ARRAY_TYPES.items()) \
+            or fds.itemsize != 4 or complete.itemsize != 4:
         return False
-    return _lib.shardfs_shim_serve_reads(
-        ctypes.c_void_p(avail_address), ctypes.c_void_p(_address(fds)),
-        ctypes.c_void_p(_address(counts)), ctypes.c_void_p(_address(nbytes)),
-        ctypes.c_uint64(len(fds))) == 0
+    arrays = FastReadArrays(avail=avail_address, gen=gen_address, fds=_address(fds),
+                            fd_gen=_address(fd_gen), complete=_address(complete),
+                            frontier=_address(frontier), bytes=_address(nbytes),
+                            shards=len(fds))
+    return _lib.shardfs_shim_serve_reads(ctypes.byref(arrays), ctypes.sizeof(arrays)) == 0
 
 
 def metadata_in_c() -> bool:

@@ -32,9 +32,11 @@ class ShardStates:
         for s in range(shards):
             self.avail[s] = NONE
 
-    def avail_address(self) -> int:
-        """Where `avail` is in this process's memory (the shim's C reads check it)."""
-        return ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+    def addresses(self) -> tuple[int, int]:
+        """Where `avail` and `gen` are in this process's memory (the shim's C reads check
+        them)."""
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        return base, base + 8 * self.shards
 
     def arrived(self, shard: int, nbytes: int) -> None:
         self.avail[shard] = nbytes
