@@ -96,8 +96,13 @@ class Zygote:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # reaped below, once their clone is done
         held = HeldClones()
+        # Workers are reaped once their clone is let go, or else automatically.
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL if held.can_hold else signal.SIG_IGN)
+        if not held.can_hold:
+            log.warning("no pidfd_open (Linux < 5.3): a read a killed worker was answering "
+                        "fails once with ECONNABORTED")
+        children: list[int] = []
         poll = select.poll()
         poll.register(cmd_r, select.POLLIN)
         try:
@@ -105,16 +110,17 @@ class Zygote:
                 for fd, _ in poll.poll():
                     if fd != cmd_r:
                         poll.unregister(fd)
-                        held.exited(fd)
+                        children.remove(held.exited(fd))
                     elif not os.read(cmd_r, 1):  # one byte per worker wanted; end of file: stop
                         return
                     else:
                         pid, pidfd = self._fork_worker(cmd_r, pid_w, held)
+                        children.append(pid)
                         if pidfd >= 0:
                             poll.register(pidfd, select.POLLIN)
                         os.write(pid_w, struct.pack("i", pid))
         finally:
-            for pid in held.pids():  # the daemon is gone or done: so are its workers
+            for pid in filter(None, children):  # the daemon is gone or done: so are its workers
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
             held.close()
@@ -170,22 +176,24 @@ class HeldClones:
     def __init__(self) -> None:
         self._by_pidfd: dict[int, tuple[int, int]] = {}  # pidfd -> (pid, clone)
         self.resend_supported: bool | None = None  # None until a worker has exited
+        try:
+            os.close(os.pidfd_open(os.getpid()))
+            self.can_hold = True
+        except OSError:
+            self.can_hold = False
 
     def hold(self, pid: int, clone: int) -> int:
         """Keep `clone`, forked into worker `pid`; the worker's pidfd, or -1 (nothing held)."""
-        try:
-            pidfd = os.pidfd_open(pid)
-        except (OSError, AttributeError):
+        if not self.can_hold:
             os.close(clone)
             return -1
+        pidfd = os.pidfd_open(pid)
         self._by_pidfd[pidfd] = (pid, clone)
         return pidfd
 
-    def pids(self) -> list[int]:
-        return [pid for pid, _ in self._by_pidfd.values()]
-
-    def exited(self, pidfd: int) -> None:
-        """The worker of `pidfd` has exited: requeue its unanswered requests, reap it, let go."""
+    def exited(self, pidfd: int) -> int:
+        """The worker of `pidfd` has exited: requeue its unanswered requests, reap it, let go
+        of its clone; its pid."""
         pid, clone = self._by_pidfd.pop(pidfd)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
@@ -201,6 +209,7 @@ class HeldClones:
                 # else the connection is gone (unmounted): nothing to requeue
         os.close(clone)
         os.close(pidfd)
+        return pid
 
     def close(self) -> None:
         for pidfd, (_, clone) in self._by_pidfd.items():
