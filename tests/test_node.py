@@ -71,12 +71,9 @@ def test_rereads_never_reach_the_daemon(nodedata, mounter: Mounter, workers: str
     assert first >= len(nodedata.sha) - 1  # one READ per non-empty file at least
     assert_all_right(nodedata, m.mountpoint)  # open/read/close again: page cache only
     stats = m.stats()
-    if workers == "1":
-        assert stats["reader"]["reads"] == first
-    else:
-        # Known, not yet understood: with several workers a few percent of the files are read
-        # once more on the second pass (never again after it); docs/design.md, "Workers".
-        assert stats["reader"]["reads"] - first <= 0.06 * len(nodedata.sha), (first, stats)
+    # With any number of workers. (Pages dropped from outside — `drop_caches` by a benchmark
+    # running beside the tests — are read again; docs/design.md, "Workers".)
+    assert stats["reader"]["reads"] == first
     # OPEN is answered ENOSYS once; opens racing with that first answer may also arrive.
     assert stats["opens"] <= 16, stats["opens"]
 
