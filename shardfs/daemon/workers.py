@@ -115,12 +115,13 @@ class Zygote:
                         return
                     else:
                         pid, pidfd = self._fork_worker(cmd_r, pid_w, held)
-                        children.append(pid)
+                        if pid:
+                            children.append(pid)
                         if pidfd >= 0:
                             poll.register(pidfd, select.POLLIN)
                         os.write(pid_w, struct.pack("i", pid))
         finally:
-            for pid in filter(None, children):  # the daemon is gone or done: so are its workers
+            for pid in children:  # the daemon is gone or done: so are its workers
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
             held.close()

@@ -113,8 +113,8 @@ def _not_a_late_answer(record: logging.LogRecord) -> bool:
     """pyfuse3 logs an error when the kernel refuses an answer with ENOENT: the request was
     queued again after a worker died (resend_unanswered) and its new copy is answered instead,
     or it was interrupted. Expected, not an error: keep such records out of the log."""
-    return not (record.getMessage().endswith("failed with " + os.strerror(errno.ENOENT))
-                and "fuse_reply_" in record.msg)
+    return not ("fuse_reply_" in str(record.msg)
+                and record.getMessage().endswith("failed with " + os.strerror(errno.ENOENT)))
 
 
 def run_worker(setup: WorkerSetup, clone_fd: int) -> int:
