@@ -184,8 +184,9 @@ def kill_and_wait_for_replacement(m, victim: int, count: int) -> None:
 
 
 def resend_available(m) -> bool:
-    """False where the kernel lacked FUSE_NOTIFY_RESEND (the zygote logs it once)."""
-    return "has no FUSE_NOTIFY_RESEND" not in logs(m)
+    """False where the kernel lacks FUSE_NOTIFY_RESEND or pidfd_open (the zygote logs it)."""
+    said = logs(m)
+    return "has no FUSE_NOTIFY_RESEND" not in said and "no pidfd_open" not in said
 
 
 def test_reads_a_killed_worker_held_are_answered_by_the_others(nodedata, nginx: Nginx,
