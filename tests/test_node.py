@@ -71,12 +71,9 @@ def test_rereads_never_reach_the_daemon(nodedata, mounter: Mounter, workers: str
     assert first >= len(nodedata.sha) - 1  # one READ per non-empty file at least
     assert_all_right(nodedata, m.mountpoint)  # open/read/close again: page cache only
     stats = m.stats()
-    if workers == "1":
-        assert stats["reader"]["reads"] == first
-    else:
-        # Known, not yet understood: with several workers a few percent of the files are read
-        # once more on the second pass (never again after it); docs/design.md, "Workers".
-        assert stats["reader"]["reads"] - first <= 0.06 * len(nodedata.sha), (first, stats)
+    # With any number of workers. (Pages dropped from outside — `drop_caches` by a benchmark
+    # running beside the tests — are read again; docs/design.md, "Workers".)
+    assert stats["reader"]["reads"] == first
     # OPEN is answered ENOSYS once; opens racing with that first answer may also arrive.
     assert stats["opens"] <= 16, stats["opens"]
 
@@ -207,33 +204,107 @@ def test_workers_serve_one_mount_and_stats_add_up(nodedata, mounter: Mounter):
     assert json.loads(out.stdout)["workers"] == workers
 
 
-def test_worker_killed_mid_read_loses_nothing(nodedata, mounter: Mounter):
-    m = mounter.mount(file_sources(nodedata), None, None, "--no-warm", "--workers", "2")
-    _, workers = mount_pids(m)
-    victim = workers[0]
-    killer = threading.Timer(0.15, os.kill, args=(victim, 9))
-    killer.start()
-    try:
-        # 0 wrong bytes. A read that was in the killed worker's hands when it died is ended by
-        # the kernel (ECONNABORTED; it does not hand it to another reader of the connection):
-        # at most one per reader thread, and reading that file again works.
-        result = read_all(m.mountpoint, nodedata.sha, threads=8)
-        assert not result.wrong, result.wrong[:5]
-        assert len(result.errors) <= 8, result.errors
-        assert set(result.errors.values()) <= {errno.ECONNABORTED, errno.EIO}, result.errors
-        again = read_all(m.mountpoint, nodedata.sha, names=list(result.errors), threads=8)
-        assert not again.wrong and not again.errors and again.files == len(result.errors)
-        # And again from the disk cache, with the page cache of the mount dropped.
+def kill_and_wait_for_replacement(m, victim: int, count: int) -> None:
+    """SIGKILL one worker; wait (10 s at most) until `count` workers serve, the victim not
+    among them."""
+    os.kill(victim, 9)
+    wait_until(lambda: (lambda pids: len(pids) == count and victim not in pids)(
+        mount_pids(m)[1]), f"a replacement for worker {victim}", timeout=10)
+    assert not pid_alive(victim)
+
+
+def resend_available(m) -> bool:
+    """False where the kernel lacks FUSE_NOTIFY_RESEND or pidfd_open (the zygote logs it)."""
+    said = logs(m)
+    return "has no FUSE_NOTIFY_RESEND" not in said and "no pidfd_open" not in said
+
+
+def test_reads_a_killed_worker_held_are_answered_by_the_others(nodedata, nginx: Nginx,
+                                                               mounter: Mounter):
+    """Every GET stalls, so each read waits in a worker for the daemon's bytes; then every
+    worker is killed in turn. The kernel queues their unanswered reads again for the other
+    workers (FUSE_NOTIFY_RESEND): every read completes, right, with no error."""
+    nodedata.publish(nginx.root / "data")
+    with FaultProxy(nginx.port) as proxy:
+        m = mounter.mount([nodedata.pattern(f"{proxy.url}/data")], None, None, "--no-warm",
+                          "--workers", "2", "--timeout", "30", "--deadline", "60")
+        _, workers = mount_pids(m)
+        proxy.stall(60.0)
+        first = [nodedata.files_of_shard(i)[0] for i in range(len(nodedata.names))]
+        result: list = []
+        reading = threading.Thread(target=lambda: result.append(
+            read_all(m.mountpoint, nodedata.sha, names=first, threads=len(first))))
+        reading.start()
+        try:
+            wait_until(lambda: len(proxy.requests) >= 1, "a read to reach the source")
+            time.sleep(0.5)  # the other readers' READs reach the workers too
+            assert reading.is_alive()  # nothing can be answered while the source stalls
+            for victim in workers:  # every read in flight was taken by one of these
+                kill_and_wait_for_replacement(m, victim, len(workers))
+        finally:
+            proxy.release_stalls()
+            reading.join(90)
+        assert not reading.is_alive()
+        (done,) = result
+        assert not done.wrong, done.wrong[:5]
+        if resend_available(m):
+            assert not done.errors, done.errors
+            assert done.files == len(first)
+        else:  # older kernels end a killed worker's unanswered reads
+            assert set(done.errors.values()) <= {errno.ECONNABORTED, errno.EIO}, done.errors
+        assert m.stats()["worker_restarts"] >= len(workers)
+
+
+def test_worker_killed_three_times_mid_read_loses_nothing(nodedata, nginx: Nginx,
+                                                         mounter: Mounter):
+    """Checked full reads (the mount's page cache dropped before each) while a worker is
+    SIGKILLed three times: 0 wrong bytes, no read errors, and each time the worker count is
+    back within 10 s. Every GET waits 0.1 s and the cache holds a quarter of the data, so many
+    READs are waiting in the workers at any time."""
+    nodedata.publish(nginx.root / "data")
+    with FaultProxy(nginx.port) as proxy:
+        m = mounter.mount([nodedata.pattern(f"{proxy.url}/data")], None, None, "--no-warm",
+                          "--workers", "2", "--cache-size", "2M")
+        proxy.stall(0.1)
+        kills: list[int] = []
+        failures: list[BaseException] = []
+
+        def killer() -> None:
+            try:
+                for _ in range(3):
+                    time.sleep(0.2)
+                    _, pids = mount_pids(m)
+                    kills.append(pids[len(kills) % len(pids)])
+                    kill_and_wait_for_replacement(m, kills[-1], 2)
+            except BaseException as exc:  # reported by the test's thread
+                failures.append(exc)
+
+        thread = threading.Thread(target=killer)
+        thread.start()
+        passes = 0
+        try:
+            while thread.is_alive() or passes == 0:
+                for rel in nodedata.sha:
+                    drop_pages(m.mountpoint / rel)
+                result = read_all(m.mountpoint, nodedata.sha, threads=8, seed=passes)
+                passes += 1
+                assert not result.wrong, result.wrong[:5]
+                if resend_available(m):
+                    assert not result.errors, (passes, kills, list(result.errors.items())[:8])
+                else:  # older kernels: at most one per reader thread
+                    assert len(result.errors) <= 8, result.errors
+                    assert set(result.errors.values()) <= {errno.ECONNABORTED, errno.EIO}
+        finally:
+            thread.join(60)
+        assert not failures, failures
+        assert len(kills) == 3
+        stats = m.stats()
+        assert stats["worker_restarts"] >= 3
+        assert not set(kills) & set(stats["workers"])
+        proxy.clear()
         for rel in nodedata.sha:
             drop_pages(m.mountpoint / rel)
-        assert_all_right(nodedata, m.mountpoint, threads=8)
-    finally:
-        killer.join()
-    assert not pid_alive(victim)
-    wait_until(lambda: len(mount_pids(m)[1]) == 2, "a replacement worker", timeout=10)
-    stats = m.stats()
-    assert stats["worker_restarts"] >= 1
-    assert victim not in stats["workers"]
+        assert_all_right(nodedata, m.mountpoint, threads=8)  # the mount goes on as before
 
 
 def test_unmount_from_outside_ends_every_process(nodedata, mounter: Mounter):

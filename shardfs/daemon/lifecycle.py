@@ -273,7 +273,8 @@ def run(cfg: MountConfig, cache: ShardCache, on_ready: Callable[[str], None]) ->
                 setup = WorkerSetup(ops, states, cache.shards_dir, catalog.keys,
                                     sum(catalog.data_sizes or [s.size for s in catalog.shards]),
                                     worker_address(cfg.control_socket), cfg.max_tasks)
-                zygote = Zygote(lambda: run_worker(setup), keep_fds=(shim.session_fd(),),
+                zygote = Zygote(lambda clone: run_worker(setup, clone),
+                                keep_fds=(shim.session_fd(),),
                                 log_path=cfg.log_path if cfg.detached else None)
                 zygote.start()
             else:

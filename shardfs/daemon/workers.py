@@ -12,13 +12,19 @@ Process layout with `--workers N` (N > 1):
 
 Workers connect to the daemon's worker socket (abstract namespace, same user only) and send
 `read` calls for bytes not yet on disk plus batched notes of the reads they served themselves.
+
+The zygote clones the FUSE connection for each worker and holds a copy of that descriptor
+until the worker has exited, so that a killed worker's unanswered requests are not ended (with
+ECONNABORTED) but queued again for the others (FUSE_NOTIFY_RESEND; docs/design.md, Workers).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import select
 import signal
 import socket
 import struct
@@ -28,6 +34,7 @@ from typing import Any
 import trio
 
 from shardfs.daemon.control import peer_allowed
+from shardfs.fuse.worker import clone_connection, resend_unanswered
 from shardfs.read.reader import Reader, ReadError
 from shardfs.util.rpc import Channel, ChannelClosed
 
@@ -42,9 +49,9 @@ def worker_address(control_address: str) -> str:
 class Zygote:
     """A small forked process that forks FUSE workers on request."""
 
-    def __init__(self, run_worker: Callable[[], int], *, keep_fds: tuple[int, ...],
+    def __init__(self, run_worker: Callable[[int], int], *, keep_fds: tuple[int, ...],
                  log_path: str | None) -> None:
-        self._run_worker = run_worker
+        self._run_worker = run_worker  # called in the worker with its clone of the connection
         self._keep_fds = keep_fds  # all other descriptors are closed in the zygote
         self._log_path = log_path  # where stdout/stderr go once the daemon has detached
         self.pid = 0
@@ -89,19 +96,55 @@ class Zygote:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped automatically
+        held = HeldClones()
+        # Workers are reaped once their clone is let go, or else automatically.
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL if held.can_hold else signal.SIG_IGN)
+        if not held.can_hold:
+            log.warning("no pidfd_open (Linux < 5.3): a read a killed worker was answering "
+                        "fails once with ECONNABORTED")
         children: list[int] = []
-        while os.read(cmd_r, 1):  # one byte per worker wanted; end of file: stop
-            child = os.fork()
-            if child == 0:
+        poll = select.poll()
+        poll.register(cmd_r, select.POLLIN)
+        try:
+            while True:
+                for fd, _ in poll.poll():
+                    if fd != cmd_r:
+                        poll.unregister(fd)
+                        children.remove(held.exited(fd))
+                    elif not os.read(cmd_r, 1):  # one byte per worker wanted; end of file: stop
+                        return
+                    else:
+                        pid, pidfd = self._fork_worker(cmd_r, pid_w, held)
+                        if pid:
+                            children.append(pid)
+                        if pidfd >= 0:
+                            poll.register(pidfd, select.POLLIN)
+                        os.write(pid_w, struct.pack("i", pid))
+        finally:
+            for pid in children:  # the daemon is gone or done: so are its workers
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+            held.close()
+
+    def _fork_worker(self, cmd_r: int, pid_w: int, held: HeldClones) -> tuple[int, int]:
+        """Fork a worker serving on a new clone of the connection; (pid, its pidfd or -1).
+        (0, -1) when the connection cannot be cloned (the mount is going away)."""
+        try:
+            clone = clone_connection()
+        except OSError as exc:
+            log.warning("cannot clone the FUSE connection for a new worker: %s", exc)
+            return 0, -1
+        child = os.fork()
+        if child == 0:
+            status = 1
+            try:
                 os.close(cmd_r)
                 os.close(pid_w)
-                os._exit(self._run_worker())
-            children.append(child)
-            os.write(pid_w, struct.pack("i", child))
-        for child in children:  # the daemon is gone or done: so are its workers
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGTERM)
+                held.close()  # the other workers' clones are the zygote's to hold
+                status = self._run_worker(clone)
+            finally:
+                os._exit(status)
+        return child, held.hold(child, clone)
 
     async def spawn(self) -> int:
         """Fork one more worker; its pid."""
@@ -123,6 +166,59 @@ class Zygote:
             self.pid = 0
 
 
+class HeldClones:
+    """The zygote's copies of its workers' clones of the FUSE connection, one per live worker.
+
+    The kernel ends a clone's read-but-unanswered requests (ECONNABORTED) only when the clone's
+    last descriptor closes. Holding a copy lets the zygote, once a worker has exited (its pidfd
+    is readable), first queue those requests again for the others (FUSE_NOTIFY_RESEND), then
+    close the copy with nothing left on it. Without pidfds (Linux < 5.3) nothing is held."""
+
+    def __init__(self) -> None:
+        self._by_pidfd: dict[int, tuple[int, int]] = {}  # pidfd -> (pid, clone)
+        self.resend_supported: bool | None = None  # None until a worker has exited
+        try:
+            os.close(os.pidfd_open(os.getpid()))
+            self.can_hold = True
+        except OSError:
+            self.can_hold = False
+
+    def hold(self, pid: int, clone: int) -> int:
+        """Keep `clone`, forked into worker `pid`; the worker's pidfd, or -1 (nothing held)."""
+        if not self.can_hold:
+            os.close(clone)
+            return -1
+        pidfd = os.pidfd_open(pid)
+        self._by_pidfd[pidfd] = (pid, clone)
+        return pidfd
+
+    def exited(self, pidfd: int) -> int:
+        """The worker of `pidfd` has exited: requeue its unanswered requests, reap it, let go
+        of its clone; its pid."""
+        pid, clone = self._by_pidfd.pop(pidfd)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        if self.resend_supported is not False:
+            try:
+                resend_unanswered(clone)
+                self.resend_supported = True
+            except OSError as exc:
+                if exc.errno == errno.EINVAL:
+                    self.resend_supported = False
+                    log.warning("this kernel has no FUSE_NOTIFY_RESEND (Linux < 6.9): a read a "
+                                "killed worker was answering fails once with ECONNABORTED")
+                # else the connection is gone (unmounted): nothing to requeue
+        os.close(clone)
+        os.close(pidfd)
+        return pid
+
+    def close(self) -> None:
+        for pidfd, (_, clone) in self._by_pidfd.items():
+            os.close(clone)
+            os.close(pidfd)
+        self._by_pidfd.clear()
+
+
 class WorkerPool:
     """The daemon's side of its workers: keeps `count` of them serving while mounted."""
 
@@ -141,6 +237,7 @@ class WorkerPool:
         self.opens = 0  # OPEN requests the workers answered
         self._all_serving = trio.Event()
         self._unmounted = trio.Event()
+        self._calls: trio.Nursery  # run()'s: answers to the workers' calls
 
     @property
     def pids(self) -> list[int]:
@@ -154,6 +251,7 @@ class WorkerPool:
         await sock.bind("\0" + self.address)
         sock.listen(64)
         async with trio.open_nursery() as nursery:
+            self._calls = nursery
             nursery.start_soon(self._accept, sock, nursery)
             for _ in range(self.count):
                 await self.zygote.spawn()
@@ -173,27 +271,28 @@ class WorkerPool:
     async def _serve_worker(self, channel: Channel) -> None:
         pid = None
         try:
-            async with trio.open_nursery() as calls:
-                try:
-                    while True:
-                        message = await channel.receive()
-                        if message[0] == "call":
-                            calls.start_soon(self._answer, channel, message[1], message[2:])
-                        elif message[1] == "reads":
-                            self._note_reads(*message[2:])
-                        elif message[1] == "flushed":
-                            if message[2] == self._flush_seq and pid in self._flushed:
-                                self._flushed[pid].set()
-                        elif message[1] == "hello":
-                            pid = message[2]
-                            self.serving[pid] = channel
-                            log.info("FUSE worker %d serving (%d of %d)", pid,
-                                     len(self.serving), self.count)
-                            if len(self.serving) >= self.count:
-                                self._all_serving.set()
-                except ChannelClosed:
-                    pass
-                calls.cancel_scope.cancel()  # nobody is left to answer
+            while True:
+                message = await channel.receive()
+                if message[0] == "call":
+                    # In the pool's nursery: a dead worker's reads are not cancelled. The
+                    # kernel gives its requests to the other workers, which ask for the same
+                    # bytes; cancelling would fail the member reads they share
+                    # (Reader._block) with "fetch did not complete".
+                    self._calls.start_soon(self._answer, channel, message[1], message[2:])
+                elif message[1] == "reads":
+                    self._note_reads(*message[2:])
+                elif message[1] == "flushed":
+                    if message[2] == self._flush_seq and pid in self._flushed:
+                        self._flushed[pid].set()
+                elif message[1] == "hello":
+                    pid = message[2]
+                    self.serving[pid] = channel
+                    log.info("FUSE worker %d serving (%d of %d)", pid,
+                             len(self.serving), self.count)
+                    if len(self.serving) >= self.count:
+                        self._all_serving.set()
+        except ChannelClosed:
+            pass
         finally:
             if pid is not None:
                 self.serving.pop(pid, None)

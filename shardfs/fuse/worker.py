@@ -1,17 +1,23 @@
 """A FUSE worker process: one more reader of the mount's FUSE connection.
 
 Forked (by the daemon's zygote) after the daemon mounted and answered INIT, so the worker
-inherits pyfuse3's initialised session and the Operations object. It then gives itself its own
-descriptor of the connection — `/dev/fuse` opened again and cloned with FUSE_DEV_IOC_CLONE,
-made non-blocking and put in place of the session's descriptor — and runs pyfuse3's loop on
-it. The kernel hands each request to whichever worker reads first; a reply goes back on the
-descriptor its request came from, and closing one clone (a worker dying) ends only that
-worker's unanswered requests. Non-blocking matters: every worker is woken for each request
-and all but one find nothing (EAGAIN), which our shim turns into "wait again".
+inherits pyfuse3's initialised session and the Operations object. The zygote gives each worker
+its own descriptor of the connection — `/dev/fuse` opened again and cloned with
+FUSE_DEV_IOC_CLONE — and keeps a copy of it; the worker makes it non-blocking, puts it in place
+of the session's descriptor and runs pyfuse3's loop on it. The kernel hands each request to
+whichever worker reads first; a reply goes back on the descriptor its request came from.
+Non-blocking matters: every worker is woken for each request and all but one find nothing
+(EAGAIN), which our shim turns into "wait again".
+
+When a worker dies, the zygote's copy keeps its clone open, so the requests it had read but not
+answered stay queued on that clone instead of being ended with ECONNABORTED; the zygote then
+writes FUSE_NOTIFY_RESEND (Linux >= 6.9), which puts every read-but-unanswered request of the
+connection back in the queue for the live workers, and closes its copy (docs/design.md).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -48,16 +54,33 @@ class WorkerSetup:
     max_tasks: int
 
 
-def clone_session_fd() -> None:
-    """Replace the session's /dev/fuse descriptor, in this process, by a non-blocking clone."""
-    session_fd = shim.session_fd()
+FUSE_NOTIFY_RESEND = 7  # enum fuse_notify_code, include/uapi/linux/fuse.h (Linux >= 6.9)
+
+
+def clone_connection() -> int:
+    """A new descriptor of the session's FUSE connection, with its own queue of read requests."""
     fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
     try:
-        fcntl.ioctl(fd, FUSE_DEV_IOC_CLONE, struct.pack("I", session_fd))
-        os.set_blocking(fd, False)
-        os.dup2(fd, session_fd, inheritable=False)
-    finally:
+        fcntl.ioctl(fd, FUSE_DEV_IOC_CLONE, struct.pack("I", shim.session_fd()))
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
+
+
+def serve_on(clone_fd: int) -> None:
+    """Make `clone_fd` (from clone_connection) this process's session descriptor, non-blocking."""
+    os.set_blocking(clone_fd, False)
+    os.dup2(clone_fd, shim.session_fd(), inheritable=False)
+    os.close(clone_fd)
+
+
+def resend_unanswered(fd: int) -> None:
+    """Have the kernel queue again every request of the connection that a reader of any of its
+    descriptors took but has not answered (a notification: fuse_out_header, unique 0, the code
+    in the error field). A late answer to an original then fails with ENOENT, so each request
+    is answered once. OSError(EINVAL) where the kernel has no FUSE_NOTIFY_RESEND."""
+    os.write(fd, struct.pack("=IiQ", 16, FUSE_NOTIFY_RESEND, 0))
 
 
 async def _serve(setup: WorkerSetup) -> None:
@@ -88,14 +111,24 @@ async def _serve(setup: WorkerSetup) -> None:
         nursery.cancel_scope.cancel()
 
 
-def run_worker(setup: WorkerSetup) -> int:
-    """The body of a forked worker process; returns its exit status."""
+def _not_a_late_answer(record: logging.LogRecord) -> bool:
+    """pyfuse3 logs an error when the kernel refuses an answer with ENOENT: the request was
+    queued again after a worker died (resend_unanswered) and its new copy is answered instead,
+    or it was interrupted. Expected, not an error: keep such records out of the log."""
+    return not ("fuse_reply_" in str(record.msg)
+                and record.getMessage().endswith("failed with " + os.strerror(errno.ENOENT)))
+
+
+def run_worker(setup: WorkerSetup, clone_fd: int) -> int:
+    """The body of a forked worker process, serving on `clone_fd` (from clone_connection);
+    returns its exit status."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the daemon's to handle
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    logging.getLogger("pyfuse3").addFilter(_not_a_late_answer)
     try:
-        clone_session_fd()
+        serve_on(clone_fd)
         trio.run(_serve, setup)
     except Exception:
         log.exception("FUSE worker %d failed", os.getpid())
