@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -135,6 +136,23 @@ def test_complete_shards_are_read_in_c_and_counted(nodedata, mounter: Mounter, w
     assert after["bytes_served"] - before["bytes_served"] == nodedata.nbytes
     assert after["reader"]["cache_hits"] - before["reader"]["cache_hits"] == reads
     assert after["disk_reads"]["threaded"] == before["disk_reads"]["threaded"]
+
+
+def test_a_stranger_on_the_worker_socket_is_not_a_worker(nodedata, mounter: Mounter):
+    """Another process of the same user that connects to the workers' socket and leaves is
+    turned away: no worker counted for it, none restarted when it goes."""
+    m = mounter.mount(file_sources(nodedata), None, None, "--no-warm", "--workers", "2")
+    before = m.stats()
+    address = "\0" + before["control_socket"].lstrip("@") + "/workers"
+    for _ in range(3):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(address)
+            s.sendall(b"\0" * 64)  # no valid message either
+    time.sleep(1.0)
+    assert_all_right(nodedata, m.mountpoint)
+    after = m.stats()
+    assert after["workers"] == before["workers"]
+    assert after["worker_restarts"] == before["worker_restarts"] == 0
 
 
 def test_reads_do_not_wait_for_a_stalled_whole_shard_fetch(nodedata, nginx: Nginx,

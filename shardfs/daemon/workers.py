@@ -10,7 +10,8 @@ Process layout with `--workers N` (N > 1):
         ├── ...           one that died), so workers never come from a threaded process
         └── worker N      each serves FUSE requests on its own clone of the connection
 
-Workers connect to the daemon's worker socket (abstract namespace, same user only) and send
+Workers connect to the daemon's worker socket (abstract namespace; only the zygote's children
+are served) and send
 `read` calls for bytes not yet on disk plus batched notes of the reads they served themselves.
 
 The zygote clones the FUSE connection for each worker and holds a copy of that descriptor
@@ -29,6 +30,7 @@ import signal
 import socket
 import struct
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -39,6 +41,21 @@ from shardfs.read.reader import Reader, ReadError
 from shardfs.util.rpc import Channel, ChannelClosed
 
 log = logging.getLogger(__name__)
+
+
+def _peer_pid(sock: socket.socket) -> int:
+    """The pid of the process at the other end of a Unix socket."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[0]
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent pid of a live process (from /proc), or None."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    return int(stat.rsplit(b")", 1)[1].split()[1])  # the name may hold spaces and ')'
 
 
 def worker_address(control_address: str) -> str:
@@ -263,7 +280,10 @@ class WorkerPool:
     async def _accept(self, sock: trio.socket.SocketType, nursery: trio.Nursery) -> None:
         while True:
             conn, _ = await sock.accept()
-            if not peer_allowed(conn):  # type: ignore[arg-type]
+            # Only the zygote's children are workers: another process of the same user that
+            # connects (and leaves) must not count as a worker, nor its leaving as a death.
+            worker = _parent_of(_peer_pid(conn)) == self.zygote.pid  # type: ignore[arg-type]
+            if not worker or not peer_allowed(conn):  # type: ignore[arg-type]
                 conn.close()
                 continue
             nursery.start_soon(self._serve_worker, Channel(trio.SocketStream(conn)))
