@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -193,19 +194,37 @@ def test_reads_do_not_wait_for_a_stalled_whole_shard_fetch(nodedata, nginx: Ngin
 
 
 # -- worker processes ------------------------------------------------------------------------
+def _open_files_limit(pid: int) -> tuple[str, str]:
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return soft, hard
+    raise AssertionError("no open files limit")
+
+
 def mount_pids(m) -> tuple[int, list[int]]:
     stats = m.stats()
     return stats["pid"], stats["workers"]
 
 
 def test_workers_serve_one_mount_and_stats_add_up(nodedata, mounter: Mounter):
-    m = mounter.mount(file_sources(nodedata), None, None, "--no-warm", "--workers", "3")
+    # Started with the usual soft limit of open files (the daemon raises it to the hard one).
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, limits[1]), limits[1]))
+    try:
+        m = mounter.mount(file_sources(nodedata), None, None, "--no-warm", "--workers", "3")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
     daemon, workers = mount_pids(m)
     assert daemon == m.pid and len(workers) == 3
     for pid in workers:
         assert pid_alive(pid)
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
         assert b"shardfs" in cmd
+        # One descriptor per cached shard and process: the soft limit is raised to the hard.
+        assert _open_files_limit(pid) == _open_files_limit(daemon)
+    soft, hard = _open_files_limit(daemon)
+    assert soft == hard or (hard == "unlimited" and int(soft) > 1024)
     assert_all_right(nodedata, m.mountpoint, threads=12)
     # A shard whose first reads were member reads (its fetch queued for a slot) may start its
     # fetch just after the last read: wait for it, then check there is exactly one per shard.

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import resource
 import signal
 import time
 from collections import deque
@@ -253,12 +255,25 @@ async def _interruptible(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
     return result
 
 
+def _raise_fd_limit() -> None:
+    """Descriptors: each process of a mount keeps one per shard it reads from the cache (the
+    cache's own, and one more for the reads answered in C), so a dataset of thousands of
+    shards needs more than the usual soft limit of 1024. Raise it to the hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def run(cfg: MountConfig, cache: ShardCache, on_ready: Callable[[str], None]) -> None:
     """Index, mount and serve until unmounted or signalled (the daemon's whole life).
 
     Three phases: the catalog (a trio loop of its own: network, indexing), the mount (no loop:
     with workers, INIT is answered and the worker zygote forked here, before any thread of
     the serving loop exists), then serving (a second trio loop)."""
+    _raise_fd_limit()
     indexing_sources = Sources(cfg.settings)
     catalog = trio.run(_interruptible, _open_catalog, cfg, cache, indexing_sources)
     ops = ShardFS(catalog.tree, None, [s.url for s in catalog.shards], uid=cfg.uid,
