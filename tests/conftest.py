@@ -23,6 +23,13 @@ from tests.nginx_fixture import nginx  # noqa: F401  (re-exported fixture)
 SHARDFS = [sys.executable, "-m", "shardfs"]
 
 
+# Tests of what only the pyfuse3 shim provides (no OPEN, metadata and reads in C, worker
+# processes) skip when it is turned off: `SHARDFS_NO_SHIM=1 python -m pytest` runs the rest of
+# the suite on the path without it (docs/testing.md).
+needs_shim = pytest.mark.skipif(bool(os.environ.get("SHARDFS_NO_SHIM")),
+                                reason="needs the pyfuse3 shim (SHARDFS_NO_SHIM is set)")
+
+
 def _mounted(path: str) -> bool:
     with open("/proc/mounts") as f:
         return any(line.split()[1] == path for line in f)

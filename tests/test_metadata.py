@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Mounter
+from tests.conftest import Mounter, needs_shim
 
 BIG_DIR = 2500  # entries: several READDIR replies, and lookups deep in a binary search
 
@@ -84,6 +84,7 @@ def _errors(mnt: Path) -> dict[str, int]:
     return out
 
 
+@needs_shim
 def test_metadata_in_c_matches_the_python_handlers(shards: list[str], mounter: Mounter,
                                                    monkeypatch: pytest.MonkeyPatch):
     in_c = mounter.mount(shards, None, None, "--no-warm", "--workers", "1")

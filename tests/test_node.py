@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from shardfs.devtools.nginx import Nginx
-from tests.conftest import Mounter
+from tests.conftest import Mounter, needs_shim
 from tests.faultproxy import Fault, FaultProxy
 from tests.reliability import RandomDataset, make_dataset, pid_alive, read_all
 
@@ -64,6 +64,7 @@ def drop_pages(path: Path) -> None:
         os.close(fd)
 
 
+@needs_shim
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_rereads_never_reach_the_daemon(nodedata, mounter: Mounter, workers: str):
     m = mounter.mount(file_sources(nodedata), None, None, "--no-warm", "--workers", workers)
@@ -113,6 +114,7 @@ def test_cache_file_reads_that_would_block_go_to_threads(nodedata, mounter: Moun
     assert after["threaded"] > before["threaded"], (before, after)
 
 
+@needs_shim
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_complete_shards_are_read_in_c_and_counted(nodedata, mounter: Mounter, workers: str):
     m = mounter.mount(file_sources(nodedata), None, None, "--no-warm", "--workers", workers,
@@ -139,6 +141,7 @@ def test_complete_shards_are_read_in_c_and_counted(nodedata, mounter: Mounter, w
     assert after["disk_reads"]["threaded"] == before["disk_reads"]["threaded"]
 
 
+@needs_shim
 def test_a_stranger_on_the_worker_socket_is_not_a_worker(nodedata, mounter: Mounter):
     """Another process of the same user that connects to the workers' socket and leaves is
     turned away: no worker counted for it, none restarted when it goes."""
@@ -207,6 +210,7 @@ def mount_pids(m) -> tuple[int, list[int]]:
     return stats["pid"], stats["workers"]
 
 
+@needs_shim
 def test_workers_serve_one_mount_and_stats_add_up(nodedata, mounter: Mounter):
     # Started with the usual soft limit of open files (the daemon raises it to the hard one).
     limits = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -256,6 +260,7 @@ def resend_available(m) -> bool:
     return "has no FUSE_NOTIFY_RESEND" not in said and "no pidfd_open" not in said
 
 
+@needs_shim
 def test_reads_a_killed_worker_held_are_answered_by_the_others(nodedata, nginx: Nginx,
                                                                mounter: Mounter):
     """Every GET stalls, so each read waits in a worker for the daemon's bytes; then every
@@ -292,6 +297,7 @@ def test_reads_a_killed_worker_held_are_answered_by_the_others(nodedata, nginx: 
         assert m.stats()["worker_restarts"] >= len(workers)
 
 
+@needs_shim
 def test_worker_killed_three_times_mid_read_loses_nothing(nodedata, nginx: Nginx,
                                                          mounter: Mounter):
     """Checked full reads (the mount's page cache dropped before each) while a worker is
@@ -344,6 +350,7 @@ def test_worker_killed_three_times_mid_read_loses_nothing(nodedata, nginx: Nginx
         assert_all_right(nodedata, m.mountpoint, threads=8)  # the mount goes on as before
 
 
+@needs_shim
 def test_unmount_from_outside_ends_every_process(nodedata, mounter: Mounter):
     m = mounter.mount(file_sources(nodedata), None, None, "--no-warm", "--workers", "2")
     daemon, workers = mount_pids(m)
@@ -354,6 +361,7 @@ def test_unmount_from_outside_ends_every_process(nodedata, mounter: Mounter):
     assert "was unmounted (shardfs umount" in logs(m)
 
 
+@needs_shim
 def test_sigterm_to_the_daemon_unmounts_and_stops_workers(nodedata, mounter: Mounter):
     m = mounter.mount(file_sources(nodedata), None, None, "--no-warm", "--workers", "2")
     daemon, workers = mount_pids(m)
