@@ -274,21 +274,29 @@ def run_meta(args: argparse.Namespace) -> dict:
         mnt, cache = work / "mnt", work / "cache"
         mnt.mkdir()
         Mount(sources, mnt, cache, args.workers).close()  # index once
-        drop_caches()
-        rec = {"files": args.meta, "ext4": _timed_walk(src)}
         t0 = time.monotonic()
         mount = Mount(sources, mnt, cache, args.workers)
-        rec["remount_s"] = round(time.monotonic() - t0, 3)
+        remount = round(time.monotonic() - t0, 3)
+        runs: list[dict] = []
         try:
-            drop_caches()
-            rec["shardfs"] = _timed_walk(mnt)
+            # ext4 and shardfs in turns, each after drop_caches; the median run counts.
+            for _ in range(args.meta_runs):
+                drop_caches()
+                ext4 = _timed_walk(src)
+                drop_caches()
+                runs.append({"ext4": ext4, "shardfs": _timed_walk(mnt)})
         finally:
             mount.close()
-        rec["walk_ratio"] = round(rec["shardfs"]["walk_s"] / rec["ext4"]["walk_s"], 2)
-        rec["imagefolder_ratio"] = round(
-            rec["shardfs"]["imagefolder_s"] / rec["ext4"]["imagefolder_s"], 2)
-        print(f"  meta {args.meta} files: os.walk {rec['walk_ratio']}x ext4, ImageFolder "
-              f"{rec['imagefolder_ratio']}x ext4, remount {rec['remount_s']} s", flush=True)
+        for run_ in runs:
+            run_["walk_ratio"] = round(run_["shardfs"]["walk_s"] / run_["ext4"]["walk_s"], 2)
+            run_["imagefolder_ratio"] = round(
+                run_["shardfs"]["imagefolder_s"] / run_["ext4"]["imagefolder_s"], 2)
+        median = sorted(runs, key=lambda r: r["walk_ratio"])[len(runs) // 2]
+        rec = {"files": args.meta, **median, "remount_s": remount, "runs": runs}
+        print(f"  meta {args.meta} files (median of {len(runs)}): os.walk "
+              f"{rec['walk_ratio']}x ext4, ImageFolder {rec['imagefolder_ratio']}x ext4 "
+              f"(all: {[r['walk_ratio'] for r in runs]}, "
+              f"{[r['imagefolder_ratio'] for r in runs]}), remount {remount} s", flush=True)
         return rec
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -347,9 +355,12 @@ def render(record: dict, command: str) -> str:
         lines += ["", f"Metadata after `drop_caches`, {meta['files']:,} files in 1,000 "
                   f"directories: `os.walk` {s['walk_s']} s vs ext4 {e['walk_s']} s "
                   f"({meta['walk_ratio']}x); `ImageFolder(root)` {s['imagefolder_s']} s vs "
-                  f"{e['imagefolder_s']} s ({meta['imagefolder_ratio']}x); remount with "
-                  f"the index cached {meta['remount_s']} s (the `shardfs mount` command, "
-                  "start to ready)."]
+                  f"{e['imagefolder_s']} s ({meta['imagefolder_ratio']}x); the median of "
+                  f"{len(meta.get('runs', [meta]))} runs in turns (os.walk ratios "
+                  f"{[r['walk_ratio'] for r in meta.get('runs', [meta])]}, ImageFolder "
+                  f"{[r['imagefolder_ratio'] for r in meta.get('runs', [meta])]}); remount "
+                  f"with the index cached {meta['remount_s']} s (the `shardfs mount` "
+                  "command, start to ready)."]
     lines += ["", MARK_END]
     return "\n".join(lines)
 
@@ -373,6 +384,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1, help="shardfs --workers")
     p.add_argument("--meta", type=int, default=0,
                    help="also time os.walk/ImageFolder over this many empty files (0: skip)")
+    p.add_argument("--meta-runs", type=int, default=3,
+                   help="metadata: ext4 and shardfs walked this many times in turns (median)")
     p.add_argument("--skip-reads", action="store_true", help="only the metadata part")
     p.add_argument("--workdir", default=None, help="where data, shards and caches go")
     p.add_argument("--out", default="bench/out", help="where the JSON record goes")
