@@ -401,33 +401,40 @@ class Lookahead:
         self._nursery.start_soon(self._fetch, group)
 
     async def _fetch(self, group: list[_Slot]) -> None:
-        shard = group[0].shard
-        lo = min(s.start for s in group)
-        hi = max(s.end for s in group)
+        order = sorted(group, key=lambda s: s.start)
+        shard, lo, hi = order[0].shard, order[0].start, max(s.end for s in order)
         info = self.shards[shard]
         stats = self.stats
-        landed = False
+        got = bytearray()
+        done = 0  # members of `order` complete in `got`
         try:
             source = self.sources.for_url(info.url)
-            data = b"".join([chunk async for chunk in source.stream(info, lo, hi)])
-            stats.requests += 1
-            stats.bytes_fetched += len(data)
-            if len(data) != hi - lo:
-                raise SourceError(f"{info.url}: {len(data)} bytes for range [{lo}, {hi})")
+            async with contextlib.aclosing(source.stream(info, lo, hi)) as chunks:
+                async for chunk in chunks:
+                    got += chunk
+                    # A member is readable once its bytes are in, not when the whole GET is:
+                    # a read waiting on it does not wait for the neighbours fetched with it.
+                    while done < len(order) and order[done].end - lo <= len(got):
+                        slot = order[done]
+                        done += 1
+                        if slot.state == _INFLIGHT:
+                            self._hold(slot, got, lo)
+                            slot.state = _READY
+                            assert slot.event is not None
+                            slot.event.set()
+            if len(got) != hi - lo:
+                raise SourceError(f"{info.url}: {len(got)} bytes for range [{lo}, {hi})")
             stats.gap_bytes += max(0, (hi - lo) - sum(s.size for s in group))
-            for slot in group:
-                if slot.state == _INFLIGHT:
-                    self._hold(slot, data, lo)
-                    slot.state = _READY
-            landed = True
         except (SourceError, OSError) as exc:
             stats.errors += 1
             log.warning("lookahead: reading %s [%d, %d) failed: %s; its reads fall back",
                         info.url, lo, hi, exc)
         finally:
+            stats.requests += 1
+            stats.bytes_fetched += len(got)
             self._requests -= 1
             for slot in group:
-                if slot.state == _GONE or not landed:
+                if slot.state in (_INFLIGHT, _GONE):  # not landed, or dropped in flight
                     self._drop(slot, stale=False)
                     self._release(slot)
                 assert slot.event is not None
@@ -493,20 +500,23 @@ class Lookahead:
                 return None
         return self.arena.path, self.arena.total, self.arena.size
 
-    def _hold(self, slot: _Slot, data: bytes, lo: int) -> None:
+    def _hold(self, slot: _Slot, data: bytearray, lo: int) -> None:
         """Keep a fetched member's bytes: in the arena when shared and there is room."""
-        arena = self.arena
-        if arena is not None:
-            at = arena.alloc(slot.size)
-            if at is not None:
-                arena.view[at : at + slot.size] = memoryview(data)[slot.start - lo : slot.end - lo]
-                slot.arena_off, slot.gen = at, arena.gen(at)
-                self.landed.append((slot.shard, slot.start, at, slot.gen))
-                self.published.set()
-                return
-            self.stats.unshared += 1
-        slot.data = data if slot.start == lo and slot.end == lo + len(data) else \
-            data[slot.start - lo : slot.end - lo]
+        part = memoryview(data)[slot.start - lo : slot.end - lo]
+        try:
+            arena = self.arena
+            if arena is not None:
+                at = arena.alloc(slot.size)
+                if at is not None:
+                    arena.view[at : at + slot.size] = part
+                    slot.arena_off, slot.gen = at, arena.gen(at)
+                    self.landed.append((slot.shard, slot.start, at, slot.gen))
+                    self.published.set()
+                    return
+                self.stats.unshared += 1
+            slot.data = bytes(part)
+        finally:
+            part.release()  # `data` grows on: it must not stay exported
 
     def snapshot(self) -> dict[str, int]:
         return {**asdict(self.stats), "buffer_bytes": self.policy.buffer_bytes,
