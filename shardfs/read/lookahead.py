@@ -164,7 +164,7 @@ class Lookahead:
         self.arena: Arena | None = None
         self.landed: list[tuple[int, int, int, int]] = []  # (shard, member off, arena off, gen)
         self.gone: list[tuple[int, int, int, int]] = []  # (shard, member off, arena off, gen)
-        self.published = trio.Event()  # set when landed or gone has news
+        self.published = trio.Event()  # set when members landed (or an arena is due)
 
     # -- streams ---------------------------------------------------------------------------
     def open_stream(self, peer: str = "") -> Stream:
@@ -478,8 +478,8 @@ class Lookahead:
         if slot.arena_off >= 0:
             assert self.arena is not None
             self.arena.free(slot.arena_off, slot.size)
+            # Told with the next landing (a stale location is never read: see arena.py).
             self.gone.append((slot.shard, slot.start, slot.arena_off, slot.gen))
-            self.published.set()
             slot.arena_off = -1
             self._trim()
 
