@@ -12,6 +12,10 @@ worker at a time:
   fetched before being read anyway), when the bytes between them are at most `coalesce_gap`
   and 1/`gap_ratio` of the member joined (the tar headers between neighbours): fewer, larger
   requests, nearly no extra bytes.
+- A member is readable as soon as its own bytes of the GET are in. With FUSE worker processes
+  the bytes wait in a shared arena (shardfs/read/arena.py) that the workers read themselves:
+  the daemon publishes where each member landed (`landed`, `gone`) and learns which were read
+  from `taken`; otherwise, and for members the arena has no room for, in daemon RAM.
 - Fetched bytes wait in RAM until read. Bytes held plus bytes in flight never exceed
   `buffer_bytes`: when the announced window is longer than the buffer holds, fetching pauses
   until reads consume (and so free) buffered members; it paces itself on consumption.
