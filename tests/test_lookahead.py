@@ -293,3 +293,21 @@ def test_lookahead_off_passes_through(dataset, nginx, mounter: Mounter):
     for i in order[:10]:
         read_bytes(ds.samples[i][0])
     assert m.stats()["reader"]["member_fetches"] > 0  # today's policy, unchanged
+
+
+def test_daemon_gone_mid_epoch_keeps_the_order_with_a_warning(dataset, nginx, mounter: Mounter):
+    """Announcements do not wait for replies; a daemon that went away shows up at the next one
+    (its connection is closed) and the sampler reads on unannounced, in the same order."""
+    m = mount_small(dataset, nginx, mounter)
+    ds = folder(m)
+    sampler = Lookahead(RandomSampler(ds, generator=gen(5)), window=8)  # announces every 2
+    expected = list(RandomSampler(ds, generator=gen(5)))
+    it = iter(sampler)
+    got = [next(it) for _ in range(4)]
+    assert m.stats()["lookahead"]["connections"] == 1
+    m.unmount()  # the daemon exits: the announce connection closes
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got += list(it)
+    assert got == expected
+    assert any("reading on without lookahead" in str(w.message) for w in caught)
