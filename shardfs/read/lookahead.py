@@ -166,6 +166,7 @@ class Lookahead:
         # Shared with FUSE worker processes (see share()): fetched members go to the arena, and
         # where they are (or that they are gone) is published for the workers.
         self.arena: Arena | None = None
+        self._no_arena = False  # making one failed
         self.landed: list[tuple[int, int, int, int]] = []  # (shard, member off, arena off, gen)
         self.gone: list[tuple[int, int, int, int]] = []  # (shard, member off, arena off, gen)
         self.published = trio.Event()  # set when members landed (or an arena is due)
@@ -497,9 +498,12 @@ class Lookahead:
         """Keep fetched members in shared memory from now on; (path, total, data size) for
         ArenaView, or None when no arena can be made (members stay in daemon RAM)."""
         if self.arena is None:
+            if self._no_arena:
+                return None
             try:
                 self.arena = Arena(self.policy.buffer_bytes)
             except OSError as exc:
+                self._no_arena = True  # said once; not tried again
                 log.warning("lookahead: no shared arena (%s); workers get bytes by socket", exc)
                 return None
         return self.arena.path, self.arena.total, self.arena.size
