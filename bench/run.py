@@ -171,8 +171,12 @@ class Bench:
         self.nginx.reset_log()
         before = c.stats()
         cpu0 = procs.cpu_seconds(c.pid)
+        # FUSE worker processes (shardfs --workers) serve reads too: their CPU counts apart.
+        worker_pids = (before or {}).get("workers") or []
+        wcpu0 = {pid: procs.cpu_seconds(pid) for pid in worker_pids}
         e = self.epoch(c.spec(ctx, decode), self.args.epoch_limit)
         cpu1 = procs.cpu_seconds(c.pid)
+        wcpu1 = {pid: procs.cpu_seconds(pid) for pid in worker_pids}
         t = self.traffic()
         e.update(requests=t["requests"], nginx_bytes=t["bytes"], http_errors=t["errors"])
         e["decode"] = decode
@@ -182,6 +186,9 @@ class Bench:
             e["bytes_read"] = e["bytes"]
         e["daemon_cpu_s"] = round(cpu1 - cpu0, 3) if cpu0 is not None and cpu1 is not None \
             else None
+        if worker_pids:
+            e["workers_cpu_s"] = round(sum(wcpu1[p] - wcpu0[p] for p in worker_pids
+                                           if wcpu0[p] is not None and wcpu1[p] is not None), 3)
         stats = c.stats()
         if stats is not None:
             e["shardfs_stats"] = stats

@@ -79,9 +79,13 @@ def announce(address: str, message: dict, sock: socket.socket | None = None) -> 
             sock.close()
 
 
-def test_order_identical_and_reads_served_from_the_buffer(dataset, nginx, mounter: Mounter):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_order_identical_and_reads_served_from_the_buffer(dataset, nginx, mounter: Mounter,
+                                                          workers: int):
     # The announced window (every file) is longer than the buffer holds: fetching is paced.
-    m = mount_small(dataset, nginx, mounter, "--lookahead-buffer", "256KiB")
+    # With FUSE workers, they read the members from the daemon's shared arena themselves.
+    m = mount_small(dataset, nginx, mounter, "--lookahead-buffer", "256KiB",
+                    "--workers", str(workers))
     ds = folder(m)
     local = {p.relative_to(dataset.root / "train").as_posix(): p.read_bytes()
              for p in (dataset.root / "train").rglob("*") if p.is_file()}
@@ -108,6 +112,10 @@ def test_order_identical_and_reads_served_from_the_buffer(dataset, nginx, mounte
     fetched = after["bytes_fetched"] - before["bytes_fetched"]
     assert fetched <= 1.15 * served, json.dumps([fetched, served, la])
     assert la["peak_buffered_bytes"] <= la["buffer_bytes"] + 64 * 1024  # + urgent reads
+    if workers > 1:
+        assert la["shared_hits"] >= 0.5 * hits, la
+    else:
+        assert la["shared_hits"] == 0
     assert after["reader"]["eio"] == 0
 
     # The order alone, two epochs: the generator moves on in both alike.
@@ -285,3 +293,21 @@ def test_lookahead_off_passes_through(dataset, nginx, mounter: Mounter):
     for i in order[:10]:
         read_bytes(ds.samples[i][0])
     assert m.stats()["reader"]["member_fetches"] > 0  # today's policy, unchanged
+
+
+def test_daemon_gone_mid_epoch_keeps_the_order_with_a_warning(dataset, nginx, mounter: Mounter):
+    """Announcements do not wait for replies; a daemon that went away shows up at the next one
+    (its connection is closed) and the sampler reads on unannounced, in the same order."""
+    m = mount_small(dataset, nginx, mounter)
+    ds = folder(m)
+    sampler = Lookahead(RandomSampler(ds, generator=gen(5)), window=8)  # announces every 2
+    expected = list(RandomSampler(ds, generator=gen(5)))
+    it = iter(sampler)
+    got = [next(it) for _ in range(4)]
+    assert m.stats()["lookahead"]["connections"] == 1
+    m.unmount()  # the daemon exits: the announce connection closes
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got += list(it)
+    assert got == expected
+    assert any("reading on without lookahead" in str(w.message) for w in caught)

@@ -7,11 +7,13 @@ a full buffer, dropping streams whose announcements do not match their reads, cl
 from __future__ import annotations
 
 import io
+import os
 import tarfile
 from pathlib import Path
 
 import trio
 
+from shardfs.read.arena import BLOCK, Arena, ArenaView
 from shardfs.read.lookahead import Lookahead, LookaheadPolicy
 from shardfs.sources import ShardInfo, Sources
 
@@ -143,3 +145,66 @@ def test_a_read_of_an_entry_not_yet_fetched_fetches_it_now(tmp_path: Path):
         assert la.stats.urgent == 1
 
     run(tmp_path, LookaheadPolicy(buffer_bytes=50_000), body)
+
+
+def test_shared_arena_serves_members_and_publishes_where_they_are(tmp_path: Path):
+    """As FUSE workers use it: members land in the arena, a second mapping (as a worker maps
+    it) copies them out, `taken` counts those reads, and what is freed is published as gone."""
+
+    async def body(la, members, content):
+        where = la.share()
+        assert where is not None
+        view = ArenaView(*where)
+        stream = la.open_stream()
+        stream.announce(members)
+        ahead: dict[tuple[int, int], tuple[int, int]] = {}
+        for ref in members[:30]:
+            shard, off, size = ref
+            with trio.fail_after(30):
+                while (shard, off) not in ahead:  # what the daemon tells the workers
+                    await la.published.wait()
+                    la.published = trio.Event()
+                    for s, o, at, gen in la.landed:
+                        ahead[s, o] = (at, gen)
+                    la.landed = []
+            at, gen = ahead[shard, off]
+            assert view.copy(at, gen, 0, size) == content[ref]
+            la.taken(shard, off, at, size)  # served in full: freed and published as gone
+            assert (shard, off, at, gen) in la.gone
+            assert view.copy(at, gen, 0, size) is None  # a stale location is never read
+        # The rest is read by the daemon itself, from the arena too.
+        await take_all(la, members[30:], content)
+        stream.close()  # the last stream gone, the arena empty: its memory is given back
+        assert os.fstat(la.arena.fd).st_blocks * 512 <= la.arena.total - la.arena.size + BLOCK
+
+    la = run(tmp_path, LookaheadPolicy(buffer_bytes=200_000), body)
+    assert la.stats.shared_hits == 30 and la.stats.hits == 60 and la.stats.unshared == 0
+    assert la.stats.buffered_bytes == 0
+    assert la.arena is not None and la.arena.used == 0
+
+
+def test_arena_allocates_frees_and_joins_runs():
+    arena = Arena(10 * BLOCK)
+    try:
+        view = ArenaView(arena.path, arena.total, arena.size)
+        a, b, c = arena.alloc(3 * BLOCK), arena.alloc(1), arena.alloc(5 * BLOCK)
+        assert (a, b, c) == (0, 3 * BLOCK, 4 * BLOCK)
+        assert arena.alloc(2 * BLOCK) is None  # 1 block left
+        arena.view[b : b + 5] = b"hello"
+        gen = arena.gen(b)
+        assert view.copy(b, gen, 1, 4) == b"ell"
+        arena.free(b, 1)
+        assert view.copy(b, gen, 1, 4) is None
+        arena.free(a, 3 * BLOCK)  # joins the freed block after it: 4 blocks from 0
+        assert arena.alloc(4 * BLOCK) == 0
+        arena.free(0, 4 * BLOCK)
+        arena.free(c, 5 * BLOCK)  # joins both sides: one run again
+        assert arena.alloc(10 * BLOCK) == 0 and arena.used == 10 * BLOCK
+        arena.view[: arena.size] = b"x" * arena.size
+        held = os.fstat(arena.fd).st_blocks
+        arena.free(0, 10 * BLOCK)
+        arena.trim()  # the memory goes back; generations stay
+        assert os.fstat(arena.fd).st_blocks < held
+        assert bytes(arena.view[:3]) == bytes(3) and arena.gen(0) == 3  # freed three times
+    finally:
+        arena.close()

@@ -265,6 +265,25 @@ def test_stream_is_byte_exact(nginx: Nginx) -> None:
     assert sum(r.range == f"bytes=0-{SIZE - 1}" for r in log) == 1
 
 
+def test_sequential_ranged_streams_reuse_one_connection(nginx: Nginx) -> None:
+    """A ranged answer read to its last byte leaves its connection in the pool (reading it
+    stopped just short of the body's end used to close it: one TCP connection per GET)."""
+    data = put(nginx.root, "a.tar")
+    with proxy_for(nginx) as proxy:
+
+        async def check(source: HttpSource) -> None:
+            shard = await source.stat(f"{proxy.url}/a.tar")
+            for start in range(0, 20 * 3000, 3000):
+                assert await read(source, shard, start, start + 2500) == data[start:start + 2500]
+            # A whole shard read over several chunks, then more ranges: still the same one.
+            assert await read(source, shard) == data
+            assert await read(source, shard, 7, 99) == data[7:99]
+
+        with_http(check)
+        assert proxy.connections_accepted == 1
+        assert len(proxy.requests) == 23
+
+
 def test_stream_sends_validators(nginx: Nginx) -> None:
     put(nginx.root, "a.tar")
     with proxy_for(nginx) as proxy:

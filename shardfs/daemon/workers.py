@@ -253,6 +253,7 @@ class WorkerPool:
         self.restarts = 0
         self.opens = 0  # OPEN requests the workers answered
         self._all_serving = trio.Event()
+        self._sharing: set[Channel] = set()  # workers that map the lookahead arena
         self._unmounted = trio.Event()
         self._calls: trio.Nursery  # run()'s: answers to the workers' calls
 
@@ -270,6 +271,7 @@ class WorkerPool:
         async with trio.open_nursery() as nursery:
             self._calls = nursery
             nursery.start_soon(self._accept, sock, nursery)
+            nursery.start_soon(self._publish_lookahead)
             for _ in range(self.count):
                 await self.zygote.spawn()
             await self._all_serving.wait()
@@ -301,12 +303,16 @@ class WorkerPool:
                     self._calls.start_soon(self._answer, channel, message[1], message[2:])
                 elif message[1] == "reads":
                     self._note_reads(*message[2:])
+                elif message[1] == "taken" and self.reader.lookahead is not None:
+                    for taken in message[2]:
+                        self.reader.lookahead.taken(*taken)
                 elif message[1] == "flushed":
                     if message[2] == self._flush_seq and pid in self._flushed:
                         self._flushed[pid].set()
                 elif message[1] == "hello":
                     pid = message[2]
                     self.serving[pid] = channel
+                    await self._share_lookahead(channel)
                     log.info("FUSE worker %d serving (%d of %d)", pid,
                              len(self.serving), self.count)
                     if len(self.serving) >= self.count:
@@ -314,6 +320,7 @@ class WorkerPool:
         except ChannelClosed:
             pass
         finally:
+            self._sharing.discard(channel)
             if pid is not None:
                 self.serving.pop(pid, None)
                 flushed = self._flushed.pop(pid, None)
@@ -321,6 +328,36 @@ class WorkerPool:
                     flushed.set()
             await channel.aclose()
             await self._worker_gone(pid)
+
+    async def _share_lookahead(self, channel: Channel) -> None:
+        """Give a worker the lookahead arena (once there is one), so that it serves announced
+        members itself."""
+        arena = self.reader.lookahead.arena if self.reader.lookahead is not None else None
+        if arena is not None and channel not in self._sharing:
+            self._sharing.add(channel)
+            with contextlib.suppress(ChannelClosed):
+                await channel.send(("arena", arena.path, arena.total, arena.size))
+
+    async def _publish_lookahead(self) -> None:
+        """Make the lookahead arena when a training process first announces, and tell the
+        workers where it is, which members landed in it and which left it."""
+        lookahead = self.reader.lookahead
+        if lookahead is None:
+            return
+        while True:
+            await lookahead.published.wait()
+            lookahead.published = trio.Event()
+            if lookahead.arena is None and lookahead.stats.connections:
+                lookahead.share()
+            for channel in list(self.serving.values()):
+                await self._share_lookahead(channel)
+            if not (lookahead.landed or lookahead.gone):
+                continue
+            message = ("lookahead", lookahead.landed, lookahead.gone)
+            lookahead.landed, lookahead.gone = [], []
+            for channel in list(self._sharing):
+                with contextlib.suppress(ChannelClosed):
+                    await channel.send(message)
 
     async def flush(self, timeout: float = 5.0) -> None:
         """Have every worker send the notes of the reads it served so far (so that stats

@@ -10,6 +10,8 @@ in batches, so its working set, LRU order and stats see every read of every work
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -17,11 +19,13 @@ from pathlib import Path
 import trio
 
 from shardfs.fuse.fastread import FastReads
+from shardfs.read.arena import ArenaView
 from shardfs.read.diskread import DiskReads
 from shardfs.read.reader import ReadError
 from shardfs.read.states import COMPLETE, NONE, ShardStates
 from shardfs.util.rpc import Caller, ChannelClosed
 
+log = logging.getLogger(__name__)
 NOTE_INTERVAL = 0.05  # seconds between batches of read notes to the daemon
 
 
@@ -42,6 +46,12 @@ class RemoteReader:
         self._sent = (0, 0, 0, 0)  # disk reads inline, threaded, in C; opens: as last sent
         self.opens: Callable[[], int] = lambda: 0  # OPEN requests this worker answered
         self.fast: FastReads | None = None  # reads answered in C, reported with ours
+        # Members the daemon fetched ahead (shardfs.torch.Lookahead) in the shared arena:
+        # (shard, member offset) -> (arena offset, generation); see shardfs/read/arena.py.
+        self.arena: ArenaView | None = None
+        self._ahead: dict[tuple[int, int], tuple[int, int]] = {}
+        self._taken: list[tuple[int, int, int, int]] = []  # arena reads not yet told
+        self._taken_news = trio.Event()
 
     # -- descriptors of cache files ----------------------------------------------------------
     def _open(self, shard: int, complete: bool) -> int | None:
@@ -93,6 +103,18 @@ class RemoteReader:
         if fd is not None:
             self._note(shard, size)
             return await self.disk.pread(fd, size, start)
+        if self._ahead:
+            where = self._ahead.get((shard, member_off))
+            if where is not None:
+                assert self.arena is not None
+                data = self.arena.copy(where[0], where[1], off, off + size)
+                if data is not None:
+                    self._shards.append(shard)
+                    self._bytes += size
+                    self._taken.append((shard, member_off, where[0], size))
+                    self._taken_news.set()
+                    return data
+                del self._ahead[(shard, member_off)]  # freed meanwhile: ask the daemon
         for want_bytes in (False, True):
             try:
                 answer = await self.caller.call("read", shard, member_off, member_size, off,
@@ -117,13 +139,26 @@ class RemoteReader:
             self._frontier_hits += 1
 
     async def report(self) -> None:
-        """Send read notes to the daemon every NOTE_INTERVAL; runs until cancelled."""
+        """Send read notes to the daemon every NOTE_INTERVAL, and arena reads as they happen;
+        runs until cancelled."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._report_taken)
+            while True:
+                await trio.sleep(NOTE_INTERVAL)
+                self.close_stale()
+                if self.fast is not None:
+                    self.fast.close_stale()
+                await self.send_notes()
+
+    async def _report_taken(self) -> None:
+        """Tell the daemon which arena members were read (it frees them and fetches on): soon,
+        since fetching waits for that room, but batched, since reads come in bursts."""
         while True:
-            await trio.sleep(NOTE_INTERVAL)
-            self.close_stale()
-            if self.fast is not None:
-                self.fast.close_stale()
-            await self.send_notes()
+            await self._taken_news.wait()
+            self._taken_news = trio.Event()
+            taken, self._taken = self._taken, []
+            with contextlib.suppress(ChannelClosed):
+                await self.caller.notify("taken", taken)
 
     async def send_notes(self) -> None:
         """Tell the daemon about the reads served here since the last note."""
@@ -149,3 +184,15 @@ class RemoteReader:
         if message[0] == "flush":
             await self.send_notes()
             await self.caller.notify("flushed", message[1])
+        elif message[0] == "lookahead" and self.arena is not None:
+            ahead = self._ahead
+            for shard, member_off, at, gen in message[1]:
+                ahead[shard, member_off] = (at, gen)
+            for shard, member_off, at, gen in message[2]:
+                if ahead.get((shard, member_off)) == (at, gen):
+                    del ahead[shard, member_off]
+        elif message[0] == "arena":
+            try:
+                self.arena = ArenaView(*message[1:])
+            except OSError as exc:  # e.g. /proc hidden from us: the daemon sends bytes then
+                log.warning("cannot map the lookahead arena %s: %s", message[1], exc)

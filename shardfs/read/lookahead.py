@@ -12,6 +12,10 @@ worker at a time:
   fetched before being read anyway), when the bytes between them are at most `coalesce_gap`
   and 1/`gap_ratio` of the member joined (the tar headers between neighbours): fewer, larger
   requests, nearly no extra bytes.
+- A member is readable as soon as its own bytes of the GET are in. With FUSE worker processes
+  the bytes wait in a shared arena (shardfs/read/arena.py) that the workers read themselves:
+  the daemon publishes where each member landed (`landed`, `gone`) and learns which were read
+  from `taken`; otherwise, and for members the arena has no room for, in daemon RAM.
 - Fetched bytes wait in RAM until read. Bytes held plus bytes in flight never exceed
   `buffer_bytes`: when the announced window is longer than the buffer holds, fetching pauses
   until reads consume (and so free) buffered members; it paces itself on consumption.
@@ -38,6 +42,7 @@ from dataclasses import asdict, dataclass
 
 import trio
 
+from shardfs.read.arena import Arena
 from shardfs.sources import ShardInfo, SourceError, Sources
 
 log = logging.getLogger(__name__)
@@ -84,6 +89,8 @@ class LookaheadStats:
     stale_bytes: int = 0  # fetched bytes dropped unread
     resets: int = 0  # streams reset (new epoch or announcements not matching reads)
     errors: int = 0  # failed GETs (their reads fall back to the reader's own path)
+    shared_hits: int = 0  # of the hits, served by FUSE workers from the shared arena
+    unshared: int = 0  # members held in daemon RAM: the arena had no free run that long
     buffered_bytes: int = 0  # held + in flight now
     peak_buffered_bytes: int = 0
 
@@ -91,8 +98,8 @@ class LookaheadStats:
 class _Slot:
     """One announced member occurrence."""
 
-    __slots__ = ("data", "end", "event", "pos", "reserved", "served", "shard", "start", "state",
-                 "stream")
+    __slots__ = ("arena_off", "data", "end", "event", "gen", "pos", "reserved", "served", "shard",
+                 "start", "state", "stream")
 
     def __init__(self, stream: Stream, pos: int, shard: int, start: int, end: int) -> None:
         self.stream = stream
@@ -105,6 +112,8 @@ class _Slot:
         self.event: trio.Event | None = None
         self.served = 0  # bytes handed out so far
         self.reserved = 0  # buffer bytes counted for it
+        self.arena_off = -1  # where its bytes are in the shared arena (-1: in `data`)
+        self.gen = 0  # the arena generation of that place when they were put there
 
     @property
     def size(self) -> int:
@@ -154,6 +163,13 @@ class Lookahead:
         self._nursery: trio.Nursery | None = None
         self._names = itertools.count(1)
         self._paced = False  # the last scheduling round stopped at a full buffer
+        # Shared with FUSE worker processes (see share()): fetched members go to the arena, and
+        # where they are (or that they are gone) is published for the workers.
+        self.arena: Arena | None = None
+        self._no_arena = False  # making one failed
+        self.landed: list[tuple[int, int, int, int]] = []  # (shard, member off, arena off, gen)
+        self.gone: list[tuple[int, int, int, int]] = []  # (shard, member off, arena off, gen)
+        self.published = trio.Event()  # set when members landed (or an arena is due)
 
     # -- streams ---------------------------------------------------------------------------
     def open_stream(self, peer: str = "") -> Stream:
@@ -161,6 +177,7 @@ class Lookahead:
         self._streams.append(stream)
         self.stats.connections += 1
         self.stats.connections_total += 1
+        self.published.set()  # FUSE workers: time to share an arena (see share())
         return stream
 
     def announce(self, stream: Stream, refs: Iterable[tuple[int, int, int]]) -> tuple[int, int]:
@@ -209,6 +226,7 @@ class Lookahead:
         self._streams.remove(stream)
         self.stats.connections -= 1
         self._wake.set()
+        self._trim()
 
     # -- the read side ---------------------------------------------------------------------
     async def take(self, shard: int, member_off: int, member_size: int, start: int,
@@ -233,13 +251,30 @@ class Lookahead:
             await slot.event.wait()
         if slot.state != _READY:  # its GET failed, or the stream dropped it meanwhile
             return None
-        data = slot.data
-        if start != slot.start or end != slot.end:
-            data = data[start - slot.start : end - slot.start]
+        if slot.arena_off >= 0:
+            assert self.arena is not None
+            at = slot.arena_off - slot.start
+            data = bytes(self.arena.view[at + start : at + end])
+        else:
+            data = slot.data
+            if start != slot.start or end != slot.end:
+                data = data[start - slot.start : end - slot.start]
+        self._served(slot, len(data))
+        return data
+
+    def taken(self, shard: int, member_off: int, arena_off: int, nbytes: int) -> None:
+        """A FUSE worker served nbytes of the member at arena_off from the arena itself."""
+        for slot in self._index.get((shard, member_off), ()):
+            if slot.arena_off == arena_off and slot.state == _READY:
+                self.stats.shared_hits += 1
+                self._served(slot, nbytes)
+                return
+
+    def _served(self, slot: _Slot, nbytes: int) -> None:
         stats = self.stats
         stats.hits += 1
-        stats.hit_bytes += len(data)
-        slot.served += len(data)
+        stats.hit_bytes += nbytes
+        slot.served += nbytes
         stream = slot.stream
         stream.misses_at_hit = stats.misses
         if slot.pos > stream.cursor:
@@ -247,7 +282,6 @@ class Lookahead:
             self._expire(stream)
         if slot.served >= slot.size and slot.state == _READY:
             self._drop(slot, stale=False)
-        return data
 
     # -- fetching --------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -372,34 +406,40 @@ class Lookahead:
         self._nursery.start_soon(self._fetch, group)
 
     async def _fetch(self, group: list[_Slot]) -> None:
-        shard = group[0].shard
-        lo = min(s.start for s in group)
-        hi = max(s.end for s in group)
+        order = sorted(group, key=lambda s: s.start)
+        shard, lo, hi = order[0].shard, order[0].start, max(s.end for s in order)
         info = self.shards[shard]
         stats = self.stats
-        landed = False
+        got = bytearray()
+        done = 0  # members of `order` complete in `got`
         try:
             source = self.sources.for_url(info.url)
-            data = b"".join([chunk async for chunk in source.stream(info, lo, hi)])
-            stats.requests += 1
-            stats.bytes_fetched += len(data)
-            if len(data) != hi - lo:
-                raise SourceError(f"{info.url}: {len(data)} bytes for range [{lo}, {hi})")
+            async with contextlib.aclosing(source.stream(info, lo, hi)) as chunks:
+                async for chunk in chunks:
+                    got += chunk
+                    # A member is readable once its bytes are in, not when the whole GET is:
+                    # a read waiting on it does not wait for the neighbours fetched with it.
+                    while done < len(order) and order[done].end - lo <= len(got):
+                        slot = order[done]
+                        done += 1
+                        if slot.state == _INFLIGHT:
+                            self._hold(slot, got, lo)
+                            slot.state = _READY
+                            assert slot.event is not None
+                            slot.event.set()
+            if len(got) != hi - lo:
+                raise SourceError(f"{info.url}: {len(got)} bytes for range [{lo}, {hi})")
             stats.gap_bytes += max(0, (hi - lo) - sum(s.size for s in group))
-            for slot in group:
-                if slot.state == _INFLIGHT:
-                    slot.data = data if len(group) == 1 else \
-                        data[slot.start - lo : slot.end - lo]
-                    slot.state = _READY
-            landed = True
         except (SourceError, OSError) as exc:
             stats.errors += 1
             log.warning("lookahead: reading %s [%d, %d) failed: %s; its reads fall back",
                         info.url, lo, hi, exc)
         finally:
+            stats.requests += 1
+            stats.bytes_fetched += len(got)
             self._requests -= 1
             for slot in group:
-                if slot.state == _GONE or not landed:
+                if slot.state in (_INFLIGHT, _GONE):  # not landed, or dropped in flight
                     self._drop(slot, stale=False)
                     self._release(slot)
                 assert slot.event is not None
@@ -440,6 +480,51 @@ class Lookahead:
         self.stats.buffered_bytes -= slot.reserved
         slot.reserved = 0
         slot.data = b""
+        if slot.arena_off >= 0:
+            assert self.arena is not None
+            self.arena.free(slot.arena_off, slot.size)
+            # Told with the next landing (a stale location is never read: see arena.py).
+            self.gone.append((slot.shard, slot.start, slot.arena_off, slot.gen))
+            slot.arena_off = -1
+            self._trim()
+
+    def _trim(self) -> None:
+        """No stream left and the arena empty: give its memory back (it stays mapped)."""
+        if self.arena is not None and not self._streams and self.arena.used == 0:
+            self.arena.trim()
+
+    # -- sharing with FUSE worker processes -------------------------------------------------
+    def share(self) -> tuple[str, int, int] | None:
+        """Keep fetched members in shared memory from now on; (path, total, data size) for
+        ArenaView, or None when no arena can be made (members stay in daemon RAM)."""
+        if self.arena is None:
+            if self._no_arena:
+                return None
+            try:
+                self.arena = Arena(self.policy.buffer_bytes)
+            except OSError as exc:
+                self._no_arena = True  # said once; not tried again
+                log.warning("lookahead: no shared arena (%s); workers get bytes by socket", exc)
+                return None
+        return self.arena.path, self.arena.total, self.arena.size
+
+    def _hold(self, slot: _Slot, data: bytearray, lo: int) -> None:
+        """Keep a fetched member's bytes: in the arena when shared and there is room."""
+        part = memoryview(data)[slot.start - lo : slot.end - lo]
+        try:
+            arena = self.arena
+            if arena is not None:
+                at = arena.alloc(slot.size)
+                if at is not None:
+                    arena.view[at : at + slot.size] = part
+                    slot.arena_off, slot.gen = at, arena.gen(at)
+                    self.landed.append((slot.shard, slot.start, at, slot.gen))
+                    self.published.set()
+                    return
+                self.stats.unshared += 1
+            slot.data = bytes(part)
+        finally:
+            part.release()  # `data` grows on: it must not stay exported
 
     def snapshot(self) -> dict[str, int]:
         return {**asdict(self.stats), "buffer_bytes": self.policy.buffer_bytes,

@@ -236,6 +236,11 @@ class HttpSource:
                     else _range_headers(shard, pos, end)
                 async with self._request(shard.url, headers) as resp:
                     stop = await self._check_partial(resp, shard, pos, end)
+                    # A body that ends at `stop` is read to its end, so that its connection
+                    # is reused (leaving it early closes the connection); a longer one (a whole
+                    # shard, a range past `end`) is cut off there.
+                    cut = resp.status_code != 206 or \
+                        _parse_content_range(resp, shard.url)[1] + 1 > stop
                     # A whole-only shard is always sent from byte 0: skip what we already
                     # yielded (a resumed transfer) or what the caller did not ask for.
                     at = 0 if shard.whole_only else pos
@@ -253,7 +258,7 @@ class HttpSource:
                             yield piece
                             # After the yield: time the consumer spends is not our stall.
                             patience.progress()
-                        if pos >= stop:
+                        if pos >= stop and cut:
                             break
                     if pos < stop:
                         raise self._retry(f"response ended at byte {pos}, expected {stop}")

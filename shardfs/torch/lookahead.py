@@ -31,6 +31,7 @@ from torch.utils.data import Sampler
 log = logging.getLogger(__name__)
 STATS_XATTR = "user.shardfs.stats"
 DEFAULT_WINDOW = 2048  # samples announced ahead of the one yielded
+_HEAD = 64  # entries in an iteration's first announcement
 _PROBES = 16
 _TIMEOUT_S = 10.0
 
@@ -49,19 +50,30 @@ class _Link:
             self.sock.close()
             raise
         self._buf = b""
+        self.owed = 0  # replies to messages posted and not read yet
 
-    def send(self, message: dict[str, Any]) -> dict[str, Any]:
+    def post(self, message: dict[str, Any]) -> None:
+        """Send a message without waiting for its reply (read by the next collect()): the
+        sampler goes on while the daemon resolves the paths."""
         self.sock.sendall(json.dumps(message).encode() + b"\n")
-        while b"\n" not in self._buf:
-            chunk = self.sock.recv(65536)
-            if not chunk:
-                raise ConnectionError("the daemon closed the announce connection")
-            self._buf += chunk
-        line, _, self._buf = self._buf.partition(b"\n")
-        reply = json.loads(line)
-        if "error" in reply:
-            raise ConnectionError(reply["error"])
-        return reply
+        self.owed += 1
+
+    def collect(self) -> list[dict[str, Any]]:
+        """The replies owed, in order; ConnectionError if one is an error."""
+        replies = []
+        while self.owed:
+            while b"\n" not in self._buf:
+                chunk = self.sock.recv(65536)
+                if not chunk:
+                    raise ConnectionError("the daemon closed the announce connection")
+                self._buf += chunk
+            line, _, self._buf = self._buf.partition(b"\n")
+            self.owed -= 1
+            reply = json.loads(line)
+            if "error" in reply:
+                raise ConnectionError(reply["error"])
+            replies.append(reply)
+        return replies
 
     def close(self) -> None:
         self.sock.close()
@@ -135,10 +147,15 @@ class Lookahead(Sampler[int]):
                 ahead.append(index)
                 unsent.append(index)
             if unsent and (first or exhausted or len(unsent) >= batch):
-                self._announce(unsent, reset=first)
-                first = False
+                if first:  # a short head first: the daemon starts fetching before it has
+                    self._announce(unsent[:_HEAD], reset=True)  # resolved the whole window
+                    unsent = unsent[_HEAD:]
+                    first = False
+                if unsent:
+                    self._announce(unsent, reset=False)
                 unsent = []
             if not ahead:
+                self._settle()  # the daemon has read every announcement of this iteration
                 return
             yield ahead.popleft()
 
@@ -215,14 +232,31 @@ class Lookahead(Sampler[int]):
                 message: dict[str, Any] = {"paths": rels}
                 if reset:
                     message["reset"] = True
-                reply = link.send(message)
-                if reply.get("refused"):
-                    log.debug("the daemon at %s refused %d announcements (its cap)", address,
-                              reply["refused"])
+                self._check(address, link.collect())
+                link.post(message)
             except (OSError, ValueError) as exc:
-                self._dead.add(address)
-                link = self._links.pop(address, None)
-                if link is not None:
-                    link.close()
-                warnings.warn(f"cannot announce to the shardfs daemon at {address} ({exc}); "
-                              "reading on without lookahead", stacklevel=3)
+                self._give_up(address, exc)
+
+    def _settle(self) -> None:
+        """Read the replies still owed (raising nothing: a failed link is given up)."""
+        for address, link in list(self._links.items()):
+            if link.pid == os.getpid():
+                try:
+                    self._check(address, link.collect())
+                except (OSError, ValueError) as exc:
+                    self._give_up(address, exc)
+
+    @staticmethod
+    def _check(address: str, replies: list[dict[str, Any]]) -> None:
+        for reply in replies:
+            if reply.get("refused"):
+                log.debug("the daemon at %s refused %d announcements (its cap)", address,
+                          reply["refused"])
+
+    def _give_up(self, address: str, exc: Exception) -> None:
+        self._dead.add(address)
+        link = self._links.pop(address, None)
+        if link is not None:
+            link.close()
+        warnings.warn(f"cannot announce to the shardfs daemon at {address} ({exc}); "
+                      "reading on without lookahead", stacklevel=4)
