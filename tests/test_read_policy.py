@@ -120,3 +120,14 @@ def test_whole_shard_download_is_checked_against_the_index_sha256(dataset: Datas
     assert stats["reader"]["shard_fetches_done"] == 0 and stats["shards_cached"] == 0, stats
     assert [p.name for p in (m.cache_dir / "shards").iterdir()] == []  # no final name, no .part
     assert "content differs from its index (sha256)" in m.log()
+    # Not downloaded whole again (it would not match again): the shard's other files come from
+    # member reads.
+    other = max((r for r in dataset.files()
+                 if os.getxattr(m.mountpoint / r, "user.shardfs.shard").decode()
+                 .endswith("/" + bad.name)),
+                key=lambda r: int(os.getxattr(m.mountpoint / r, "user.shardfs.offset")))
+    (m.mountpoint / other).read_bytes()
+    after = _wait_for(m, lambda s: s["shards_fetching"] == 0)
+    assert after["reader"]["shard_fetches_started"] == 1, after["reader"]
+    assert after["reader"]["fetch_errors"] == 1
+    assert after["reader"]["member_fetches"] > stats["reader"]["member_fetches"]

@@ -161,6 +161,10 @@ class Reader:
         self._queue: OrderedDict[int, None] = OrderedDict()  # shards waiting for a fetch slot
         self._forced: set[int] = set()  # asked for by `shardfs warm`: fetch whatever the policy
         self.failed: set[int] = set()  # shards whose last whole-shard fetch failed
+        # Shards whose whole download did not match their index (sha256, size): downloading
+        # them again would fail again, so the policy serves them by member reads instead
+        # (unless they can only be read whole: compressed shards).
+        self._mismatched: set[int] = set()
         self._recent: deque[int] = deque()
         self._recent_count: Counter[int] = Counter()
         self._working_set_bytes = 0
@@ -397,6 +401,8 @@ class Reader:
     def _maybe_start(self, shard: int) -> Fetch | None:
         if not self._whole_shard_pays():
             return None
+        if shard in self._mismatched and not self.whole_only[shard]:
+            return None
         if len(self.fetches) >= self.policy.max_fetches:
             self._queue[shard] = None
             return None
@@ -500,6 +506,8 @@ class Reader:
         except (SourceError, OSError, CodecError) as exc:
             self.stats.fetch_errors += 1
             self.failed.add(shard)
+            if isinstance(exc, ShardChanged):
+                self._mismatched.add(shard)
             log.error("fetching shard %s failed: %s", info.url, exc)
             fetch.fail(exc)
             self.cache.abort(fetch.part, key)
