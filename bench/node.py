@@ -365,12 +365,28 @@ def render(record: dict, command: str) -> str:
     return "\n".join(lines)
 
 
+SUBSECTION = "### Node scenario (workers="
+
+
+def _subsections(block: str) -> dict[str, str]:
+    """The per-workers subsections between the markers, by their heading."""
+    parts = block.split(SUBSECTION)
+    return {SUBSECTION + part.split("\n", 1)[0]: (SUBSECTION + part).rstrip() + "\n"
+            for part in parts[1:]}
+
+
 def write_docs(page: Path, section: str) -> None:
+    """Put `section` (one run's table) between the page's markers, replacing the table of a
+    run with the same --workers and keeping the others (ordered by workers)."""
     text = page.read_text() if page.exists() else ""
+    inner = section.split(MARK_BEGIN, 1)[1].split(MARK_END, 1)[0]
     if MARK_BEGIN in text and MARK_END in text:
         head, rest = text.split(MARK_BEGIN, 1)
-        tail = rest.split(MARK_END, 1)[1]
-        text = head + section + tail
+        old, tail = rest.split(MARK_END, 1)
+        tables = {**_subsections(old), **_subsections(inner)}
+        ordered = sorted(tables, key=lambda h: int(h[len(SUBSECTION):].split(")")[0]))
+        body = "\n" + "\n".join(tables[h] for h in ordered) + "\n"
+        text = head + MARK_BEGIN + "\n" + body + MARK_END + tail
     else:
         text = text.rstrip() + "\n\n" + section + "\n"
     page.write_text(text)

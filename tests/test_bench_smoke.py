@@ -101,3 +101,22 @@ def test_bench_tiny_end_to_end(tmp_path: Path) -> None:
             subprocess.run(["fusermount3", "-u", "-z", m], capture_output=True)
         assert not leftover_mounts, leftover_mounts
         assert not _processes_mentioning(str(tmp_path)), _processes_mentioning(str(tmp_path))
+
+
+def test_node_tables_of_other_worker_counts_are_kept(tmp_path: Path):
+    """`bench node --docs` replaces the table of its own --workers and keeps the others."""
+    from bench.node import MARK_BEGIN, MARK_END, write_docs
+
+    def section(workers: int, body: str) -> str:
+        return f"{MARK_BEGIN}\n\n### Node scenario (workers={workers})\n\n{body}\n{MARK_END}"
+
+    page = tmp_path / "page.md"
+    page.write_text("# Page\n\nbefore\n\n" + section(2, "two, old") + "\n\nafter\n")
+    write_docs(page, section(1, "one"))
+    write_docs(page, section(2, "two, new"))
+    text = page.read_text()
+    assert text.startswith("# Page\n\nbefore\n\n") and text.endswith("\n\nafter\n")
+    assert "two, old" not in text
+    assert text.index("workers=1)") < text.index("one") < text.index("workers=2)") \
+        < text.index("two, new") < text.index(MARK_END)
+    assert text.count(MARK_BEGIN) == text.count(MARK_END) == 1
