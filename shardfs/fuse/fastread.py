@@ -30,7 +30,7 @@ from pathlib import Path
 from shardfs.fuse import shim
 from shardfs.read.states import NONE, ShardStates
 
-COLLECT_INTERVAL = 0.05  # seconds between collections of the C side's counts
+COLLECT_INTERVAL = 0.01  # seconds between collections of the C side's counts
 
 
 @dataclass(slots=True)

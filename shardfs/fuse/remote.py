@@ -26,7 +26,7 @@ from shardfs.read.states import COMPLETE, NONE, ShardStates
 from shardfs.util.rpc import Caller, ChannelClosed
 
 log = logging.getLogger(__name__)
-NOTE_INTERVAL = 0.05  # seconds between batches of read notes to the daemon
+NOTE_INTERVAL = 0.01  # seconds between batches of read notes to the daemon
 
 
 class RemoteReader:
