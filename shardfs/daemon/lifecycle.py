@@ -27,7 +27,7 @@ from shardfs.daemon.notify import sd_notify
 from shardfs.daemon.workers import WorkerPool, Zygote, worker_address
 from shardfs.fuse import session as fuse_session
 from shardfs.fuse import shim
-from shardfs.fuse.fastread import COLLECT_INTERVAL, FastReads
+from shardfs.fuse.fastread import COLLECT_INTERVAL, FastReads, next_interval
 from shardfs.fuse.ops import ShardFS
 from shardfs.fuse.worker import WorkerSetup, run_worker
 from shardfs.read.cache import ShardCache
@@ -116,24 +116,26 @@ class Mounted:
     ops: ShardFS | None = None  # when the daemon answers FUSE requests itself
     lookahead: Lookahead | None = None  # announced reads (shardfs.torch.Lookahead)
 
-    def collect_fast_reads(self) -> None:
+    def collect_fast_reads(self) -> bool:
         """Count the reads the shim answered in C in this process (bytes on disk, in the
-        page cache) as the reader's own: stats, working set, LRU order."""
+        page cache) as the reader's own: stats, working set, LRU order. False if none."""
         fast = self.ops.fast if self.ops is not None else None
         if fast is None:
-            return
+            return False
         got = fast.collect()
         if got.shards:
             self.reader.note_reads(got.shards, got.nbytes, got.complete, got.frontier)
             self.reader.disk.in_c += len(got.shards)
+        return bool(got.shards)
 
     async def keep_fast_reads(self) -> None:
         """Collect C reads and close descriptors of evicted shards; runs until cancelled."""
         assert self.ops is not None and self.ops.fast is not None
+        interval = COLLECT_INTERVAL
         while True:
-            await trio.sleep(COLLECT_INTERVAL)
+            await trio.sleep(interval)
             self.ops.fast.close_stale()
-            self.collect_fast_reads()
+            interval = next_interval(interval, self.collect_fast_reads())
 
     def snapshot(self) -> dict[str, Any]:
         self.collect_fast_reads()

@@ -30,7 +30,16 @@ from pathlib import Path
 from shardfs.fuse import shim
 from shardfs.read.states import NONE, ShardStates
 
-COLLECT_INTERVAL = 0.01  # seconds between collections of the C side's counts
+# Seconds between collections of the C side's counts: often while reads come (the policy's
+# working set must not lag them), backing off to IDLE_INTERVAL while none do (an idle mount
+# with 8 workers woke 900 times a second: ~18 % of a core).
+COLLECT_INTERVAL = 0.01
+IDLE_INTERVAL = 0.16
+
+
+def next_interval(interval: float, busy: bool) -> float:
+    """The wait before the next collection: short after reads, doubling while idle."""
+    return COLLECT_INTERVAL if busy else min(2 * interval, IDLE_INTERVAL)
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import trio
 
-from shardfs.fuse.fastread import FastReads
+from shardfs.fuse.fastread import COLLECT_INTERVAL, FastReads, next_interval
 from shardfs.read.arena import ArenaView
 from shardfs.read.diskread import DiskReads
 from shardfs.read.reader import ReadError
@@ -26,7 +26,7 @@ from shardfs.read.states import COMPLETE, NONE, ShardStates
 from shardfs.util.rpc import Caller, ChannelClosed
 
 log = logging.getLogger(__name__)
-NOTE_INTERVAL = 0.01  # seconds between batches of read notes to the daemon
+NOTE_INTERVAL = COLLECT_INTERVAL  # seconds between batches of read notes (more when idle)
 
 
 class RemoteReader:
@@ -139,16 +139,18 @@ class RemoteReader:
             self._frontier_hits += 1
 
     async def report(self) -> None:
-        """Send read notes to the daemon every NOTE_INTERVAL, and arena reads as they happen;
+        """Send read notes to the daemon every NOTE_INTERVAL (backing off while there are
+        none), and arena reads as they happen;
         runs until cancelled."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._report_taken)
+            interval = NOTE_INTERVAL
             while True:
-                await trio.sleep(NOTE_INTERVAL)
+                await trio.sleep(interval)
                 self.close_stale()
                 if self.fast is not None:
                     self.fast.close_stale()
-                await self.send_notes()
+                interval = next_interval(interval, await self.send_notes())
 
     async def _report_taken(self) -> None:
         """Tell the daemon which arena members were read (it frees them and fetches on): soon,
@@ -160,8 +162,9 @@ class RemoteReader:
             with contextlib.suppress(ChannelClosed):
                 await self.caller.notify("taken", taken)
 
-    async def send_notes(self) -> None:
-        """Tell the daemon about the reads served here since the last note."""
+    async def send_notes(self) -> bool:
+        """Tell the daemon about the reads served here since the last note; False if there
+        were none."""
         if self.fast is not None:  # answered in C from the page cache
             got = self.fast.collect()
             self._shards += got.shards
@@ -178,6 +181,8 @@ class RemoteReader:
             self._bytes = self._cache_hits = self._frontier_hits = 0
             self._sent = counted
             await self.caller.notify(*note)
+            return True
+        return False
 
     async def on_message(self, message: tuple) -> None:
         """The daemon asks for the notes now (before it answers a stats request)."""
