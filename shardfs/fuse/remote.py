@@ -44,6 +44,7 @@ class RemoteReader:
         self._cache_hits = 0
         self._frontier_hits = 0
         self._sent = (0, 0, 0, 0)  # disk reads inline, threaded, in C; opens: as last sent
+        self._sending = trio.Lock()  # one note at a time (see send_notes)
         self.opens: Callable[[], int] = lambda: 0  # OPEN requests this worker answered
         self.fast: FastReads | None = None  # reads answered in C, reported with ours
         # Members the daemon fetched ahead (shardfs.torch.Lookahead) in the shared arena:
@@ -164,7 +165,12 @@ class RemoteReader:
 
     async def send_notes(self) -> bool:
         """Tell the daemon about the reads served here since the last note; False if there
-        were none."""
+        were none. One at a time: a flush's "flushed" must not overtake a note still being
+        sent by the periodic report (stats would miss those reads and count them later)."""
+        async with self._sending:
+            return await self._send_notes()
+
+    async def _send_notes(self) -> bool:
         if self.fast is not None:  # answered in C from the page cache
             got = self.fast.collect()
             self._shards += got.shards
