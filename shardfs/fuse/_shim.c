@@ -14,11 +14,12 @@
  * 3. shardfs_shim_process_one: receives and processes one request synchronously (used to
  *    answer INIT before worker processes are forked). Call it holding the GIL (ctypes.PyDLL):
  *    pyfuse3's callbacks expect it.
- * 4. Metadata in C (meta.c's job, included below): when shardfs_shim_serve_metadata() was given
+ * 4. Metadata in C (_shim_meta.c, included below): when shardfs_shim_serve_metadata() was given
  *    the tree's arrays before the session is created, LOOKUP, GETATTR, OPENDIR, READDIR,
  *    READDIRPLUS, RELEASEDIR and FORGET are answered here from those (immutable) arrays,
- *    without entering Python, and so are READs of complete cached shards whose bytes are in
- *    the page cache (shardfs_shim_serve_reads); everything else still goes to pyfuse3.
+ *    without entering Python, and so are READs of shard bytes on disk (complete, or below a
+ *    fetch's frontier) that are in the page cache (shardfs_shim_serve_reads); everything
+ *    else still goes to pyfuse3.
  *
  * No libfuse3 link at build time: the real functions are looked up in the already loaded
  * libfuse3 (pyfuse3 loaded it) on first use.

@@ -30,10 +30,23 @@ from pathlib import Path
 from shardfs.fuse import shim
 from shardfs.read.states import NONE, ShardStates
 
+
 # Seconds between collections of the C side's counts: often while reads come (the policy's
 # working set must not lag them), backing off to IDLE_INTERVAL while none do (an idle mount
 # with 8 workers woke 900 times a second: ~18 % of a core; ~7 % now). Longer backs-off let
 # the working set lag at the start of an epoch (a random-order soak over-fetched at 160 ms).
+def open_cache_file(shards_dir: Path, key: str, complete: bool) -> int | None:
+    """A read-only descriptor of a shard's cache file, or None if it is gone. While it is
+    fetched the file is `KEY.part`; the fetch may just have ended (renamed to `KEY`, the same
+    file)."""
+    for name in (key,) if complete else (key + ".part", key):
+        try:
+            return os.open(shards_dir / name, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+    return None
+
+
 COLLECT_INTERVAL = 0.01
 IDLE_INTERVAL = 0.04
 
@@ -74,14 +87,8 @@ class FastReads:
         if not self.active or self.fds[shard] >= 0 or self.states.avail[shard] == NONE:
             return
         gen = self.states.gen[shard]
-        key = self.keys[shard]
-        for name in (key + ".part", key):  # the fetch may just have ended (renamed)
-            try:
-                fd = os.open(self.shards_dir / name, os.O_RDONLY | os.O_CLOEXEC)
-                break
-            except OSError:
-                continue
-        else:
+        fd = open_cache_file(self.shards_dir, self.keys[shard], complete=False)
+        if fd is None:
             return  # gone meanwhile: Python reads go on as before
         if self.states.gen[shard] != gen:  # went away while we opened it
             os.close(fd)

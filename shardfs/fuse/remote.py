@@ -18,7 +18,7 @@ from pathlib import Path
 
 import trio
 
-from shardfs.fuse.fastread import COLLECT_INTERVAL, FastReads, next_interval
+from shardfs.fuse.fastread import COLLECT_INTERVAL, FastReads, next_interval, open_cache_file
 from shardfs.read.arena import ArenaView
 from shardfs.read.diskread import DiskReads
 from shardfs.read.reader import ReadError
@@ -55,16 +55,6 @@ class RemoteReader:
         self._taken_news = trio.Event()
 
     # -- descriptors of cache files ----------------------------------------------------------
-    def _open(self, shard: int, complete: bool) -> int | None:
-        key = self.keys[shard]
-        names = (key,) if complete else (key + ".part", key)  # the fetch may just have ended
-        for name in names:
-            try:
-                return os.open(self.shards_dir / name, os.O_RDONLY | os.O_CLOEXEC)
-            except FileNotFoundError:
-                continue
-        return None
-
     def _fd(self, shard: int, end: int) -> int | None:
         """A descriptor holding bytes [0, end) of the shard, or None if they are not on disk."""
         avail = self.states.avail[shard]
@@ -77,7 +67,7 @@ class RemoteReader:
                 return held[0]
             os.close(held[0])
             del self._fds[shard]
-        fd = self._open(shard, avail == COMPLETE)
+        fd = open_cache_file(self.shards_dir, self.keys[shard], avail == COMPLETE)
         if fd is None:
             return None
         if self.states.gen[shard] != gen:  # went away while we opened it: ask the daemon

@@ -97,11 +97,11 @@ def serve_metadata(tree: Any, *, uid: int, gid: int, timeout: float,
     """Let the shim answer metadata requests from `tree` (shardfs.catalog.tree.Tree, which
     must stay unchanged and alive for the life of the process). Call before mounting; False
     when the shim is not loaded or the arrays are not laid out as the C side expects."""
-    if _lib is None:
+    if _lib is None or array("I").itemsize != 4:
         return False
     for name, code in _TYPECODES.items():
         arr = getattr(tree, name)
-        if arr.typecode != code or ctypes.sizeof(ctypes.c_uint32) != array("I").itemsize:
+        if arr.typecode != code:
             log.warning("metadata stays in Python: tree.%s has typecode %s", name, arr.typecode)
             return False
     link_entry = array("I", sorted(tree.links))
