@@ -124,7 +124,7 @@ class Mounted:
             return False
         got = fast.collect()
         if got.shards:
-            self.reader.note_reads(got.shards, got.nbytes, got.complete, got.frontier)
+            self.reader.note_reads("c", got.shards, got.nbytes, got.complete, got.frontier)
             self.reader.disk.in_c += len(got.shards)
         return bool(got.shards)
 

@@ -302,7 +302,7 @@ class WorkerPool:
                     # (Reader._block) with "fetch did not complete".
                     self._calls.start_soon(self._answer, channel, message[1], message[2:])
                 elif message[1] == "reads":
-                    self._note_reads(*message[2:])
+                    self._note_reads(pid, *message[2:])
                 elif message[1] == "taken" and self.reader.lookahead is not None:
                     for taken in message[2]:
                         self.reader.lookahead.taken(*taken)
@@ -371,9 +371,10 @@ class WorkerPool:
             for event in list(self._flushed.values()):
                 await event.wait()
 
-    def _note_reads(self, shards: list[int], nbytes: int, cache_hits: int, frontier_hits: int,
-                    inline: int, threaded: int, in_c: int, opens: int) -> None:
-        self.reader.note_reads(shards, nbytes, cache_hits, frontier_hits)
+    def _note_reads(self, pid: int | None, shards: list[int], nbytes: int, cache_hits: int,
+                    frontier_hits: int, inline: int, threaded: int, in_c: int,
+                    opens: int) -> None:
+        self.reader.note_reads(("worker", pid), shards, nbytes, cache_hits, frontier_hits)
         self.opens += opens
         self.reader.disk.inline += inline
         self.reader.disk.threaded += threaded

@@ -9,11 +9,11 @@
 
 When is a whole shard worth caching? When the dataset fits in the cache budget, always. When
 it does not, only while the *working set* — the distinct shards touched by the last
-`window` reads (about one shard's worth of files, 32 to 512) — fits in the budget. A
-shard-aware sampler (few shards in flight) keeps the working set small, so whole shards
-stream through the cache; plain random access over a dataset larger than the cache touches
-every shard, so the reader switches to member reads instead of thrashing an LRU of whole
-shards.
+`window` reads (about one shard's worth of files, 32 to 512; one window per stream of
+reads, see workingset.py) — fits in the budget. A shard-aware sampler (few shards in flight)
+keeps the working set small, so whole shards stream through the cache; plain random access
+over a dataset larger than the cache touches every shard, so the reader switches to member
+reads instead of thrashing an LRU of whole shards.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import heapq
 import itertools
 import logging
 import time
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import trio
@@ -35,6 +36,7 @@ from shardfs.read.cache import DISK_FULL, PartFile, ShardCache, pwrite_all
 from shardfs.read.diskread import DiskReads
 from shardfs.read.lookahead import Lookahead
 from shardfs.read.states import ShardStates
+from shardfs.read.workingset import WorkingSet
 from shardfs.sources import ShardChanged, SourceError, Sources
 
 log = logging.getLogger(__name__)
@@ -165,9 +167,6 @@ class Reader:
         # them again would fail again, so the policy serves them by member reads instead
         # (unless they can only be read whole: compressed shards).
         self._mismatched: set[int] = set()
-        self._recent: deque[int] = deque()
-        self._recent_count: Counter[int] = Counter()
-        self._working_set_bytes = 0
         self._blocks: LRUCache = LRUCache(maxsize=self.policy.member_cache, getsizeof=len)
         self._block_inflight: dict[tuple[int, int], _PendingBlock] = {}
         self._member_limiter = trio.CapacityLimiter(self.policy.max_member_fetches)
@@ -183,6 +182,7 @@ class Reader:
         files = catalog.tree.count_files()
         per_shard = files // max(1, len(catalog.shards))
         self.window = self.policy.working_set_reads or min(512, max(32, per_shard))
+        self.working_set = WorkingSet(self.sizes, self.window)
         self.disk = DiskReads()
         # What is on disk, for worker processes (see states.py); kept in step with the cache.
         self.states = states or ShardStates(len(catalog.shards))
@@ -214,18 +214,20 @@ class Reader:
         for shard in self._shards_of_key.get(key, ()):
             self.states.gone(shard)
 
-    def note_reads(self, shards: list[int], nbytes: int, cache_hits: int,
+    def note_reads(self, stream: Hashable, shards: list[int], nbytes: int, cache_hits: int,
                    frontier_hits: int) -> None:
-        """Reads a worker process served from the cache files itself: they count in the
-        working set, the LRU order and the stats as if they had been read here."""
+        """Reads served from the cache files without this reader (by the shim in C, by a
+        worker process), noted in a batch: they count in the working set (in their own
+        stream, see workingset.py), the LRU order and the stats as if they had been read
+        here."""
         stats = self.stats
         stats.reads += len(shards)
         stats.bytes_served += nbytes
         stats.cache_hits += cache_hits
         stats.frontier_hits += frontier_hits
+        self.working_set.note(stream, shards)
         keys = self.catalog.keys
         for shard in shards:
-            self._note_access(shard)
             self.cache.touch(keys[shard])
 
     def _dataset_fits(self) -> bool:
@@ -259,7 +261,7 @@ class Reader:
         stats = self.stats
         stats.reads += 1
         stats.bytes_served += size
-        self._note_access(shard)
+        self.working_set.touch(shard)
         key = self.catalog.keys[shard]
         cached = self.cache.get(key)
         if cached is not None:
@@ -381,21 +383,8 @@ class Reader:
                 raise ReadError(f"{self.catalog.shards[shard].url}: {fetch.failed}")
             return await self._local(fetch.part.fd, end - start, start, want)
 
-    def _note_access(self, shard: int) -> None:
-        recent, count = self._recent, self._recent_count
-        recent.append(shard)
-        if count[shard] == 0:
-            self._working_set_bytes += self.sizes[shard]
-        count[shard] += 1
-        if len(recent) > self.window:
-            old = recent.popleft()
-            count[old] -= 1
-            if count[old] == 0:
-                del count[old]
-                self._working_set_bytes -= self.sizes[old]
-
     def _whole_shard_pays(self) -> bool:
-        return self._dataset_fits() or self._working_set_bytes <= self.cache.budget
+        return self._dataset_fits() or self.working_set.nbytes <= self.cache.budget
 
     # -- whole-shard fetches ---------------------------------------------------------------
     def _maybe_start(self, shard: int) -> Fetch | None:
@@ -440,7 +429,7 @@ class Reader:
             shard, _ = self._queue.popitem(last=False)
             self._wake_slot_waiter(shard)  # whatever happens next, a waiter looks again
             forced = shard in self._forced
-            wanted = forced or self.policy.prefetch == "all" or self._recent_count[shard] > 0
+            wanted = forced or self.policy.prefetch == "all" or shard in self.working_set
             if shard in self.fetches or self.cache.has(self.catalog.keys[shard]) or not wanted:
                 self._forced.discard(shard)
                 continue

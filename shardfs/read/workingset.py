@@ -1,0 +1,98 @@
+"""The working set: the distinct shards touched by the most recent `window` reads, and their
+bytes.
+
+Reads reach the reader in several *streams*: the reads it answers itself, one at a time as
+they happen, and batches noted later — the reads the shim answered in C in this process, and
+each FUSE worker's reads of cache files. A batch covers 10-40 ms of reads and arrives all at
+once, so the true interleaving of the streams is lost. Appended to one window, a batch of a
+few hundred reads of the cached shards would push every other read out of it, and uniformly
+random reads would look local (the cached shards only), starting whole-shard fetches that
+thrash the cache.
+
+So each stream keeps its own window, as long as its share of the recent reads makes it: a
+stream that served 80 % of the reads of the last periods holds its last 0.8 x `window` reads.
+The working set is the union of the windows, which is what one window over the interleaved
+reads would hold. A stream that stops reading (a worker that left) shrinks to nothing within a
+few periods.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Hashable, Iterable, Sequence
+
+PERIOD_S = 0.25  # how often the streams' shares of the reads are updated
+HERE = "here"  # the stream of reads the reader answers itself
+
+
+class _Stream:
+    __slots__ = ("limit", "reads", "recent", "share")
+
+    def __init__(self, limit: int) -> None:
+        self.recent: deque[int] = deque()
+        self.limit = limit  # the window's length for this stream
+        self.reads = 0  # reads in the current period
+        self.share = -1.0  # of all reads, moving average over periods (-1: none ended yet)
+
+
+class WorkingSet:
+    def __init__(self, sizes: Sequence[int], window: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.sizes = sizes
+        self._clock = clock
+        self.window = window
+        self.nbytes = 0  # bytes of the distinct shards in any stream's window
+        self._count: Counter[int] = Counter()  # shard -> its reads in all windows
+        self._streams: dict[Hashable, _Stream] = {}
+        self._period_start = clock()
+
+    def __contains__(self, shard: int) -> bool:
+        return self._count[shard] > 0
+
+    def touch(self, shard: int) -> None:
+        """One read answered here, now."""
+        self.note(HERE, (shard,))
+
+    def note(self, stream: Hashable, shards: Iterable[int]) -> None:
+        """Reads of `stream`, in the order they were served."""
+        got = self._streams.get(stream)
+        if got is None:  # until shares are known, a new stream gets a whole window
+            got = self._streams[stream] = _Stream(self.window)
+        for shard in shards:
+            got.reads += 1
+            self._add(got, shard)
+        now = self._clock()
+        if now - self._period_start >= PERIOD_S:
+            self._new_period(now)
+
+    def _add(self, stream: _Stream, shard: int) -> None:
+        count = self._count
+        stream.recent.append(shard)
+        if count[shard] == 0:
+            self.nbytes += self.sizes[shard]
+        count[shard] += 1
+        if len(stream.recent) > stream.limit:
+            self._forget(stream.recent.popleft())
+
+    def _forget(self, shard: int) -> None:
+        count = self._count
+        count[shard] -= 1
+        if count[shard] == 0:
+            del count[shard]
+            self.nbytes -= self.sizes[shard]
+
+    def _new_period(self, now: float) -> None:
+        self._period_start = now
+        total = sum(s.reads for s in self._streams.values())
+        if total == 0:
+            return  # nobody read: the windows stay as they are
+        for name, stream in list(self._streams.items()):
+            now_share = stream.reads / total
+            stream.share = now_share if stream.share < 0 else 0.5 * (stream.share + now_share)
+            stream.reads = 0
+            stream.limit = round(self.window * stream.share)
+            while len(stream.recent) > stream.limit:
+                self._forget(stream.recent.popleft())
+            if stream.limit == 0:
+                del self._streams[name]
