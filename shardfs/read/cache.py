@@ -182,6 +182,17 @@ class ShardCache:
             used -= shard.size
         return used + need <= self.budget
 
+    def trim(self, need: int = 0) -> None:
+        """Evict least recently used unpinned shards while the cache (plus `need`) is over its
+        budget — as far as it goes, unlike `evict_to_fit`, which evicts nothing when that
+        cannot make room. Over budget happens only when the budget was lowered (disk full)
+        under fetches already reserved: older shards make way as they complete."""
+        for key in list(self._complete):
+            if self.used + need <= self.budget:
+                return
+            if not self._pins.get(key):
+                self._evict(self._complete[key])
+
     def evict_lru(self) -> bool:
         """Evict the least recently used unpinned shard (to make room for indexes and the
         tree on a full disk); False if there is none."""
@@ -228,7 +239,7 @@ class ShardCache:
                         "(what the disk holds); reads of shards that do not fit read their "
                         "members directly", self.root, self.budget, budget)
             self.budget = budget
-            self.evict_to_fit(0)
+            self.trim()
         return self.budget
 
     def pin(self, key: str) -> None:
@@ -285,6 +296,7 @@ class ShardCache:
         await trio.to_thread.run_sync(os.fdatasync, part.fd)
         os.replace(part.path, self.shards_dir / part.key)
         self._reserved.pop(part.key, None)
+        self.trim(part.size)
         shard = CachedShard(part.key, part.size, fd=part.fd)
         self._complete[part.key] = shard
         return shard
