@@ -10,19 +10,17 @@ random reads would look local (the cached shards only), starting whole-shard fet
 thrash the cache.
 
 So each stream keeps its own window, as long as its share of the recent reads makes it: a
-stream that served 80 % of the reads of the last periods holds its last 0.8 x `window` reads.
-The working set is the union of the windows, which is what one window over the interleaved
-reads would hold. A stream that stops reading (a worker that left) shrinks to nothing within a
-few periods.
+stream that served 80 % of the reads of the last periods (a period: `window` reads of all
+streams) holds its last 0.8 x `window` reads. The working set is the union of the windows,
+which is what one window over the interleaved reads would hold. A stream that stops reading
+(a worker that left) shrinks to nothing within a few periods.
 """
 
 from __future__ import annotations
 
-import time
 from collections import Counter, deque
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
-PERIOD_S = 0.25  # how often the streams' shares of the reads are updated
 HERE = "here"  # the stream of reads the reader answers itself
 
 
@@ -37,15 +35,13 @@ class _Stream:
 
 
 class WorkingSet:
-    def __init__(self, sizes: Sequence[int], window: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, sizes: Sequence[int], window: int) -> None:
         self.sizes = sizes
-        self._clock = clock
         self.window = window
         self.nbytes = 0  # bytes of the distinct shards in any stream's window
         self._count: Counter[int] = Counter()  # shard -> its reads in all windows
         self._streams: dict[Hashable, _Stream] = {}
-        self._period_start = clock()
+        self._period_reads = 0  # reads of all streams since the shares were last updated
 
     def __contains__(self, shard: int) -> bool:
         return self._count[shard] > 0
@@ -57,14 +53,19 @@ class WorkingSet:
     def note(self, stream: Hashable, shards: Iterable[int]) -> None:
         """Reads of `stream`, in the order they were served."""
         got = self._streams.get(stream)
-        if got is None:  # until shares are known, a new stream gets a whole window
+        if got is None:  # a whole window until its share is known (at most `window` reads)
             got = self._streams[stream] = _Stream(self.window)
+        before = got.reads
         for shard in shards:
             got.reads += 1
             self._add(got, shard)
-        now = self._clock()
-        if now - self._period_start >= PERIOD_S:
-            self._new_period(now)
+        self._period_reads += got.reads - before
+        if self._period_reads >= self.window:
+            self._new_period()
+
+    def _trim(self, stream: _Stream) -> None:
+        while len(stream.recent) > stream.limit:
+            self._forget(stream.recent.popleft())
 
     def _add(self, stream: _Stream, shard: int) -> None:
         count = self._count
@@ -82,17 +83,13 @@ class WorkingSet:
             del count[shard]
             self.nbytes -= self.sizes[shard]
 
-    def _new_period(self, now: float) -> None:
-        self._period_start = now
-        total = sum(s.reads for s in self._streams.values())
-        if total == 0:
-            return  # nobody read: the windows stay as they are
+    def _new_period(self) -> None:
+        total, self._period_reads = self._period_reads, 0
         for name, stream in list(self._streams.items()):
             now_share = stream.reads / total
             stream.share = now_share if stream.share < 0 else 0.5 * (stream.share + now_share)
             stream.reads = 0
             stream.limit = round(self.window * stream.share)
-            while len(stream.recent) > stream.limit:
-                self._forget(stream.recent.popleft())
+            self._trim(stream)
             if stream.limit == 0:
                 del self._streams[name]
