@@ -85,13 +85,20 @@ def _errors(mnt: Path) -> dict[str, int]:
 
 
 @needs_shim
+@pytest.mark.parametrize("listing", ["never", "adaptive", "always"])
 def test_metadata_in_c_matches_the_python_handlers(shards: list[str], mounter: Mounter,
-                                                   monkeypatch: pytest.MonkeyPatch):
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   listing: str):
+    """Also with the READDIRPLUS modes kept for measuring (SHARDFS_READDIRPLUS): then lstat
+    after a listing shows the attributes the C READDIRPLUS reply gave the kernel."""
+    monkeypatch.setenv("SHARDFS_READDIRPLUS", listing)
     in_c = mounter.mount(shards, None, None, "--no-warm", "--workers", "1")
     assert "metadata in C" in in_c.stderr + in_c.log()
+    assert (f"READDIRPLUS ({listing})" in in_c.stderr + in_c.log()) == (listing != "never")
     c_tree, c_errors = _snapshot(in_c.mountpoint), _errors(in_c.mountpoint)
 
     monkeypatch.setenv("SHARDFS_NO_SHIM", "1")  # the daemon inherits it
+    monkeypatch.delenv("SHARDFS_READDIRPLUS")
     in_python = mounter.mount(shards, None, None, "--no-warm", "--workers", "1")
     assert "pyfuse3 shim not in effect" in in_python.stderr + in_python.log()
     py_tree, py_errors = _snapshot(in_python.mountpoint), _errors(in_python.mountpoint)

@@ -76,8 +76,9 @@ _meta_keep: list[Any] = []
 # files after drop_caches, os.walk takes 0.46 s this way and 1.0-1.2 s with READDIRPLUS even
 # answered in C (the kernel builds an inode and a dentry for every entry), against 0.4-0.7 s
 # on ext4. A file's attributes then come with its first LOOKUP (answered in C as well).
-# 1: READDIRPLUS for a directory's first reply (FUSE_CAP_READDIRPLUS_AUTO); 2: always.
-READDIRPLUS_NEVER = 0
+# The other modes stay for measuring again (docs/tuning.md), chosen by SHARDFS_READDIRPLUS:
+# "adaptive" is READDIRPLUS for a directory's first reply (FUSE_CAP_READDIRPLUS_AUTO).
+READDIRPLUS_MODES = {"never": 0, "adaptive": 1, "always": 2}
 _TYPECODES = {"name_end": "Q", "size": "Q", "mtime": "q", "mode": "H", "children": "I",
               "child_start": "I", "child_count": "I", "shard": "I", "offset": "Q"}
 
@@ -92,13 +93,28 @@ def _address(buf: Any) -> int:
     raise TypeError(type(buf).__name__)
 
 
+def readdirplus_mode() -> int:
+    """The listing mode from SHARDFS_READDIRPLUS (default "never": plain READDIR)."""
+    name = os.environ.get("SHARDFS_READDIRPLUS", "never")
+    if name not in READDIRPLUS_MODES:
+        log.warning("SHARDFS_READDIRPLUS=%s is none of %s: plain READDIR", name,
+                    ", ".join(READDIRPLUS_MODES))
+        return READDIRPLUS_MODES["never"]
+    if name != "never":
+        log.info("listings with READDIRPLUS (%s), from SHARDFS_READDIRPLUS", name)
+    return READDIRPLUS_MODES[name]
+
+
 def serve_metadata(tree: Any, *, uid: int, gid: int, timeout: float,
-                   readdirplus: int = READDIRPLUS_NEVER) -> bool:
+                   readdirplus: int | None = None) -> bool:
     """Let the shim answer metadata requests from `tree` (shardfs.catalog.tree.Tree, which
     must stay unchanged and alive for the life of the process). Call before mounting; False
-    when the shim is not loaded or the arrays are not laid out as the C side expects."""
+    when the shim is not loaded or the arrays are not laid out as the C side expects.
+    `readdirplus`: a READDIRPLUS_MODES value; None: SHARDFS_READDIRPLUS's."""
     if _lib is None or array("I").itemsize != 4:
         return False
+    if readdirplus is None:
+        readdirplus = readdirplus_mode()
     for name, code in _TYPECODES.items():
         arr = getattr(tree, name)
         if arr.typecode != code:
