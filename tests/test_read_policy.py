@@ -45,6 +45,7 @@ def test_random_reads_larger_than_cache_switch_to_member_reads(dataset: Dataset,
     stats = _wait_for(m, lambda s: s["shards_fetching"] == 0)
     r = stats["reader"]
     assert stats["working_set_reads"] == 32  # 12 files per shard, clamped up to 32
+    assert stats["working_set_bytes"] > stats["cache_budget_bytes"]  # why: members alone
     # Only the first few reads, before the working set outgrew the budget, start whole-shard
     # fetches; everything after is read member by member. Without the switch every shard is
     # fetched (and evicted) again and again.

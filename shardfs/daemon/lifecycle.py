@@ -162,6 +162,9 @@ class Mounted:
             "shards_cached": cache.complete_count,
             "shards_fetching": len(self.reader.fetches),
             "working_set_reads": self.reader.window,
+            # Bytes of the shards in the working set: whole shards are cached only while this
+            # fits cache_budget_bytes (or the whole dataset does).
+            "working_set_bytes": self.reader.working_set.nbytes,
             "cache_used_bytes": cache.used,
             "cache_budget_bytes": cache.budget,
             "evictions": cache.evictions,
