@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import socket
-import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +32,7 @@ import trio
 
 from shardfs.catalog.shardindex import KIND_FILE
 from shardfs.catalog.tree import Tree
-from shardfs.daemon.control import control_address
+from shardfs.daemon.control import control_address, peer_credentials
 from shardfs.read.lookahead import Lookahead, LookaheadPolicy, Stream
 from shardfs.read.reader import Reader
 from shardfs.sources import SourceError
@@ -65,12 +64,6 @@ def attach_lookahead(reader: Reader, policy: LookaheadPolicy) -> Lookahead | Non
         with contextlib.suppress(SourceError):
             reader.sources.for_url(http)
     return lookahead
-
-
-def _peer(sock: socket.socket) -> tuple[int, int]:
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, _ = struct.unpack("3i", creds)
-    return pid, uid
 
 
 def resolver(tree: Tree) -> Callable[[str], tuple[int, int, int] | None]:
@@ -109,7 +102,7 @@ async def serve_announcements(address: str, lookahead: Lookahead, tree: Tree, *,
 
             async def one(stream: trio.SocketStream) -> None:
                 async with stream:
-                    pid, uid = _peer(stream.socket)
+                    pid, uid = peer_credentials(stream.socket)
                     if not (allow_other or uid in (0, owner)):
                         await _reply(stream, {"error": f"permission denied: uid {uid} may not "
                                               "read this mount (it has no allow_other)"})

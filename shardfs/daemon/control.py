@@ -47,10 +47,16 @@ def _sockaddr(address: str) -> str:
     return "\0" + address[1:] if address.startswith("@") else address
 
 
-def peer_allowed(sock: socket.socket) -> bool:
+def peer_credentials(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a Unix socket (SO_PEERCRED)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _, uid, _ = struct.unpack("3i", creds)
-    return uid in (0, os.getuid())
+    pid, uid, _ = struct.unpack("3i", creds)
+    return pid, uid
+
+
+def peer_allowed(sock: socket.socket) -> bool:
+    """The peer is root or this daemon's user."""
+    return peer_credentials(sock)[1] in (0, os.getuid())
 
 
 async def serve_control(address: str, handler: Handler, *,

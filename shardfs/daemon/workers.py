@@ -35,18 +35,12 @@ from typing import Any
 
 import trio
 
-from shardfs.daemon.control import peer_allowed
+from shardfs.daemon.control import peer_allowed, peer_credentials
 from shardfs.fuse.worker import clone_connection, resend_unanswered
 from shardfs.read.reader import Reader, ReadError
 from shardfs.util.rpc import Channel, ChannelClosed
 
 log = logging.getLogger(__name__)
-
-
-def _peer_pid(sock: socket.socket) -> int:
-    """The pid of the process at the other end of a Unix socket."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[0]
 
 
 def _parent_of(pid: int) -> int | None:
@@ -284,7 +278,7 @@ class WorkerPool:
             conn, _ = await sock.accept()
             # Only the zygote's children are workers: another process of the same user that
             # connects (and leaves) must not count as a worker, nor its leaving as a death.
-            worker = _parent_of(_peer_pid(conn)) == self.zygote.pid  # type: ignore[arg-type]
+            worker = _parent_of(peer_credentials(conn)[0]) == self.zygote.pid  # type: ignore[arg-type]
             if not worker or not peer_allowed(conn):  # type: ignore[arg-type]
                 conn.close()
                 continue

@@ -31,10 +31,6 @@ from shardfs.fuse import shim
 from shardfs.read.states import NONE, ShardStates
 
 
-# Seconds between collections of the C side's counts: often while reads come (the policy's
-# working set must not lag them), backing off to IDLE_INTERVAL while none do (an idle mount
-# with 8 workers woke 900 times a second: ~18 % of a core; ~7 % now). Longer backs-off let
-# the working set lag at the start of an epoch (a random-order soak over-fetched at 160 ms).
 def open_cache_file(shards_dir: Path, key: str, complete: bool) -> int | None:
     """A read-only descriptor of a shard's cache file, or None if it is gone. While it is
     fetched the file is `KEY.part`; the fetch may just have ended (renamed to `KEY`, the same
@@ -47,6 +43,10 @@ def open_cache_file(shards_dir: Path, key: str, complete: bool) -> int | None:
     return None
 
 
+# Seconds between collections of the C side's counts: often while reads come (the policy's
+# working set must not lag them), backing off to IDLE_INTERVAL while none do (an idle mount
+# with 8 workers woke 900 times a second: ~18 % of a core; ~7 % now). Longer backs-off let
+# the working set lag at the start of an epoch (a random-order soak over-fetched at 160 ms).
 COLLECT_INTERVAL = 0.01
 IDLE_INTERVAL = 0.04
 

@@ -131,8 +131,7 @@ class RemoteReader:
 
     async def report(self) -> None:
         """Send read notes to the daemon every NOTE_INTERVAL (backing off while there are
-        none), and arena reads as they happen;
-        runs until cancelled."""
+        none), and arena reads as they happen; runs until cancelled."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._report_taken)
             interval = NOTE_INTERVAL
