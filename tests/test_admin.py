@@ -315,6 +315,13 @@ def test_prometheus_metrics(dataset: Dataset, mounter: Mounter):
     m = mounter.mount([brace(dataset, str(dataset.shard_dir))], None, None,
                       "--metrics-listen", f"127.0.0.1:{port}", "--cache-size", str(budget),
                       "--max-fetches", "64")  # a slot for every shard: no member reads
+    # One file of each shard first, then every file once its shard is complete: which reads hit
+    # a complete shard must not depend on how fast this machine copies a shard (CI once saw none).
+    for shard in dataset.shards.shards:
+        (m.mountpoint / shard.members[0][0]).read_bytes()
+    deadline = time.monotonic() + 30
+    while m.stats()["shards_cached"] < len(dataset.shards.shards) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert_same_bytes(dataset, m.mountpoint)
     served = sum(len(b) for b in dataset.files().values())
     shards = len(dataset.shards.shards)
