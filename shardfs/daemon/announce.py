@@ -6,10 +6,14 @@ connection open for as long as it iterates. Each line it sends is a JSON object:
 
     {"paths": ["train/n01/x.jpg", ...]}   append these files (relative to the mount root)
     {"reset": true, "paths": [...]}       forget what this connection announced, then append
+    {"shards": ["train/n01/x.jpg", ...]}  the shards holding these files are read next, in
+                                          this order (ShardAwareSampler): fetch them whole
 
 and each gets one JSON line back: `{"accepted": N, "refused": N, "unknown": N, "pending": N}`
-(refused: over the per-connection cap; unknown: not a file of the mount) or `{"error": ...}`.
-Closing the connection drops its announcements.
+(refused: over the per-connection cap; unknown: not a file of the mount), for "shards"
+`{"queued": N, "unknown": N}` (queued: whole-shard fetches newly queued; shards cached, being
+fetched, or with no room in the cache beside the working set are not), or `{"error": ...}`.
+Closing the connection drops its "paths" announcements; queued shard fetches stay.
 
 Who may announce: anyone who may read the mount — the daemon's own user, root, and, when the
 mount has allow_other, every user (checked with SO_PEERCRED when the connection opens). An
@@ -85,7 +89,7 @@ def resolver(tree: Tree) -> Callable[[str], tuple[int, int, int] | None]:
 
 
 async def serve_announcements(address: str, lookahead: Lookahead, tree: Tree, *,
-                              allow_other: bool,
+                              allow_other: bool, queue_shards: Callable[[list[int]], int],
                               task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                               ) -> None:
     """Run the Lookahead and answer announcing connections until cancelled."""
@@ -108,7 +112,7 @@ async def serve_announcements(address: str, lookahead: Lookahead, tree: Tree, *,
                                               "read this mount (it has no allow_other)"})
                         return
                     await _converse(stream, lookahead.open_stream(f"pid {pid} uid {uid}"),
-                                    resolve)
+                                    resolve, queue_shards)
 
             while True:
                 nursery.start_soon(one, await listener.accept())
@@ -122,7 +126,8 @@ async def _reply(stream: trio.SocketStream, message: dict[str, Any]) -> None:
 
 
 async def _converse(sock: trio.SocketStream, stream: Stream,
-                    resolve: Callable[[str], tuple[int, int, int] | None]) -> None:
+                    resolve: Callable[[str], tuple[int, int, int] | None],
+                    queue_shards: Callable[[list[int]], int]) -> None:
     buf = bytearray()
     try:
         while True:
@@ -142,7 +147,7 @@ async def _converse(sock: trio.SocketStream, stream: Stream,
             line = bytes(buf[:newline])
             del buf[: newline + 1]
             try:
-                response = _handle(line, stream, resolve)
+                response = _handle(line, stream, resolve, queue_shards)
             except (ValueError, TypeError) as exc:
                 response = {"error": f"bad announcement: {exc}"}
             try:
@@ -154,10 +159,18 @@ async def _converse(sock: trio.SocketStream, stream: Stream,
 
 
 def _handle(line: bytes, stream: Stream,
-            resolve: Callable[[str], tuple[int, int, int] | None]) -> dict[str, Any]:
+            resolve: Callable[[str], tuple[int, int, int] | None],
+            queue_shards: Callable[[list[int]], int]) -> dict[str, Any]:
     message = json.loads(line)
     if not isinstance(message, dict):
         raise ValueError("expected a JSON object")
+    if "shards" in message:
+        paths = message["shards"]
+        if not isinstance(paths, list):
+            raise ValueError("shards must be a list of strings")
+        refs = [resolve(p) for p in paths]
+        shards = list(dict.fromkeys(r[0] for r in refs if r is not None))
+        return {"queued": queue_shards(shards), "unknown": sum(r is None for r in refs)}
     if message.get("reset"):
         stream.reset()
     paths = message.get("paths") or []

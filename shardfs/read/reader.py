@@ -24,7 +24,7 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import trio
@@ -163,6 +163,9 @@ class Reader:
         self._queue: OrderedDict[int, None] = OrderedDict()  # shards waiting for a fetch slot
         self._forced: set[int] = set()  # asked for by `shardfs warm`: fetch whatever the policy
         self.failed: set[int] = set()  # shards whose last whole-shard fetch failed
+        # Announced by a sampler as read next (queue_ahead) and not read yet: queued, being
+        # fetched or cached. They take room in the cache beside the working set.
+        self._announced: set[int] = set()
         # Shards whose whole download did not match their index (sha256, size): downloading
         # them again would fail again, so the policy serves them by member reads instead
         # (unless they can only be read whole: compressed shards).
@@ -213,6 +216,7 @@ class Reader:
     def _evicted(self, key: str) -> None:
         for shard in self._shards_of_key.get(key, ()):
             self.states.gone(shard)
+            self._announced.discard(shard)
 
     def note_reads(self, stream: Hashable, shards: list[int], nbytes: int, cache_hits: int,
                    frontier_hits: int) -> None:
@@ -229,6 +233,8 @@ class Reader:
         keys = self.catalog.keys
         for shard in shards:
             self.cache.touch(keys[shard])
+        if self._announced:
+            self._announced.difference_update(shards)
 
     def _dataset_fits(self) -> bool:
         return self.dataset_bytes <= self.cache.budget
@@ -262,6 +268,7 @@ class Reader:
         stats.reads += 1
         stats.bytes_served += size
         self.working_set.touch(shard)
+        self._announced.discard(shard)  # read now: it counts in the working set instead
         key = self.catalog.keys[shard]
         cached = self.cache.get(key)
         if cached is not None:
@@ -429,12 +436,42 @@ class Reader:
             shard, _ = self._queue.popitem(last=False)
             self._wake_slot_waiter(shard)  # whatever happens next, a waiter looks again
             forced = shard in self._forced
-            wanted = forced or self.policy.prefetch == "all" or shard in self.working_set
+            announced = shard in self._announced
+            wanted = (forced or announced or self.policy.prefetch == "all"
+                      or shard in self.working_set)
             if shard in self.fetches or self.cache.has(self.catalog.keys[shard]) or not wanted:
                 self._forced.discard(shard)
                 continue
-            if (forced or self._whole_shard_pays()) and self._start(shard) is None:
+            if (forced or announced or self._whole_shard_pays()) and self._start(shard) is None:
+                self._announced.discard(shard)
                 self._forced.discard(shard)  # no room even after eviction: give up on it
+
+    def queue_ahead(self, shards: Sequence[int]) -> int:
+        """Queue whole-shard fetches of shards a sampler says it reads next
+        (ShardAwareSampler, through the announce socket), in its order, behind the shards
+        already queued; so the link is busy with the sampler's next shards before its
+        readers touch them. Only as many as the cache holds beside the working set and the
+        fetches in flight: an announcement never evicts what is being read. Returns how many
+        were queued."""
+        queued = 0
+        ws, sizes = self.working_set, self.sizes
+        ahead = {s for s in self._announced if s not in ws}
+        # What the cache must hold already: the working set, the announced shards not read
+        # yet, and the fetches in flight.
+        busy = ws.nbytes + sum(sizes[s] for s in ahead.union(self.fetches) if s not in ws)
+        for shard in shards:
+            key = self.catalog.keys[shard]
+            if (shard in self.fetches or shard in self._queue or self.cache.has(key)
+                    or shard in self._mismatched or shard in self.failed):
+                continue
+            busy += sizes[shard]
+            if busy > self.cache.budget:
+                break
+            self._announced.add(shard)
+            self._queue[shard] = None
+            queued += 1
+        self._start_queued()
+        return queued
 
     async def _run_fetch(self, fetch: Fetch) -> None:
         shard = fetch.shard
@@ -495,6 +532,7 @@ class Reader:
         except (SourceError, OSError, CodecError) as exc:
             self.stats.fetch_errors += 1
             self.failed.add(shard)
+            self._announced.discard(shard)
             if isinstance(exc, ShardChanged):
                 self._mismatched.add(shard)
             log.error("fetching shard %s failed: %s", info.url, exc)
@@ -505,6 +543,7 @@ class Reader:
                 self.cache.disk_full()  # fit the budget to the disk; waiters read members
         except BaseException as exc:  # cancelled at shutdown: release waiters, drop the part
             fetch.fail(exc)
+            self._announced.discard(shard)
             self.cache.abort(fetch.part, key)
             self.states.gone(shard)
             raise

@@ -40,6 +40,7 @@ from torch.utils.data import Sampler, Subset
 
 from shardfs.catalog.dirmap import PREFIX as DIRMAP_PREFIX
 from shardfs.catalog.dirmap import decode_page
+from shardfs.torch.announce import announce_shards, shards_ahead
 from shardfs.torch.lookahead import Lookahead
 
 __all__ = [
@@ -386,22 +387,63 @@ def fitting_window(stats: dict, preferred: int = DEFAULT_WINDOW) -> int:
     budget, data = int(stats["cache_budget_bytes"]), int(stats["dataset_bytes"])
     if shards == 0 or files == 0 or data <= budget:
         return preferred  # everything fits: whole shards are always cached
-    per_shard_bytes, per_shard_files = data / shards, files / shards
-    reads = int(stats.get("working_set_reads") or WORKING_SET_READS)  # the daemon's window
-    k = int(budget / per_shard_bytes / (1 + reads / per_shard_files))
+    per_shard_bytes = data / shards
+    k = int(budget / per_shard_bytes / _shards_in_use_per_open_shard(stats))
     return max(1, min(preferred, k))
 
 
-def _window(window: int | None, dataset: Any, m: ShardMap) -> int:
+def _shards_in_use_per_open_shard(stats: dict) -> float:
+    """Shards in the daemon's working set per shard a sliding window keeps open (see
+    fitting_window)."""
+    shards, files = int(stats["shards"]), int(stats["files"])
+    reads = int(stats.get("working_set_reads") or WORKING_SET_READS)  # the daemon's window
+    return 1 + reads / max(1.0, files / max(1, shards))
+
+
+class _ShardsAhead:
+    """A sampler's epoch order, told to the mount shard by shard ahead of its readers
+    (announce.announce_shards): the daemon fetches the next shards whole while the window's
+    shards are read, instead of learning of each when its first file is read."""
+
+    def __init__(self, dataset: Any, m: ShardMap, stats: dict | None, window: int) -> None:
+        self.dataset = dataset
+        self.map = m
+        self.lead = 0  # not on a mount: nothing to announce
+        if stats is not None:
+            try:
+                per_open = _shards_in_use_per_open_shard(stats)
+                self.lead = shards_ahead(stats, window, window * per_open)
+            except (KeyError, TypeError, ValueError):
+                self.lead = window
+        self._paths: list[str] | None = None
+
+    def wrap(self, order: list[int]) -> Iterator[int]:
+        if self.lead <= 0:
+            return iter(order)
+        if self._paths is None:
+            try:
+                self._paths = sample_paths(self.dataset)
+            except TypeError:  # a dataset without paths (shard_map given): nothing to say
+                self.lead = 0
+                return iter(order)
+        return announce_shards(order, self.map.shard_of.tolist(), self._paths, self.lead)
+
+
+def _first_stats(dataset: Any, m: ShardMap) -> dict | None:
+    """The stats of the mount holding the dataset's first file on a mount, if any."""
+    if not m.on_mount:
+        return None
+    with contextlib.suppress(TypeError):
+        first = int(torch.nonzero(m.shard_of >= 0)[0])
+        return mount_stats(sample_paths(dataset)[first])
+    return None
+
+
+def _window(window: int | None, stats: dict | None) -> int:
     if window is not None:
         if window < 1:
             raise ValueError(f"window must be >= 1 (got {window})")
         return window
-    stats = None
-    if m.on_mount:
-        with contextlib.suppress(TypeError):
-            first = int(torch.nonzero(m.shard_of >= 0)[0])
-            stats = mount_stats(sample_paths(dataset)[first])
     if stats is None:
         return DEFAULT_WINDOW
     chosen = fitting_window(stats)
@@ -430,7 +472,9 @@ class ShardAwareSampler(Sampler[int]):
         self.shuffle = shuffle
         self.seed = seed
         self.map = _resolve_map(dataset, shard_map, map_cache)
-        self.window = _window(window, dataset, self.map)
+        stats = _first_stats(dataset, self.map)
+        self.window = _window(window, stats)
+        self._ahead = _ShardsAhead(dataset, self.map, stats, self.window)
         self._gid, self._n_groups = _groups(self.map)
         self.epoch = 0
         self._epoch_set = False
@@ -451,7 +495,7 @@ class ShardAwareSampler(Sampler[int]):
                              per_rank=len(self.map), nodes=1, node=0, local_size=1, local_rank=0)
         if not self._epoch_set:
             self.epoch += 1  # RandomSampler gives each epoch a new order without set_epoch
-        return iter(order.tolist())
+        return self._ahead.wrap(order.tolist())
 
 
 def _env_int(name: str) -> int | None:
@@ -512,7 +556,9 @@ class DistributedShardSampler(Sampler[int]):
         self.node, self.local_rank = divmod(rank, local_world_size)
         self.num_nodes = num_replicas // local_world_size
         self.map = _resolve_map(dataset, shard_map, map_cache)
-        self.window = _window(window, dataset, self.map)
+        stats = _first_stats(dataset, self.map)
+        self.window = _window(window, stats)
+        self._ahead = _ShardsAhead(dataset, self.map, stats, self.window)
         self._gid, self._n_groups = _groups(self.map)
         n = len(self.map)
         self.num_samples = n // num_replicas if drop_last else math.ceil(n / num_replicas)
@@ -534,4 +580,4 @@ class DistributedShardSampler(Sampler[int]):
                              per_rank=self.num_samples, nodes=self.num_nodes, node=self.node,
                              local_size=self.local_world_size, local_rank=self.local_rank)
         assert order.numel() == self.num_samples
-        return iter(order.tolist())
+        return self._ahead.wrap(order.tolist())

@@ -17,10 +17,8 @@ process), reopened after a fork, and never pickled.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import socket
 import warnings
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -28,55 +26,12 @@ from typing import Any
 
 from torch.utils.data import Sampler
 
+from shardfs.torch.announce import AnnounceLink, MountLocator
+
 log = logging.getLogger(__name__)
-STATS_XATTR = "user.shardfs.stats"
 DEFAULT_WINDOW = 2048  # samples announced ahead of the one yielded
 _HEAD = 64  # entries in an iteration's first announcement
 _PROBES = 16
-_TIMEOUT_S = 10.0
-
-
-class _Link:
-    """One connection to a daemon's announce socket, owned by the process that opened it."""
-
-    def __init__(self, address: str) -> None:
-        self.address = address
-        self.pid = os.getpid()
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        self.sock.settimeout(_TIMEOUT_S)
-        try:
-            self.sock.connect("\0" + address[1:] if address.startswith("@") else address)
-        except OSError:
-            self.sock.close()
-            raise
-        self._buf = b""
-        self.owed = 0  # replies to messages posted and not read yet
-
-    def post(self, message: dict[str, Any]) -> None:
-        """Send a message without waiting for its reply (read by the next collect()): the
-        sampler goes on while the daemon resolves the paths."""
-        self.sock.sendall(json.dumps(message).encode() + b"\n")
-        self.owed += 1
-
-    def collect(self) -> list[dict[str, Any]]:
-        """The replies owed, in order; ConnectionError if one is an error."""
-        replies = []
-        while self.owed:
-            while b"\n" not in self._buf:
-                chunk = self.sock.recv(65536)
-                if not chunk:
-                    raise ConnectionError("the daemon closed the announce connection")
-                self._buf += chunk
-            line, _, self._buf = self._buf.partition(b"\n")
-            self.owed -= 1
-            reply = json.loads(line)
-            if "error" in reply:
-                raise ConnectionError(reply["error"])
-            replies.append(reply)
-        return replies
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 class Lookahead(Sampler[int]):
@@ -109,9 +64,8 @@ class Lookahead(Sampler[int]):
 
             paths = sample_paths(dataset)
         self.paths = [os.fspath(p) for p in paths]
-        self._where: dict[str, tuple[str, str] | None] = {}  # directory -> (socket, rel dir)
-        self._roots: dict[str, str | None] = {}  # mount root -> its announce socket
-        self._links: dict[str, _Link] = {}
+        self._locator = MountLocator()
+        self._links: dict[str, AnnounceLink] = {}
         self._dead: set[str] = set()  # sockets that failed: not tried again
         self.active = self._probe()
         if not self.active and self.paths:
@@ -183,31 +137,7 @@ class Lookahead(Sampler[int]):
         return any(self._locate(self.paths[i]) is not None for i in picks)
 
     def _locate(self, path: str) -> tuple[str, str] | None:
-        """(announce socket, path relative to its mount root), or None: not on a mount."""
-        directory, name = os.path.split(path)
-        where = self._where.get(directory, ...)
-        if where is ...:
-            where = self._where[directory] = self._dir_location(directory)
-        if where is None:
-            return None
-        address, rel_dir = where
-        return address, (f"{rel_dir}/{name}" if rel_dir else name)
-
-    def _dir_location(self, directory: str) -> tuple[str, str] | None:
-        full = os.path.abspath(directory)
-        root = full
-        while not os.path.ismount(root) and root != "/":
-            root = os.path.dirname(root)
-        if root not in self._roots:
-            address = None
-            with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
-                address = json.loads(os.getxattr(root, STATS_XATTR)).get("lookahead_socket")
-            self._roots[root] = address if isinstance(address, str) else None
-        address = self._roots[root]
-        if address is None:
-            return None
-        rel = os.path.relpath(full, root)
-        return address, "" if rel == "." else rel
+        return self._locator.locate(path)
 
     def _announce(self, indices: list[int], *, reset: bool) -> None:
         per_socket: dict[str, list[str]] = {}
@@ -228,7 +158,7 @@ class Lookahead(Sampler[int]):
             try:
                 link = self._links.get(address)
                 if link is None or link.pid != os.getpid():
-                    link = self._links[address] = _Link(address)
+                    link = self._links[address] = AnnounceLink(address)
                 message: dict[str, Any] = {"paths": rels}
                 if reset:
                     message["reset"] = True
