@@ -48,6 +48,9 @@ THREAD_BATCH = 4 << 20  # bytes of a fetch handed to a thread at once (digest, d
 @dataclass(slots=True)
 class ReadPolicy:
     max_fetches: int = 8  # whole-shard fetches at once (8 vs 4: +14% cold epoch, bench)
+    # Of those, fetches of shards announced (queue_ahead) and not read yet: more would share
+    # the link with the shards the readers wait for and delay the first batch (bench).
+    max_ahead_fetches: int = 2
     max_member_fetches: int = 32  # member/block fetches at once
     wait_ahead: int = 16 * MiB  # a read this close ahead of a fetch's frontier waits for it
     # Recent reads that define the working set. None: the average number of files per shard,
@@ -432,11 +435,17 @@ class Reader:
             event.set()
 
     def _start_queued(self) -> None:
-        while self._queue and len(self.fetches) < self.policy.max_fetches:
-            shard, _ = self._queue.popitem(last=False)
-            self._wake_slot_waiter(shard)  # whatever happens next, a waiter looks again
+        ahead = sum(s in self._announced for s in self.fetches)
+        for shard in list(self._queue):
+            if len(self.fetches) >= self.policy.max_fetches:
+                return
             forced = shard in self._forced
             announced = shard in self._announced
+            if announced and not forced and ahead >= self.policy.max_ahead_fetches:
+                continue  # stays queued: the link goes first to the shards being read
+            del self._queue[shard]
+            self._wake_slot_waiter(shard)  # whatever happens next, a waiter looks again
+            ahead += announced
             wanted = (forced or announced or self.policy.prefetch == "all"
                       or shard in self.working_set)
             if shard in self.fetches or self.cache.has(self.catalog.keys[shard]) or not wanted:
