@@ -192,7 +192,12 @@ def test_fitting_window_keeps_the_working_set_in_the_cache():
     assert fitting_window(stats(24, 6000, 16, 1024)) == 4
     # 24 shards of 250 files, cache = a quarter: ~K * (1 + 512/250) shards must fit in 6.
     assert fitting_window(stats(24, 6000, 16.6, 99.6)) == 1
-    assert fitting_window(stats(24, 48000, 16.6, 99.6)) == 4  # 2000 files a shard
+    # 2000 files a shard: ~1.26 K shards, in 3/4 of the cache (the rest for the spread of
+    # concurrent readers): 3.
+    assert fitting_window(stats(24, 48000, 16.6, 99.6)) == 3
+    # The bench's over-cache scenario: 28 shards of ~36 files, a 7-shard cache. Window 3 (the
+    # working set alone) let DataLoader workers' reads push shards out: 2 leaves room.
+    assert fitting_window({**stats(28, 1000, 4.06, 27.1), "working_set_reads": 35}) == 2
     assert fitting_window(stats(100, 100_000, 64, 64)) == 1  # never below 1
     assert fitting_window(stats(100, 100_000, 64, 6400), preferred=8) == 8
 

@@ -11,9 +11,10 @@ connection open for as long as it iterates. Each line it sends is a JSON object:
 
 and each gets one JSON line back: `{"accepted": N, "refused": N, "unknown": N, "pending": N}`
 (refused: over the per-connection cap; unknown: not a file of the mount), for "shards"
-`{"queued": N, "unknown": N}` (queued: whole-shard fetches newly queued; shards cached, being
-fetched, or with no room in the cache beside the working set are not), or `{"error": ...}`.
-Closing the connection drops its "paths" announcements; queued shard fetches stay.
+`{"queued": N, "unknown": N}` (queued: shards newly awaited, not cached, fetching or announced
+already; they are fetched in that order as the cache makes room beside the working set, see
+Reader.queue_ahead), or `{"error": ...}`.
+Closing the connection drops its announcements (fetches already started finish).
 
 Who may announce: anyone who may read the mount — the daemon's own user, root, and, when the
 mount has allow_other, every user (checked with SO_PEERCRED when the connection opens). An
@@ -29,8 +30,9 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from functools import partial
+from typing import Any, Protocol
 
 import trio
 
@@ -43,6 +45,14 @@ from shardfs.sources import SourceError
 
 log = logging.getLogger(__name__)
 MAX_LINE = 4 << 20  # bytes in one announcement line (~40k paths)
+
+
+class ShardsAhead(Protocol):
+    """What the announce socket asks of the reader for `{"shards": [...]}` messages."""
+
+    def queue_ahead(self, shards: Sequence[int], owner: Hashable) -> int: ...
+
+    def forget_ahead(self, owner: Hashable) -> None: ...
 
 
 def announce_address(cache_dir: str) -> str:
@@ -89,7 +99,7 @@ def resolver(tree: Tree) -> Callable[[str], tuple[int, int, int] | None]:
 
 
 async def serve_announcements(address: str, lookahead: Lookahead, tree: Tree, *,
-                              allow_other: bool, queue_shards: Callable[[list[int]], int],
+                              allow_other: bool, shards_ahead: ShardsAhead,
                               task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                               ) -> None:
     """Run the Lookahead and answer announcing connections until cancelled."""
@@ -111,8 +121,12 @@ async def serve_announcements(address: str, lookahead: Lookahead, tree: Tree, *,
                         await _reply(stream, {"error": f"permission denied: uid {uid} may not "
                                               "read this mount (it has no allow_other)"})
                         return
-                    await _converse(stream, lookahead.open_stream(f"pid {pid} uid {uid}"),
-                                    resolve, queue_shards)
+                    conn = object()  # owns this connection's announced shards
+                    try:
+                        await _converse(stream, lookahead.open_stream(f"pid {pid} uid {uid}"),
+                                        resolve, partial(shards_ahead.queue_ahead, owner=conn))
+                    finally:
+                        shards_ahead.forget_ahead(conn)
 
             while True:
                 nursery.start_soon(one, await listener.accept())

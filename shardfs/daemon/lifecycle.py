@@ -381,7 +381,7 @@ async def _serve_mounted(mounted: Mounted, zygote: Zygote | None,
             await nursery.start(serve_control, cfg.control_socket, mounted.handle)
             if mounted.lookahead is not None:
                 await nursery.start(partial(serve_announcements, allow_other=cfg.allow_other,
-                                            queue_shards=mounted.reader.queue_ahead),
+                                            shards_ahead=mounted.reader),
                                     cfg.lookahead_socket, mounted.lookahead, catalog.tree)
             if zygote is None:
                 async def fuse_main() -> None:

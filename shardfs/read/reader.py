@@ -24,7 +24,7 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import trio
@@ -166,9 +166,9 @@ class Reader:
         self._queue: OrderedDict[int, None] = OrderedDict()  # shards waiting for a fetch slot
         self._forced: set[int] = set()  # asked for by `shardfs warm`: fetch whatever the policy
         self.failed: set[int] = set()  # shards whose last whole-shard fetch failed
-        # Announced by a sampler as read next (queue_ahead) and not read yet: queued, being
-        # fetched or cached. They take room in the cache beside the working set.
-        self._announced: set[int] = set()
+        # Announced by a sampler as read next (queue_ahead), in its order, with the
+        # announcing connection; until read, or fetched and complete.
+        self._ahead: OrderedDict[int, Hashable] = OrderedDict()
         # Shards whose whole download did not match their index (sha256, size): downloading
         # them again would fail again, so the policy serves them by member reads instead
         # (unless they can only be read whole: compressed shards).
@@ -219,7 +219,7 @@ class Reader:
     def _evicted(self, key: str) -> None:
         for shard in self._shards_of_key.get(key, ()):
             self.states.gone(shard)
-            self._announced.discard(shard)
+            self._ahead.pop(shard, None)
 
     def note_reads(self, stream: Hashable, shards: list[int], nbytes: int, cache_hits: int,
                    frontier_hits: int) -> None:
@@ -236,8 +236,8 @@ class Reader:
         keys = self.catalog.keys
         for shard in shards:
             self.cache.touch(keys[shard])
-        if self._announced:
-            self._announced.difference_update(shards)
+        if self._ahead:
+            self._read_ahead(shards)
 
     def _dataset_fits(self) -> bool:
         return self.dataset_bytes <= self.cache.budget
@@ -271,7 +271,8 @@ class Reader:
         stats.reads += 1
         stats.bytes_served += size
         self.working_set.touch(shard)
-        self._announced.discard(shard)  # read now: it counts in the working set instead
+        if shard in self._ahead:
+            self._read_ahead((shard,))
         key = self.catalog.keys[shard]
         cached = self.cache.get(key)
         if cached is not None:
@@ -435,52 +436,74 @@ class Reader:
             event.set()
 
     def _start_queued(self) -> None:
-        ahead = sum(s in self._announced for s in self.fetches)
-        for shard in list(self._queue):
-            if len(self.fetches) >= self.policy.max_fetches:
-                return
-            forced = shard in self._forced
-            announced = shard in self._announced
-            if announced and not forced and ahead >= self.policy.max_ahead_fetches:
-                continue  # stays queued: the link goes first to the shards being read
-            del self._queue[shard]
+        while self._queue and len(self.fetches) < self.policy.max_fetches:
+            shard, _ = self._queue.popitem(last=False)
             self._wake_slot_waiter(shard)  # whatever happens next, a waiter looks again
-            ahead += announced
-            wanted = (forced or announced or self.policy.prefetch == "all"
-                      or shard in self.working_set)
+            forced = shard in self._forced
+            wanted = forced or self.policy.prefetch == "all" or shard in self.working_set
             if shard in self.fetches or self.cache.has(self.catalog.keys[shard]) or not wanted:
                 self._forced.discard(shard)
                 continue
-            if (forced or announced or self._whole_shard_pays()) and self._start(shard) is None:
-                self._announced.discard(shard)
+            if (forced or self._whole_shard_pays()) and self._start(shard) is None:
                 self._forced.discard(shard)  # no room even after eviction: give up on it
+        self._start_ahead()
 
-    def queue_ahead(self, shards: Sequence[int]) -> int:
-        """Queue whole-shard fetches of shards a sampler says it reads next
-        (ShardAwareSampler, through the announce socket), in its order, behind the shards
-        already queued; so the link is busy with the sampler's next shards before its
-        readers touch them. Only as many as the cache holds beside the working set and the
-        fetches in flight: an announcement never evicts what is being read. Returns how many
-        were queued."""
-        queued = 0
-        ws, sizes = self.working_set, self.sizes
-        ahead = {s for s in self._announced if s not in ws}
-        # What the cache must hold already: the working set, the announced shards not read
-        # yet, and the fetches in flight.
-        busy = ws.nbytes + sum(sizes[s] for s in ahead.union(self.fetches) if s not in ws)
+    # -- shards announced ahead (shard-aware samplers) -------------------------------------
+    def queue_ahead(self, shards: Sequence[int], owner: Hashable) -> int:
+        """Shards a sampler says it reads next (ShardAwareSampler, through the announce
+        socket), in its order: fetched whole in that order (at most max_ahead_fetches at a
+        time, beside the fetches of shards being read), so the link is busy with the
+        sampler's next shards before its readers touch them. Only when the dataset fits the
+        cache: otherwise shards held for later would make the cache evict shards being read
+        and fetch them again (measured: 1.6-1.8x the bytes in the bench's over-cache
+        scenario), so announcements are ignored. Returns how many shards were added (not
+        cached, fetching or announced already). `owner` names the announcing connection
+        (see forget_ahead)."""
+        if not self._dataset_fits():
+            return 0
+        added = 0
         for shard in shards:
             key = self.catalog.keys[shard]
-            if (shard in self.fetches or shard in self._queue or self.cache.has(key)
+            if (shard in self._ahead or shard in self.fetches or self.cache.has(key)
                     or shard in self._mismatched or shard in self.failed):
                 continue
-            busy += sizes[shard]
-            if busy > self.cache.budget:
-                break
-            self._announced.add(shard)
-            self._queue[shard] = None
-            queued += 1
-        self._start_queued()
-        return queued
+            self._ahead[shard] = owner
+            added += 1
+        self._start_ahead()
+        return added
+
+    def forget_ahead(self, owner: Hashable) -> None:
+        """The announcing connection closed: its shards not fetched yet are not awaited."""
+        for shard in [s for s, o in self._ahead.items() if o == owner]:
+            del self._ahead[shard]
+
+    def _read_ahead(self, shards: Iterable[int]) -> None:
+        """Announced shards read now: their readers fetch them if they are not in yet."""
+        gone = False
+        for shard in shards:
+            if self._ahead.pop(shard, None) is not None:
+                gone = True
+        if gone:
+            self._start_ahead()
+
+    def _start_ahead(self) -> None:
+        """Start the announced shards' fetches in announcement order while fetch slots are
+        free, at most max_ahead_fetches of them at once (more would share the link with the
+        shards the readers wait for)."""
+        if not self._ahead or not self._dataset_fits():
+            return
+        running = sum(s in self._ahead for s in self.fetches)
+        keys = self.catalog.keys
+        for shard in list(self._ahead):
+            if (running >= self.policy.max_ahead_fetches
+                    or len(self.fetches) >= self.policy.max_fetches):
+                return
+            if shard in self.fetches:
+                continue
+            if self.cache.has(keys[shard]) or self._start(shard) is None:
+                del self._ahead[shard]  # in already, or no room: nothing to fetch ahead
+                continue
+            running += 1
 
     async def _run_fetch(self, fetch: Fetch) -> None:
         shard = fetch.shard
@@ -541,7 +564,7 @@ class Reader:
         except (SourceError, OSError, CodecError) as exc:
             self.stats.fetch_errors += 1
             self.failed.add(shard)
-            self._announced.discard(shard)
+            self._ahead.pop(shard, None)
             if isinstance(exc, ShardChanged):
                 self._mismatched.add(shard)
             log.error("fetching shard %s failed: %s", info.url, exc)
@@ -552,7 +575,7 @@ class Reader:
                 self.cache.disk_full()  # fit the budget to the disk; waiters read members
         except BaseException as exc:  # cancelled at shutdown: release waiters, drop the part
             fetch.fail(exc)
-            self._announced.discard(shard)
+            self._ahead.pop(shard, None)
             self.cache.abort(fetch.part, key)
             self.states.gone(shard)
             raise

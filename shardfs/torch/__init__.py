@@ -40,7 +40,7 @@ from torch.utils.data import Sampler, Subset
 
 from shardfs.catalog.dirmap import PREFIX as DIRMAP_PREFIX
 from shardfs.catalog.dirmap import decode_page
-from shardfs.torch.announce import announce_shards, shards_ahead
+from shardfs.torch.announce import SHARDS_AHEAD, announce_shards
 from shardfs.torch.lookahead import Lookahead
 
 __all__ = [
@@ -62,6 +62,7 @@ STATS_XATTR = "user.shardfs.stats"
 WORKING_SET_READS = 512  # the daemon's window when its stats do not say (older daemons)
 MAP_FORMAT = "shardfs-shardmap/1"
 DEFAULT_WINDOW = 4  # shards in use at once: enough mixing, a small cache working set
+SPREAD_ROOM = 0.75  # of the cache, for the working set of a window (see fitting_window)
 _PROBES = 16  # files probed before deciding the dataset is not on a mount at all
 _SPOT_CHECKS = 32  # files re-checked against a cached mapping
 _UNKNOWN = -1
@@ -387,17 +388,14 @@ def fitting_window(stats: dict, preferred: int = DEFAULT_WINDOW) -> int:
     budget, data = int(stats["cache_budget_bytes"]), int(stats["dataset_bytes"])
     if shards == 0 or files == 0 or data <= budget:
         return preferred  # everything fits: whole shards are always cached
-    per_shard_bytes = data / shards
-    k = int(budget / per_shard_bytes / _shards_in_use_per_open_shard(stats))
-    return max(1, min(preferred, k))
-
-
-def _shards_in_use_per_open_shard(stats: dict) -> float:
-    """Shards in the daemon's working set per shard a sliding window keeps open (see
-    fitting_window)."""
-    shards, files = int(stats["shards"]), int(stats["files"])
+    per_shard_bytes, per_shard_files = data / shards, files / shards
     reads = int(stats.get("working_set_reads") or WORKING_SET_READS)  # the daemon's window
-    return 1 + reads / max(1.0, files / max(1, shards))
+    # A quarter of the cache is left for the spread of concurrent readers: DataLoader workers
+    # read several batches at once, so their reads span shards a few windows apart (in the
+    # bench, 8 batches of 32 over 36-file shards; without it the window filled the cache and
+    # shards were fetched twice: 1.1-1.9x the dataset).
+    k = int(SPREAD_ROOM * budget / per_shard_bytes / (1 + reads / per_shard_files))
+    return max(1, min(preferred, k))
 
 
 class _ShardsAhead:
@@ -408,13 +406,13 @@ class _ShardsAhead:
     def __init__(self, dataset: Any, m: ShardMap, stats: dict | None, window: int) -> None:
         self.dataset = dataset
         self.map = m
-        self.lead = 0  # not on a mount: nothing to announce
-        if stats is not None:
-            try:
-                per_open = _shards_in_use_per_open_shard(stats)
-                self.lead = shards_ahead(stats, window, window * per_open)
-            except (KeyError, TypeError, ValueError):
-                self.lead = window
+        # Shards told ahead of the one the iteration enters. The daemon acts on them only
+        # when the dataset fits its cache (Reader.queue_ahead), so only then are they sent.
+        self.lead = 0
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            if stats is not None and int(stats["dataset_bytes"]) <= int(
+                    stats["cache_budget_bytes"]):
+                self.lead = window + SHARDS_AHEAD
         self._paths: list[str] | None = None
 
     def wrap(self, order: list[int]) -> Iterator[int]:

@@ -21,7 +21,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 STATS_XATTR = "user.shardfs.stats"
 TIMEOUT_S = 10.0
-SHARDS_AHEAD = 8  # shards announced beyond the sampler's window: the daemon's fetch slots
+SHARDS_AHEAD = 8  # shards told beyond the sampler's window (the daemon's fetch slots)
 
 
 class AnnounceLink:
@@ -102,22 +102,6 @@ class MountLocator:
             return None
         rel = os.path.relpath(full, root)
         return address, "" if rel == "." else rel
-
-
-def shards_ahead(stats: dict | None, window: int, working_set_shards: float) -> int:
-    """How many shards a sampler with a `window` of open shards announces ahead of the one it
-    enters: the window plus up to SHARDS_AHEAD more, as far as the mount's cache holds them
-    beside the `working_set_shards` the window keeps in use."""
-    if not stats:
-        return window
-    shards, budget = int(stats.get("shards", 0)), int(stats.get("cache_budget_bytes", 0))
-    data = int(stats.get("dataset_bytes", 0))
-    if shards <= 0 or data <= 0:
-        return window
-    if data <= budget:
-        return window + SHARDS_AHEAD
-    fit = budget / (data / shards)
-    return window + max(0, min(SHARDS_AHEAD, int(fit - working_set_shards)))
 
 
 def announce_shards(order: Sequence[int], shard_of: Sequence[int], paths: Sequence[str],
