@@ -415,16 +415,31 @@ class _ShardsAhead:
                 self.lead = window + SHARDS_AHEAD
         self._paths: list[str] | None = None
 
-    def wrap(self, order: list[int]) -> Iterator[int]:
+    def wrap(self, order: torch.Tensor) -> Iterator[int]:
         if self.lead <= 0:
-            return iter(order)
+            return iter(order.tolist())
         if self._paths is None:
             try:
                 self._paths = sample_paths(self.dataset)
             except TypeError:  # a dataset without paths (shard_map given): nothing to say
                 self.lead = 0
-                return iter(order)
-        return announce_shards(order, self.map.shard_of.tolist(), self._paths, self.lead)
+                return iter(order.tolist())
+        return announce_shards(order.tolist(), _first_positions(order, self.map),
+                               self._paths, self.lead)
+
+
+def _first_positions(order: torch.Tensor, m: ShardMap) -> list[int]:
+    """Positions in `order` where a shard is met first, ascending. Tensor ops: for
+    ImageNet's 1.28 M indices a Python loop took twice as long (0.2 s), before the first
+    batch."""
+    seq = m.shard_of[order]
+    on_mount = seq >= 0
+    if not bool(on_mount.any()):
+        return []
+    n = order.numel()
+    first = torch.full((len(m.shards),), n, dtype=torch.int64)
+    first.scatter_reduce_(0, seq[on_mount], torch.arange(n)[on_mount], reduce="amin")
+    return sorted(first[first < n].tolist())
 
 
 def _first_stats(dataset: Any, m: ShardMap) -> dict | None:
@@ -493,7 +508,7 @@ class ShardAwareSampler(Sampler[int]):
                              per_rank=len(self.map), nodes=1, node=0, local_size=1, local_rank=0)
         if not self._epoch_set:
             self.epoch += 1  # RandomSampler gives each epoch a new order without set_epoch
-        return self._ahead.wrap(order.tolist())
+        return self._ahead.wrap(order)
 
 
 def _env_int(name: str) -> int | None:
@@ -578,4 +593,4 @@ class DistributedShardSampler(Sampler[int]):
                              per_rank=self.num_samples, nodes=self.num_nodes, node=self.node,
                              local_size=self.local_world_size, local_rank=self.local_rank)
         assert order.numel() == self.num_samples
-        return self._ahead.wrap(order.tolist())
+        return self._ahead.wrap(order)

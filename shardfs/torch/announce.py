@@ -104,30 +104,26 @@ class MountLocator:
         return address, "" if rel == "." else rel
 
 
-def announce_shards(order: Sequence[int], shard_of: Sequence[int], paths: Sequence[str],
+def announce_shards(order: Sequence[int], firsts: Sequence[int], paths: Sequence[str],
                     lead: int) -> Iterator[int]:
     """Yield `order` unchanged, telling the daemon of each shard `lead` shards before the
-    iteration reaches it (shards counted in order of their first sample). What it announces is
-    one file of the shard; the daemon fetches the shard whole (see Reader.queue_ahead)."""
-    firsts: list[int] = []  # positions in `order` where a shard is met first
-    seen: set[int] = set()
-    for pos, index in enumerate(order):
-        shard = shard_of[index]
-        if shard >= 0 and shard not in seen:
-            seen.add(shard)
-            firsts.append(pos)
+    iteration reaches it. `firsts` are the positions in `order` where a shard is met first,
+    ascending (so shards are counted in the order the iteration meets them). What it tells is
+    one file of the shard; the daemon fetches the shard whole (Reader.queue_ahead)."""
     if not firsts or lead <= 0:
         yield from order
         return
     sender = _ShardSender()
     try:
         sender.send([paths[order[p]] for p in firsts[:lead]])
-        k = 0  # shards entered so far
+        k, n = 0, len(firsts)
+        next_first = firsts[0]
         for pos, index in enumerate(order):
-            if k < len(firsts) and pos == firsts[k]:
-                if k + lead < len(firsts):
+            if pos == next_first:
+                if k + lead < n:
                     sender.send([paths[order[firsts[k + lead]]]])
                 k += 1
+                next_first = firsts[k] if k < n else -1
             yield index
     finally:
         sender.close()
