@@ -12,8 +12,8 @@ connection open for as long as it iterates. Each line it sends is a JSON object:
 and each gets one JSON line back: `{"accepted": N, "refused": N, "unknown": N, "pending": N}`
 (refused: over the per-connection cap; unknown: not a file of the mount), for "shards"
 `{"queued": N, "unknown": N}` (queued: shards newly awaited, not cached, fetching or announced
-already; they are fetched in that order as the cache makes room beside the working set, see
-Reader.queue_ahead), or `{"error": ...}`.
+already; fetched whole in that order, two at a time, and only when the dataset fits the cache:
+otherwise none are; see Reader.queue_ahead), or `{"error": ...}`.
 Closing the connection drops its announcements (fetches already started finish).
 
 Who may announce: anyone who may read the mount — the daemon's own user, root, and, when the
