@@ -72,6 +72,7 @@ def test_the_next_shards_are_fetched_whole_in_the_samplers_order(dataset, nginx,
     assert whole_gets(nginx, dataset) == shard_order(sampler, order)
     stats = m.stats()
     assert stats["reader"]["reads"] == 0 and stats["reader"]["member_fetches"] == 0
+    assert stats["reader"]["ahead_fetches"] == shards
     # Then the epoch is read from the cache: no more requests.
     nginx.reset_log()
     for i in order:
@@ -103,6 +104,7 @@ def test_no_shards_ahead_when_the_dataset_is_larger_than_the_cache(dataset, ngin
         assert Path(ds.samples[i][0]).read_bytes() == (dataset.root / rel).read_bytes()
     stats = m.stats()
     assert stats["cache_used_bytes"] <= budget and stats["reader"]["eio"] == 0
+    assert stats["reader"]["ahead_fetches"] == 0
 
 
 def test_distributed_ranks_of_a_node_announce_their_shards(dataset, nginx, mounter: Mounter):

@@ -82,6 +82,7 @@ class ReaderStats:
     early_member_reads: int = 0
     early_member_bytes: int = 0
     shard_fetches_started: int = 0
+    ahead_fetches: int = 0  # of those, started for shards a sampler announced (queue_ahead)
     shard_fetches_done: int = 0
     shard_bytes: int = 0
     fetch_errors: int = 0
@@ -503,6 +504,7 @@ class Reader:
             if self.cache.has(keys[shard]) or self._start(shard) is None:
                 del self._ahead[shard]  # in already, or no room: nothing to fetch ahead
                 continue
+            self.stats.ahead_fetches += 1
             running += 1
 
     async def _run_fetch(self, fetch: Fetch) -> None:
