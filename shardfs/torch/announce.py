@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 STATS_XATTR = "user.shardfs.stats"
 TIMEOUT_S = 10.0
 SHARDS_AHEAD = 8  # shards told beyond the sampler's window (the daemon's fetch slots)
+# Replies to `shards` messages are read in bulk, this many at a time: waiting for each would
+# stall the DataLoader's main process (which runs the sampler) on the daemon's loop.
+REPLIES_OWED = 32
 
 
 class AnnounceLink:
@@ -149,7 +152,8 @@ class _ShardSender:
                 link = self.links.get(address)
                 if link is None:
                     link = self.links[address] = AnnounceLink(address)
-                link.collect()
+                if link.owed >= REPLIES_OWED:
+                    link.collect()
                 link.post({"shards": rels})
             except (OSError, ValueError) as exc:
                 self._give_up(address, exc)
