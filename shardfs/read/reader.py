@@ -171,7 +171,7 @@ class Reader:
         self._forced: set[int] = set()  # asked for by `shardfs warm`: fetch whatever the policy
         self.failed: set[int] = set()  # shards whose last whole-shard fetch failed
         # Announced by a sampler as read next (queue_ahead), in its order, with the
-        # announcing connection; until read, or fetched and complete.
+        # announcing connection: waiting or being fetched, until read or its fetch ends.
         self._ahead: OrderedDict[int, Hashable] = OrderedDict()
         # Shards whose whole download did not match their index (sha256, size): downloading
         # them again would fail again, so the policy serves them by member reads instead
@@ -223,7 +223,6 @@ class Reader:
     def _evicted(self, key: str) -> None:
         for shard in self._shards_of_key.get(key, ()):
             self.states.gone(shard)
-            self._ahead.pop(shard, None)
 
     def note_reads(self, stream: Hashable, shards: list[int], nbytes: int, cache_hits: int,
                    frontier_hits: int) -> None:
@@ -455,8 +454,8 @@ class Reader:
     # -- shards announced ahead (shard-aware samplers) -------------------------------------
     def queue_ahead(self, shards: Sequence[int], owner: Hashable) -> int:
         """Shards a sampler says it reads next (ShardAwareSampler, through the announce
-        socket), in its order: fetched whole in that order (at most max_ahead_fetches at a
-        time, beside the fetches of shards being read), so the link is busy with the
+        socket), in its order: fetched whole in that order (see _start_ahead), so the link
+        is busy with the
         sampler's next shards before its readers touch them. Only when the dataset fits the
         cache: otherwise shards held for later would make the cache evict shards being read
         and fetch them again (measured: 1.6-1.8x the bytes in the bench's over-cache
@@ -499,14 +498,13 @@ class Reader:
         policy = self.policy
         running = sum(s in self._ahead for s in self.fetches)
         below = min(policy.max_fetches, policy.ahead_below_fetches)
-        keys = self.catalog.keys
         for shard in list(self._ahead):
             if running >= policy.max_ahead_fetches or len(self.fetches) >= below:
                 return
             if shard in self.fetches:
                 continue
-            if self.cache.has(keys[shard]) or self._start(shard) is None:
-                del self._ahead[shard]  # in already, or no room: nothing to fetch ahead
+            if self._start(shard) is None:
+                del self._ahead[shard]  # cached already, or no room: nothing to fetch ahead
                 continue
             self.stats.ahead_fetches += 1
             running += 1
@@ -570,7 +568,6 @@ class Reader:
         except (SourceError, OSError, CodecError) as exc:
             self.stats.fetch_errors += 1
             self.failed.add(shard)
-            self._ahead.pop(shard, None)
             if isinstance(exc, ShardChanged):
                 self._mismatched.add(shard)
             log.error("fetching shard %s failed: %s", info.url, exc)
@@ -581,13 +578,13 @@ class Reader:
                 self.cache.disk_full()  # fit the budget to the disk; waiters read members
         except BaseException as exc:  # cancelled at shutdown: release waiters, drop the part
             fetch.fail(exc)
-            self._ahead.pop(shard, None)
             self.cache.abort(fetch.part, key)
             self.states.gone(shard)
             raise
         finally:
             del self.fetches[shard]
             self._forced.discard(shard)
+            self._ahead.pop(shard, None)  # fetched (or failed): no longer awaited ahead
             self._start_queued()
 
     def _append(self, fetch: Fetch, data: bytes) -> None:
