@@ -14,6 +14,7 @@ import pytest
 
 from shardfs.torch.announce import AnnounceLink
 from tests.conftest import Dataset, Mount, Mounter, brace
+from tests.faultproxy import FaultProxy
 from tests.test_ddp import publish_with_index
 
 torch = pytest.importorskip("torch")
@@ -139,3 +140,23 @@ def test_a_bad_announcement_is_answered_and_the_connection_goes_on(dataset, ngin
         link.close()
     wait_for(lambda: m.stats()["shards_cached"] == 1, "the announced shard never arrived")
     assert whole_gets(nginx, dataset) == [dataset.shards.shards[0].path.name]
+
+
+def test_a_closed_connection_drops_its_shards_not_started(dataset, nginx, mounter: Mounter):
+    """Announced shards still waiting when the announcing connection closes are not fetched."""
+    publish_with_index(dataset, nginx.root)
+    with FaultProxy(nginx.port) as proxy:
+        m = mounter.mount([brace(dataset, f"{proxy.url}/data")], None, None, "--no-warm",
+                          "--max-fetches", "1", "--timeout", "30")
+        proxy.stall(2.0, after_bytes=1024, times=1)  # the first shard's GET takes 2 s
+        link = AnnounceLink(m.stats()["lookahead_socket"])
+        try:
+            link.post({"shards": [s.members[0][0] for s in dataset.shards.shards]})
+            assert link.collect() == [{"queued": len(dataset.shards.shards), "unknown": 0}]
+        finally:
+            link.close()  # while the first fetch stalls and the others wait
+        wait_for(lambda: m.stats()["shards_cached"] >= 1, "the started shard never arrived")
+        time.sleep(0.5)
+        stats = m.stats()
+        assert stats["shards_cached"] == 1 and stats["shards_fetching"] == 0, stats
+        assert stats["reader"]["ahead_fetches"] == 1
