@@ -143,14 +143,18 @@ class FaultProxy:
         once a new fault is set."""
         self._release.set()
 
-    def _pause(self, seconds: float) -> bool:
-        """Sleep for a stall; True if the proxy is closing (give up the connection)."""
+    def _pause(self, seconds: float, client: socket.socket) -> bool:
+        """Sleep for a stall; True if the proxy is closing or the client hung up (give up
+        the connection). A stalled request whose client gave up must not keep its slot of
+        max_connections: after a long black-hole outage, the client's timed-out requests
+        would otherwise fill every slot, and the proxy would refuse the requests of the
+        recovered "server" until the stalls ran out."""
         deadline = time.monotonic() + seconds
         while not self._release.is_set():
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            if self._closing.wait(min(left, 0.05)):
+            if self._closing.wait(min(left, 0.05)) or _hung_up(client):
                 return True
         return self._closing.is_set()
 
@@ -280,7 +284,7 @@ class FaultProxy:
     ) -> bool:
         """Answer one request; True if the client connection can carry another."""
         stall_first = fault is not None and fault.stall_s > 0 and fault.stall_after is None
-        if fault is not None and stall_first and self._pause(fault.stall_s):
+        if fault is not None and stall_first and self._pause(fault.stall_s, client):
             return False
         if fault and fault.status:
             client.sendall(_canned(fault.status, fault.retry_after, with_body=method != "HEAD"))
@@ -351,7 +355,7 @@ class FaultProxy:
         while length is None or sent < length:
             if stall_at is not None and sent >= stall_at:
                 stall_at = None
-                if self._pause(fault.stall_s if fault else 0.0):
+                if self._pause(fault.stall_s if fault else 0.0, client):
                     return False
             if cut is not None and sent >= cut:
                 _cut(client, reset=bool(reset))
@@ -367,6 +371,16 @@ class FaultProxy:
             piece, pending = pending[:room], pending[room:]
             client.sendall(piece)
             sent += len(piece)
+        return True
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """True if the peer closed (or reset) its end; data waiting to be read is not a hang-up."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
         return True
 
 
