@@ -264,11 +264,11 @@ def test_stats_command_during_reads(dataset: Dataset, nginx, mounter: Mounter):
     assert after["bytes_served"] == sum(len(b) for b in files.values())
     # The dataset fits: each shard streamed whole exactly once; indexing streamed every shard
     # once before that. Member reads only where a just-started fetch was judged slower than a
-    # member read (early member reads, within their 5 % duplicate allowance).
+    # member read (early member reads, within their 10 % duplicate allowance).
     sizes = sum(s.size for s in dataset.shards.shards)
     assert r["shard_fetches_done"] == shards, r
     assert r["member_fetches"] == r["early_member_reads"], r
-    assert r["member_bytes"] == r["early_member_bytes"] <= 0.05 * sizes, r
+    assert r["member_bytes"] == r["early_member_bytes"] <= 0.10 * sizes, r
     assert r["shard_bytes"] == sizes and after["bytes_indexed"] == sizes, after
     assert after["bytes_fetched"] == 2 * sizes + r["member_bytes"]
     assert after["shards_cached"] == shards and after["shards_fetching"] == 0
