@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import select
 import socket
 import struct
 import termios
@@ -377,11 +378,11 @@ class FaultProxy:
 def _hung_up(sock: socket.socket) -> bool:
     """True if the peer closed (or reset) its end; data waiting to be read is not a hang-up."""
     try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except (BlockingIOError, InterruptedError):
-        return False
-    except OSError:
-        return True
+        # select first: on a socket with a timeout, recv itself would wait for data.
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except (ValueError, OSError):
+        return True  # closed (fileno -1) or reset
 
 
 def _cut(sock: socket.socket, *, reset: bool) -> None:
