@@ -56,7 +56,12 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int]:
 
 def peer_allowed(sock: socket.socket) -> bool:
     """The peer is root or this daemon's user."""
-    return peer_credentials(sock)[1] in (0, os.getuid())
+    return uid_allowed(peer_credentials(sock)[1])
+
+
+def uid_allowed(uid: int) -> bool:
+    """A peer of this uid may use the daemon's sockets: root or this daemon's user."""
+    return uid in (0, os.getuid())
 
 
 async def serve_control(address: str, handler: Handler, *,

@@ -35,7 +35,7 @@ from typing import Any
 
 import trio
 
-from shardfs.daemon.control import peer_allowed, peer_credentials
+from shardfs.daemon.control import peer_credentials, uid_allowed
 from shardfs.fuse.worker import clone_connection, resend_unanswered
 from shardfs.read.reader import Reader, ReadError
 from shardfs.util.rpc import Channel, ChannelClosed
@@ -278,8 +278,8 @@ class WorkerPool:
             conn, _ = await sock.accept()
             # Only the zygote's children are workers: another process of the same user that
             # connects (and leaves) must not count as a worker, nor its leaving as a death.
-            worker = _parent_of(peer_credentials(conn)[0]) == self.zygote.pid  # type: ignore[arg-type]
-            if not worker or not peer_allowed(conn):  # type: ignore[arg-type]
+            pid, uid = peer_credentials(conn)  # type: ignore[arg-type]
+            if _parent_of(pid) != self.zygote.pid or not uid_allowed(uid):
                 conn.close()
                 continue
             nursery.start_soon(self._serve_worker, Channel(trio.SocketStream(conn)))
