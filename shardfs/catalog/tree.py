@@ -161,6 +161,19 @@ class Tree:
     def count_files(self) -> int:
         return self.kind.count(KIND_FILE)
 
+    def files_by_shard(self) -> dict[int, list[tuple[int, int, int]]]:
+        """(inode, offset, size) of every plain (not sparse) file, per shard, in offset
+        order: the members a shard's bytes hold, as files of the tree."""
+        out: dict[int, list[tuple[int, int, int]]] = {}
+        kind, shard, offset, size, sparse = self.kind, self.shard, self.offset, self.size, \
+            self.sparse
+        for i in range(len(kind)):
+            if kind[i] == KIND_FILE and i not in sparse:
+                out.setdefault(shard[i], []).append((i + 1, offset[i], size[i]))
+        for files in out.values():
+            files.sort(key=lambda f: f[1])
+        return out
+
     # -- persistence --------------------------------------------------------------------
     _ARRAYS = ("name_end", "parent", "shard", "offset", "size", "mtime", "mode",
                "children", "child_start", "child_count")

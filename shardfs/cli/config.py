@@ -165,6 +165,7 @@ OPTIONS: dict[str, Option] = {o.key: o for o in (
     Option("lookahead_buffer", _size_or_zero, 64 << 20, f"a size ({UNITS_HELP}), 0: off"),
     Option("lookahead_requests", _positive_int, 16, "a whole number >= 1"),
     Option("prefetch", _choice("touched", "all"), "touched", "touched or all"),
+    Option("push_pages", _choice("auto", "off"), "auto", "auto or off"),
     Option("index_parallel", _positive_int, 8, "a whole number >= 1"),
     Option("workers", _positive_int, None, "a whole number >= 1"),
     Option("warm_while_indexing", _bool, True, "true or false"),

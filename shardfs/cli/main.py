@@ -53,7 +53,7 @@ def absolute_specs(specs: list[str]) -> list[str]:
 # Flags that map 1:1 onto config keys; their argparse default is None ("not given") so that
 # a config file or -o option is only overridden by flags the user really typed.
 _FLAG_KEYS = ("cache_dir", "cache_size", "timeout", "deadline", "max_fetches",
-              "max_member_fetches", "prefetch", "index_parallel", "workers",
+              "max_member_fetches", "prefetch", "push_pages", "index_parallel", "workers",
               "log_level", "log_file", "metrics_listen", "uid", "gid",
               "s3_endpoint", "s3_region", "s3_profile", "s3_addressing", "ais_endpoint",
               "hf_endpoint", "gs_endpoint", "request_rate", "lookahead_buffer")
@@ -83,6 +83,9 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    "for reads that do not wait for a whole shard (default 32)")
     p.add_argument("--prefetch", choices=("touched", "all"),
                    help="fetch shards once read (touched, default) or warm all that fit (all)")
+    p.add_argument("--push-pages", choices=("auto", "off"),
+                   help="put each fetched shard's files into the kernel's page cache when the "
+                   "dataset fits the cache and a quarter of RAM (auto, default) or never (off)")
     p.add_argument("--index-parallel", help="shards indexed at once (default 8)")
     p.add_argument("--workers", help="processes answering FUSE requests (default: the "
                    "machine's cores, at most 8; 1: the daemon alone)")
@@ -190,6 +193,7 @@ def _mount_config(s: dict):
         lookahead=LookaheadPolicy(buffer_bytes=s["lookahead_buffer"],
                                   max_requests=s["lookahead_requests"]),
         index_parallel=s["index_parallel"], warm_while_indexing=s["warm_while_indexing"],
+        push_pages=s["push_pages"] == "auto",
         workers=s["workers"] or default_workers(),
         allow_other=s["allow_other"],
         uid=os.getuid() if s["uid"] is None else s["uid"],

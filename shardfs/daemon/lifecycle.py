@@ -29,6 +29,7 @@ from shardfs.fuse import session as fuse_session
 from shardfs.fuse import shim
 from shardfs.fuse.fastread import COLLECT_INTERVAL, FastReads, next_interval
 from shardfs.fuse.ops import ShardFS
+from shardfs.fuse.pagepush import PagePusher, worth_pushing
 from shardfs.fuse.worker import WorkerSetup, run_worker
 from shardfs.read.cache import ShardCache
 from shardfs.read.lookahead import Lookahead, LookaheadPolicy
@@ -53,6 +54,8 @@ class MountConfig:
     lookahead: LookaheadPolicy = field(default_factory=LookaheadPolicy)
     index_parallel: int = 8
     warm_while_indexing: bool = True
+    # Fetched shards' files into the kernel's page cache when worth it (fuse/pagepush.py).
+    push_pages: bool = True
     allow_other: bool = False
     uid: int = field(default_factory=os.getuid)
     gid: int = field(default_factory=os.getgid)
@@ -115,6 +118,7 @@ class Mounted:
     workers: WorkerPool | None = None
     ops: ShardFS | None = None  # when the daemon answers FUSE requests itself
     lookahead: Lookahead | None = None  # announced reads (shardfs.torch.Lookahead)
+    pusher: PagePusher | None = None  # fetched shards into the page cache
 
     def collect_fast_reads(self) -> bool:
         """Count the reads the shim answered in C in this process (bytes on disk, in the
@@ -186,6 +190,7 @@ class Mounted:
             "source": asdict(self.sources.stats()),
             "lookahead_socket": self.cfg.lookahead_socket if self.lookahead else None,
             "lookahead": self.lookahead.snapshot() if self.lookahead else None,
+            "pages_pushed": self.pusher.snapshot() if self.pusher else None,
         }
 
     async def snapshot_json(self) -> bytes:
@@ -338,6 +343,9 @@ async def _serve(cfg: MountConfig, cache: ShardCache, catalog: Catalog, ops: Sha
         reader = Reader(catalog, cache, sources, cfg.policy, states=states)
         mounted = Mounted(cfg, catalog, cache, reader, sources)
         mounted.lookahead = attach_lookahead(reader, cfg.lookahead)
+        if cfg.push_pages and worth_pushing(ops.no_open, reader.dataset_bytes, cache.budget):
+            mounted.pusher = PagePusher(catalog.tree.files_by_shard(), cache, catalog.keys)
+            reader.on_complete = mounted.pusher.shard_complete
         if zygote is None:
             ops.reader = reader
             ops.stats_json = mounted.snapshot_json
@@ -378,6 +386,8 @@ async def _serve_mounted(mounted: Mounted, zygote: Zygote | None,
     with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(mounted.reader.run)
+            if mounted.pusher is not None:
+                await nursery.start(mounted.pusher.run)
             await nursery.start(serve_control, cfg.control_socket, mounted.handle)
             if mounted.lookahead is not None:
                 await nursery.start(partial(serve_announcements, allow_other=cfg.allow_other,

@@ -24,7 +24,7 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import trio
@@ -208,6 +208,9 @@ class Reader:
         self._whole_bytes_started = 0  # bytes of all whole-shard fetches started
         self.started = time.monotonic()
         self.lookahead: Lookahead | None = None  # announced reads (shardfs/daemon/announce.py)
+        # Called with a shard's number once its whole fetch is in the cache (the FUSE layer
+        # pushes its files into the kernel's page cache: shardfs/fuse/pagepush.py).
+        self.on_complete: Callable[[int], None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -563,6 +566,8 @@ class Reader:
             await self.cache.commit(fetch.part)
             self.states.complete(shard)
             self.stats.shard_fetches_done += 1
+            if self.on_complete is not None:
+                self.on_complete(shard)
             self.failed.discard(shard)
             took = time.monotonic() - began
             log.info("fetched shard %s: %d bytes in %.2f s (%.1f MB/s)", info.url, info.size,
