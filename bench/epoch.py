@@ -157,6 +157,10 @@ def run(spec: dict) -> dict:
     files = nbytes = 0
     first = None
     last_say = built
+    # (seconds since the dataset was built, files so far) after each batch: how much of the
+    # epoch was read while bytes were still arriving (docs/benchmarks.md, "Cold shuffled
+    # epoch: what 4 readers can do before the last byte").
+    timeline: list[tuple[float, int]] = []
     deadline = spec.get("limit_s")
     timed_out = False
     for batch in loader:
@@ -166,6 +170,7 @@ def run(spec: dict) -> dict:
         n, b = _count(batch)
         files += n
         nbytes += b
+        timeline.append((round(now - built, 4), files))
         if now - last_say >= spec.get("progress_s", 5.0):
             last_say = now
             _say(f"{files} files, {nbytes / 1e6:.1f} MB, {files / (now - built):.0f} files/s")
@@ -186,6 +191,7 @@ def run(spec: dict) -> dict:
         "total_s": end - began,
         "timed_out": timed_out,
         "startup_s": began - T0,  # interpreter + torch import before the clock started
+        "timeline": timeline,
     }
 
 

@@ -161,11 +161,23 @@ class Mount:
             time.sleep(0.05)
 
 
+def _machine_ticks() -> tuple[int, int, int]:
+    """(all, idle, iowait) CPU ticks of the whole machine so far (/proc/stat)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(fields[:8]), fields[3], fields[4]  # user..steal; guest is counted in user
+
+
 def _measured(mount: Mount, names: list[str], procs: int, seed: int) -> dict:
-    before = mount.cpu_ticks()
+    before, machine = mount.cpu_ticks(), _machine_ticks()
     rec = read_all(mount.mountpoint, names, procs, seed)
     used = (mount.cpu_ticks() - before) / CLK_TCK
     rec["daemon_cpu_us_per_file"] = round(1e6 * used / len(names), 1)
+    # How busy the machine's cores were: a phase that keeps them all busy cannot gain from
+    # more serving processes (issue #11 on 2 cores), only from cheaper work per file.
+    total, idle, iowait = (a - b for a, b in zip(_machine_ticks(), machine, strict=True))
+    if total > 0:
+        rec["machine_busy"] = round(1 - (idle + iowait) / total, 3)
+        rec["machine_iowait"] = round(iowait / total, 3)
     return rec
 
 
@@ -199,7 +211,9 @@ def run(args: argparse.Namespace) -> dict:
             record["phases"].append(rec)
             print(f"  P={procs} {name}: {rec['files_per_s']:.0f} files/s"
                   + (f", daemon {rec['daemon_cpu_us_per_file']} us/file"
-                     if "daemon_cpu_us_per_file" in rec else ""), flush=True)
+                     if "daemon_cpu_us_per_file" in rec else "")
+                  + (f", cores {rec['machine_busy']:.0%} busy ({rec['machine_iowait']:.0%} "
+                     "iowait)" if "machine_busy" in rec else ""), flush=True)
 
         for procs in args.readers:
             seed = procs
