@@ -16,7 +16,11 @@ reclaimable.
 
 How: one shard at a time, in the order they complete, in a worker thread: `notify_store`
 waits while the kernel holds a page locked for a READ that this process may be the one to
-answer. Files the kernel has no inode for (never looked up) are skipped: it answers ENOENT.
+answer. The kernel takes pages only for inodes it has: listings are plain READDIR
+(docs/tuning.md), so a file nobody has looked up yet has none, and the kernel answers ENOENT.
+The pusher then looks the file up itself (a `stat` through the mount, answered in C like any
+LOOKUP) and pushes again: the LOOKUP the reader's `open` would have sent anyway, made earlier
+and off the reader's path (its `open` then finds the cached entry).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import errno
 import logging
 import os
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import pyfuse3  # after the shim: shardfs.fuse's __init__ loads it first
@@ -53,16 +58,19 @@ class PushStats:
     shards: int = 0  # shards whose files were pushed
     files: int = 0
     bytes: int = 0
-    unknown: int = 0  # files the kernel had no inode for (not looked up yet): skipped
+    looked_up: int = 0  # files the kernel had no inode for, looked up by the pusher
+    unknown: int = 0  # files it still had no inode for after that: skipped
     errors: int = 0
 
 
 class PagePusher:
     def __init__(self, files: dict[int, list[tuple[int, int, int]]], cache: ShardCache,
-                 keys: list[str]) -> None:
+                 keys: list[str], mountpoint: str, path_of: Callable[[int], bytes]) -> None:
         self._files = files  # shard -> [(inode, offset in shard, size)], from the tree
         self._cache = cache
         self._keys = keys
+        self._mountpoint = os.fsencode(mountpoint)
+        self._path_of = path_of  # inode -> path below the mountpoint (Tree.path)
         self._queue: deque[int] = deque()
         self._wake = trio.Event()
         self._off = False  # the kernel does not support it: stop
@@ -108,17 +116,11 @@ class PagePusher:
                     if len(data) != n:
                         raise OSError(errno.EIO, f"short read of a cached shard ({len(data)} "
                                                  f"of {n} bytes)")
-                    try:
-                        pyfuse3.notify_store(ino, pos, data)
-                    except OSError as exc:
-                        if exc.errno == errno.ENOENT:
-                            stats.unknown += 1
-                            break
-                        if exc.errno == errno.ENOSYS:
-                            log.info("the kernel does not take pushed pages (ENOSYS): off")
-                            self._off = True
+                    if not self._store(ino, pos, data):
+                        if self._off:
                             return
-                        raise
+                        stats.unknown += 1
+                        break
                     pos += n
                 else:
                     stats.files += 1
@@ -128,3 +130,29 @@ class PagePusher:
             log.debug("pushing pages stopped: %s", exc)
         finally:
             os.close(fd)
+
+    def _store(self, ino: int, pos: int, data: bytes) -> bool:
+        """notify_store, looking the file up first if the kernel has no inode for it; False:
+        not stored (still no inode, or the kernel does not take pushed pages: _off)."""
+        try:
+            pyfuse3.notify_store(ino, pos, data)
+            return True
+        except OSError as exc:
+            if exc.errno == errno.ENOSYS:
+                log.info("the kernel does not take pushed pages (ENOSYS): off")
+                self._off = True
+                return False
+            if exc.errno != errno.ENOENT:
+                raise
+        try:  # the LOOKUP that gives the kernel an inode for it
+            os.stat(self._mountpoint + b"/" + self._path_of(ino))
+        except OSError:
+            return False
+        self.stats.looked_up += 1
+        try:
+            pyfuse3.notify_store(ino, pos, data)
+            return True
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                raise
+            return False
