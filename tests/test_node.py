@@ -68,7 +68,10 @@ def drop_pages(path: Path) -> None:
 @needs_shim
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_rereads_never_reach_the_daemon(nodedata, mounter: Mounter, workers: str):
-    m = mounter.mount(file_sources(nodedata), None, None, "--no-warm", "--workers", workers)
+    # First reads must reach the daemon for the count below to mean something: no pages
+    # pushed ahead of them (test_pagepush.py).
+    m = mounter.mount(file_sources(nodedata), None, None, "--no-warm", "--workers", workers,
+                      "--push-pages", "off")
     assert "serving reads without OPEN requests" in logs(m)
     assert_all_right(nodedata, m.mountpoint)
     first = m.stats()["reader"]["reads"]
@@ -230,7 +233,9 @@ def test_workers_serve_one_mount_and_stats_add_up(nodedata, mounter: Mounter):
     limits = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, limits[1]), limits[1]))
     try:
-        m = mounter.mount(file_sources(nodedata), None, None, "--no-warm", "--workers", "3")
+        # Every read reaches a worker and is counted: no pages pushed (test_pagepush.py).
+        m = mounter.mount(file_sources(nodedata), None, None, "--no-warm", "--workers", "3",
+                          "--push-pages", "off")
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, limits)
     daemon, workers = mount_pids(m)
