@@ -6,12 +6,14 @@ the source's. Real mounts over nginx (--no-warm: nothing is cached while indexin
 from __future__ import annotations
 
 import tarfile
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import Dataset, Mounter, brace
+from tests.faultproxy import FaultProxy
 from tests.test_mount import publish
 
 
@@ -69,3 +71,29 @@ def test_files_of_an_arrived_shard_are_read_without_the_daemon(dataset: Dataset,
         assert served == 0  # every byte came from the page cache
     else:
         assert served >= len(rest)  # each file was a READ the daemon answered
+
+
+def test_a_shard_read_while_it_arrived_is_not_pushed(dataset: Dataset, nginx,
+                                                      mounter: Mounter):
+    """Its files are in the page cache from those reads already: pushing them would only
+    cost. Every file of one shard is read while its fetch is held up at the proxy."""
+    publish(dataset, nginx.root)
+    with FaultProxy(nginx.port) as proxy:
+        m = mounter.mount([brace(dataset, f"{proxy.url}/data")], None, None, "--no-warm")
+        shard = max(sorted(dataset.shard_dir.glob("*.tar")), key=lambda p: len(members(p)))
+        paths = [m.mountpoint / name for name in members(shard)]
+        proxy.stall(60, after_bytes=1024, times=1)  # the shard's whole fetch waits
+        got: dict[Path, bytes] = {}
+        threads = [threading.Thread(target=lambda p=p: got.__setitem__(p, p.read_bytes()))
+                   for p in paths]
+        for t in threads:
+            t.start()
+        wait_for(lambda: m.stats()["reader"]["reads"] >= len(paths), "reads never arrived")
+        proxy.release_stalls()
+        for t in threads:
+            t.join(30)
+        wait_for(lambda: m.stats()["shards_cached"] >= 1, f"{shard.name} never arrived")
+        pushed = m.stats()["pages_pushed"]
+    assert pushed["skipped_shards"] == 1 and pushed["shards"] == pushed["files"] == 0, pushed
+    for path in paths:
+        assert got[path] == (dataset.root / path.relative_to(m.mountpoint)).read_bytes()

@@ -29,7 +29,7 @@ import errno
 import logging
 import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import pyfuse3  # after the shim: shardfs.fuse's __init__ loads it first
@@ -56,6 +56,7 @@ def worth_pushing(no_open: bool, dataset_bytes: int, cache_budget: int) -> bool:
 @dataclass(slots=True)
 class PushStats:
     shards: int = 0  # shards whose files were pushed
+    skipped_shards: int = 0  # not pushed: already read as they arrived (shard_complete)
     files: int = 0
     bytes: int = 0
     looked_up: int = 0  # files the kernel had no inode for, looked up by the pusher
@@ -65,22 +66,33 @@ class PushStats:
 
 class PagePusher:
     def __init__(self, files: dict[int, list[tuple[int, int, int]]], cache: ShardCache,
-                 keys: list[str], mountpoint: str, path_of: Callable[[int], bytes]) -> None:
+                 keys: list[str], mountpoint: str, path_of: Callable[[int], bytes],
+                 reads_of: Sequence[int]) -> None:
         self._files = files  # shard -> [(inode, offset in shard, size)], from the tree
         self._cache = cache
         self._keys = keys
         self._mountpoint = os.fsencode(mountpoint)
         self._path_of = path_of  # inode -> path below the mountpoint (Tree.path)
+        self._reads_of = reads_of  # shard -> reads of it seen so far (Reader.reads_of)
         self._queue: deque[int] = deque()
         self._wake = trio.Event()
         self._off = False  # the kernel does not support it: stop
         self.stats = PushStats()
 
     def shard_complete(self, shard: int) -> None:
-        """Reader.on_complete: queue a shard that has just arrived whole."""
-        if shard in self._files and not self._off:
-            self._queue.append(shard)
-            self._wake.set()
+        """Reader.on_complete: queue a shard that has just arrived whole — unless its readers
+        kept up with its arrival: when reads of it already number half its files, most of its
+        files are in the page cache from those reads, and pushing them again would only cost
+        (bench node, 8 readers, cold from file://: 7,424 files/s pushing every shard against
+        11,852 without)."""
+        files = self._files.get(shard)
+        if files is None or self._off:
+            return
+        if 2 * self._reads_of[shard] >= len(files):
+            self.stats.skipped_shards += 1
+            return
+        self._queue.append(shard)
+        self._wake.set()
 
     def snapshot(self) -> dict[str, int]:
         return asdict(self.stats)
