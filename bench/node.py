@@ -136,9 +136,9 @@ def _mount_pids(pid: int) -> list[int]:
 
 class Mount:
     def __init__(self, sources: list[str], mountpoint: Path, cache_dir: Path,
-                 workers: int) -> None:
+                 workers: int, push_pages: str = "auto") -> None:
         args = [*SHARDFS, "mount", *sources, str(mountpoint), "--cache-dir", str(cache_dir),
-                "--no-warm"]
+                "--no-warm", "--push-pages", push_pages]
         if workers != 1:
             args += ["--workers", str(workers)]
         result = subprocess.run(args, capture_output=True, text=True, timeout=600)
@@ -207,7 +207,8 @@ def run(args: argparse.Namespace) -> dict:
         mnt.mkdir()
 
         def phase(name: str, procs: int, rec: dict) -> None:
-            rec.update(phase=name, readers=procs, workers=args.workers)
+            rec.update(phase=name, readers=procs, workers=args.workers,
+                       push_pages=args.push_pages)
             record["phases"].append(rec)
             print(f"  P={procs} {name}: {rec['files_per_s']:.0f} files/s"
                   + (f", daemon {rec['daemon_cpu_us_per_file']} us/file"
@@ -223,7 +224,7 @@ def run(args: argparse.Namespace) -> dict:
             phase("ext4 dropped", procs, read_all(src, names, procs, seed))
 
             cache = work / f"cache-file-{procs}"
-            mount = Mount(file_sources, mnt, cache, args.workers)
+            mount = Mount(file_sources, mnt, cache, args.workers, args.push_pages)
             try:
                 drop_caches()
                 phase("shardfs cold file://", procs, _measured(mount, names, procs, seed))
@@ -237,7 +238,7 @@ def run(args: argparse.Namespace) -> dict:
             shutil.rmtree(cache, ignore_errors=True)
 
             cache = work / f"cache-http-{procs}"
-            mount = Mount(http_sources, mnt, cache, args.workers)
+            mount = Mount(http_sources, mnt, cache, args.workers, args.push_pages)
             try:
                 drop_caches()
                 phase("shardfs cold http", procs, _measured(mount, names, procs, seed))
@@ -412,6 +413,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shards", type=int, default=16)
     p.add_argument("--readers", default="1,4,8", help="reader process counts, comma-separated")
     p.add_argument("--workers", type=int, default=1, help="shardfs --workers")
+    p.add_argument("--push-pages", choices=("auto", "off"), default="auto",
+                   help="shardfs --push-pages")
     p.add_argument("--meta", type=int, default=0,
                    help="also time os.walk/ImageFolder over this many empty files (0: skip)")
     p.add_argument("--meta-runs", type=int, default=3,

@@ -16,11 +16,16 @@ reclaimable.
 
 How: one shard at a time, in the order they complete, in a worker thread: `notify_store`
 waits while the kernel holds a page locked for a READ that this process may be the one to
-answer. The kernel takes pages only for inodes it has: listings are plain READDIR
-(docs/tuning.md), so a file nobody has looked up yet has none, and the kernel answers ENOENT.
-The pusher then looks the file up itself (a `stat` through the mount, answered in C like any
-LOOKUP) and pushes again: the LOOKUP the reader's `open` would have sent anyway, made earlier
-and off the reader's path (its `open` then finds the cached entry).
+answer. Only files nobody has opened yet are pushed. Listings are plain READDIR
+(docs/tuning.md), so the kernel has an inode only for a file something looked up — with
+ImageFolder-style loaders, one that a reader opened, whose pages that read put in the page
+cache already (pushing those was measured to cost 5-8 % in `bench node`, where the readers keep
+up with the fetches). A zero-length `notify_store` asks which (ENOENT: no inode). A file
+without one is looked up by the pusher (a `stat` through the mount, answered in C like any
+LOOKUP) and pushed: the LOOKUP the reader's `open` would have sent anyway, made earlier and
+off the reader's path (its `open` then finds the cached entry). A loader that stats every file
+before reading it (or `SHARDFS_READDIRPLUS`) thus gets no pushes: its reads go to the daemon
+as without them.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import errno
 import logging
 import os
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import pyfuse3  # after the shim: shardfs.fuse's __init__ loads it first
@@ -56,43 +61,32 @@ def worth_pushing(no_open: bool, dataset_bytes: int, cache_budget: int) -> bool:
 @dataclass(slots=True)
 class PushStats:
     shards: int = 0  # shards whose files were pushed
-    skipped_shards: int = 0  # not pushed: already read as they arrived (shard_complete)
+    looked_up: int = 0  # files the pusher looked up (the kernel had no inode for them)
     files: int = 0
     bytes: int = 0
-    looked_up: int = 0  # files the kernel had no inode for, looked up by the pusher
-    unknown: int = 0  # files it still had no inode for after that: skipped
+    opened: int = 0  # not pushed: the kernel had their inode (opened, so read, already)
+    unknown: int = 0  # not pushed: still no inode after the pusher's own lookup
     errors: int = 0
 
 
 class PagePusher:
     def __init__(self, files: dict[int, list[tuple[int, int, int]]], cache: ShardCache,
-                 keys: list[str], mountpoint: str, path_of: Callable[[int], bytes],
-                 reads_of: Sequence[int]) -> None:
+                 keys: list[str], mountpoint: str, path_of: Callable[[int], bytes]) -> None:
         self._files = files  # shard -> [(inode, offset in shard, size)], from the tree
         self._cache = cache
         self._keys = keys
         self._mountpoint = os.fsencode(mountpoint)
         self._path_of = path_of  # inode -> path below the mountpoint (Tree.path)
-        self._reads_of = reads_of  # shard -> reads of it seen so far (Reader.reads_of)
         self._queue: deque[int] = deque()
         self._wake = trio.Event()
         self._off = False  # the kernel does not support it: stop
         self.stats = PushStats()
 
     def shard_complete(self, shard: int) -> None:
-        """Reader.on_complete: queue a shard that has just arrived whole — unless its readers
-        kept up with its arrival: when reads of it already number half its files, most of its
-        files are in the page cache from those reads, and pushing them again would only cost
-        (bench node, 8 readers, cold from file://: 7,424 files/s pushing every shard against
-        11,852 without)."""
-        files = self._files.get(shard)
-        if files is None or self._off:
-            return
-        if 2 * self._reads_of[shard] >= len(files):
-            self.stats.skipped_shards += 1
-            return
-        self._queue.append(shard)
-        self._wake.set()
+        """Reader.on_complete: queue a shard that has just arrived whole."""
+        if shard in self._files and not self._off:
+            self._queue.append(shard)
+            self._wake.set()
 
     def snapshot(self) -> dict[str, int]:
         return asdict(self.stats)
@@ -117,10 +111,19 @@ class PagePusher:
             self.stats.shards += 1
 
     def _push(self, fd: int, files: list[tuple[int, int, int]]) -> None:
-        """In a worker thread: the files' bytes from the shard's cache file to the kernel."""
+        """In a worker thread: the files nobody has opened yet, from the shard's cache file to
+        the kernel."""
         stats = self.stats
         try:
             for ino, offset, size in files:
+                if size == 0:
+                    continue
+                if self._has_inode(ino):
+                    stats.opened += 1
+                    continue
+                if not self._look_up(ino):
+                    stats.unknown += 1
+                    continue
                 pos = 0
                 while pos < size:
                     n = min(PIECE, size - pos)
@@ -129,23 +132,36 @@ class PagePusher:
                         raise OSError(errno.EIO, f"short read of a cached shard ({len(data)} "
                                                  f"of {n} bytes)")
                     if not self._store(ino, pos, data):
-                        if self._off:
-                            return
-                        stats.unknown += 1
                         break
                     pos += n
                 else:
                     stats.files += 1
                     stats.bytes += size
+                if self._off:
+                    return
         except OSError as exc:  # the mount is going away, or the cache file is gone
             stats.errors += 1
             log.debug("pushing pages stopped: %s", exc)
         finally:
             os.close(fd)
 
+    def _has_inode(self, ino: int) -> bool:
+        """Does the kernel have this inode (was the file looked up)? A zero-length store
+        copies nothing and fails with ENOENT when it has not."""
+        return self._store(ino, 0, b"")
+
+    def _look_up(self, ino: int) -> bool:
+        """The LOOKUP that gives the kernel an inode for the file: a stat through the mount."""
+        try:
+            os.stat(self._mountpoint + b"/" + self._path_of(ino))
+        except OSError:
+            return False
+        self.stats.looked_up += 1
+        return True
+
     def _store(self, ino: int, pos: int, data: bytes) -> bool:
-        """notify_store, looking the file up first if the kernel has no inode for it; False:
-        not stored (still no inode, or the kernel does not take pushed pages: _off)."""
+        """notify_store; False when the kernel has no inode for `ino` (ENOENT) or takes no
+        pushed pages at all (ENOSYS: then _off)."""
         try:
             pyfuse3.notify_store(ino, pos, data)
             return True
@@ -154,17 +170,6 @@ class PagePusher:
                 log.info("the kernel does not take pushed pages (ENOSYS): off")
                 self._off = True
                 return False
-            if exc.errno != errno.ENOENT:
-                raise
-        try:  # the LOOKUP that gives the kernel an inode for it
-            os.stat(self._mountpoint + b"/" + self._path_of(ino))
-        except OSError:
-            return False
-        self.stats.looked_up += 1
-        try:
-            pyfuse3.notify_store(ino, pos, data)
-            return True
-        except OSError as exc:
-            if exc.errno != errno.ENOENT:
-                raise
-            return False
+            if exc.errno == errno.ENOENT:
+                return False
+            raise

@@ -23,7 +23,6 @@ import heapq
 import itertools
 import logging
 import time
-from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -212,7 +211,6 @@ class Reader:
         # Called with a shard's number once its whole fetch is in the cache (the FUSE layer
         # pushes its files into the kernel's page cache: shardfs/fuse/pagepush.py).
         self.on_complete: Callable[[int], None] | None = None
-        self.reads_of = array("Q", bytes(8 * len(catalog.shards)))  # reads seen, per shard
 
     # -- lifecycle -------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -239,9 +237,6 @@ class Reader:
         here."""
         stats = self.stats
         stats.reads += len(shards)
-        reads_of = self.reads_of
-        for shard in shards:
-            reads_of[shard] += 1
         stats.bytes_served += nbytes
         stats.cache_hits += cache_hits
         stats.frontier_hits += frontier_hits
@@ -282,7 +277,6 @@ class Reader:
         end = start + size
         stats = self.stats
         stats.reads += 1
-        self.reads_of[shard] += 1
         stats.bytes_served += size
         self.working_set.touch(shard)
         if shard in self._ahead:
