@@ -5,6 +5,9 @@ the source's. Real mounts over nginx (--no-warm: nothing is cached while indexin
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -94,3 +97,48 @@ def test_files_opened_before_their_shard_arrived_are_not_pushed(dataset: Dataset
     assert pushed["opened"] == len(paths) and pushed["files"] == pushed["looked_up"] == 0, pushed
     for path in paths:
         assert got[path] == (dataset.root / path.relative_to(m.mountpoint)).read_bytes()
+
+
+def _memory_cgroup_dir() -> Path | None:
+    """A fresh memory cgroup this test may create (root, v2 or v1), or None."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "" and Path("/sys/fs/cgroup/cgroup.controllers").exists():
+            base = Path("/sys/fs/cgroup", path.lstrip("/"))
+            if "memory" in (base / "cgroup.controllers").read_text().split():
+                return base / f"shardfs-test-{os.getpid()}"
+        elif "memory" in controllers.split(","):
+            return Path("/sys/fs/cgroup/memory", path.lstrip("/"), f"shardfs-test-{os.getpid()}")
+    return None
+
+
+def test_the_memory_rule_counts_a_cgroup_limit():
+    """Pushed pages are charged to the daemon's cgroup: a container's or a unit's memory
+    limit, not the machine's memory, is what a quarter of must hold the dataset."""
+    group = _memory_cgroup_dir()
+    if group is None or not os.access(group.parent, os.W_OK):
+        pytest.skip("no writable memory cgroup here")
+    limit = 256 << 20
+    group.mkdir()
+    try:
+        limit_file = group / ("memory.max" if (group / "memory.max").exists()
+                              else "memory.limit_in_bytes")
+        limit_file.write_text(str(limit))
+        code = ("import sys; sys.stdin.readline(); from shardfs.fuse.pagepush import "
+                "memory_available_to_us as m, worth_pushing as w; "
+                f"print(m(), w(True, {limit // 4}, 1 << 40), w(True, {limit // 4 + 1}, 1 << 40))")
+        proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            (group / "cgroup.procs").write_text(str(proc.pid))
+            out, _ = proc.communicate("go\n", timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert out.split() == [str(limit), "True", "False"], out
+        free = subprocess.run([sys.executable, "-c", code.replace("sys.stdin.readline(); ", "")],
+                              capture_output=True, text=True, timeout=60).stdout.split()
+        assert int(free[0]) > limit  # outside the group: the machine's memory
+    finally:
+        group.rmdir()

@@ -2,17 +2,18 @@
 
 Why: in a cold shuffled epoch almost every file is read after its shard has arrived — the
 DataLoader's 4 workers each wait on one file at a time, so little is read while bytes are
-still coming (docs/benchmarks.md, "Cold shuffled epoch: files read before the last byte").
-Each such read is a FUSE READ the daemon answers (~2,400 files/s at bench scale 3), while
-pages already in the page cache are answered by the kernel alone (~6,300 files/s). So, as each
+still coming (docs/benchmarks.md, "Arrived shards pushed into the page cache": 9-12 % of the
+files by the link time at bench scale 3). Each such read was a FUSE READ the daemon answers
+(2,400-3,500 files/s there), while pages already in the page cache are answered by the kernel
+alone (~6,000 files/s). So, as each
 shard completes, its files' bytes go into the page cache of their inodes, while the readers
 still wait on the link.
 
 When (`worth_pushing`): only without OPEN requests (the shim in effect: pages then survive
 every open of the file), and only when the dataset fits both the cache budget and a quarter of
-the machine's memory. Pushed pages are the pages a full pass over the files leaves in the
-page cache anyway (docs/pyfuse3.md, "Members cached twice?"), only earlier; they are clean and
-reclaimable.
+the memory (the machine's, or its cgroup's limit if lower: the pages are charged to it).
+Pushed pages are the pages a full pass over the files leaves in the page cache anyway
+(docs/pyfuse3.md, "Members cached twice?"), only earlier; they are clean and reclaimable.
 
 How: one shard at a time, in the order they complete, in a worker thread: `notify_store`
 waits while the kernel holds a page locked for a READ that this process may be the one to
@@ -36,6 +37,7 @@ import os
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import pyfuse3  # after the shim: shardfs.fuse's __init__ loads it first
 import trio
@@ -51,11 +53,44 @@ def worth_pushing(no_open: bool, dataset_bytes: int, cache_budget: int) -> bool:
     """Push completed shards into the page cache? See the module's docstring."""
     if not no_open or dataset_bytes > cache_budget:
         return False
+    memory = memory_available_to_us()
+    return memory is not None and dataset_bytes <= memory // 4
+
+
+def memory_available_to_us() -> int | None:
+    """Physical memory, or this process's cgroup memory limit if lower (a container's, a
+    systemd unit's MemoryMax): pushed pages are charged to that cgroup."""
     try:
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
-        return False
-    return dataset_bytes <= memory // 4
+        return None
+    for limit in _cgroup_limits():
+        memory = min(memory, limit)
+    return memory
+
+
+def _cgroup_limits() -> list[int]:
+    """Memory limits of this process's cgroups (v2 memory.max, v1 memory.limit_in_bytes)."""
+    limits = []
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return limits
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            file = Path("/sys/fs/cgroup", path.lstrip("/"), "memory.max")
+        elif "memory" in controllers.split(","):
+            file = Path("/sys/fs/cgroup/memory", path.lstrip("/"), "memory.limit_in_bytes")
+        else:
+            continue
+        try:
+            text = file.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max": no limit
+            limits.append(int(text))
+    return limits
 
 
 @dataclass(slots=True)
