@@ -95,7 +95,7 @@ def _cgroup_limits() -> list[int]:
 
 @dataclass(slots=True)
 class PushStats:
-    shards: int = 0  # shards whose files were pushed
+    shards: int = 0  # arrived shards gone through (their files not opened yet pushed)
     looked_up: int = 0  # files the pusher looked up (the kernel had no inode for them)
     files: int = 0
     bytes: int = 0
