@@ -116,4 +116,6 @@ def test_lookahead_keeps_each_ranks_stock_order(dataset, nginx, mounter: Mounter
     for m in mounts:
         stats = m.stats()
         assert stats["reader"]["eio"] == 0
-        assert stats["lookahead"]["hits"] >= 0.9 * stats["reader"]["reads"], stats["lookahead"]
+        # Mostly: a read that overtakes its announced GET (a busy CI machine: once 80 hits of
+        # 90 reads) is a miss and read as usual; without Lookahead there would be no hits.
+        assert stats["lookahead"]["hits"] >= 0.8 * stats["reader"]["reads"], stats["lookahead"]
