@@ -158,8 +158,8 @@ def run(spec: dict) -> dict:
     first = None
     last_say = built
     # (seconds since the dataset was built, files so far) after each batch: how much of the
-    # epoch was read while bytes were still arriving (docs/benchmarks.md, "Cold shuffled
-    # epoch: what 4 readers can do before the last byte").
+    # epoch was read while bytes were still arriving (docs/benchmarks.md, "Arrived shards
+    # pushed into the page cache").
     timeline: list[tuple[float, int]] = []
     deadline = spec.get("limit_s")
     timed_out = False

@@ -161,18 +161,19 @@ class Tree:
     def count_files(self) -> int:
         return self.kind.count(KIND_FILE)
 
-    def files_by_shard(self) -> dict[int, list[tuple[int, int, int]]]:
-        """(inode, offset, size) of every plain (not sparse) file, per shard, in offset
-        order: the members a shard's bytes hold, as files of the tree."""
-        out: dict[int, list[tuple[int, int, int]]] = {}
-        kind, shard, offset, size, sparse = self.kind, self.shard, self.offset, self.size, \
-            self.sparse
-        for i in range(len(kind)):
-            if kind[i] == KIND_FILE and i not in sparse:
-                out.setdefault(shard[i], []).append((i + 1, offset[i], size[i]))
-        for files in out.values():
-            files.sort(key=lambda f: f[1])
-        return out
+    def files_by_shard(self, shards: int) -> tuple[array, array]:
+        """The plain (not sparse) files grouped by shard, each group in offset order: shard
+        k's entry positions are `order[start[k]:start[k + 1]]`. Flat arrays (4 bytes per
+        file), like the rest of the tree."""
+        kind, shard, offset, sparse = self.kind, self.shard, self.offset, self.sparse
+        files = [i for i in range(len(kind)) if kind[i] == KIND_FILE and i not in sparse]
+        files.sort(key=lambda i: (shard[i], offset[i]))
+        start = array("I", bytes(4 * (shards + 1)))
+        for i in files:
+            start[shard[i] + 1] += 1
+        for k in range(shards):
+            start[k + 1] += start[k]
+        return array("I", files), start
 
     # -- persistence --------------------------------------------------------------------
     _ARRAYS = ("name_end", "parent", "shard", "offset", "size", "mtime", "mode",

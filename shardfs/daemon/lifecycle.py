@@ -344,8 +344,7 @@ async def _serve(cfg: MountConfig, cache: ShardCache, catalog: Catalog, ops: Sha
         mounted = Mounted(cfg, catalog, cache, reader, sources)
         mounted.lookahead = attach_lookahead(reader, cfg.lookahead)
         if cfg.push_pages and worth_pushing(ops.no_open, reader.dataset_bytes, cache.budget):
-            mounted.pusher = PagePusher(catalog.tree.files_by_shard(), cache, catalog.keys,
-                                        cfg.mountpoint, catalog.tree.path)
+            mounted.pusher = PagePusher(catalog.tree, cache, catalog.keys, cfg.mountpoint)
             reader.on_complete = mounted.pusher.shard_complete
         if zygote is None:
             ops.reader = reader

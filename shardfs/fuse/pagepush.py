@@ -5,9 +5,8 @@ DataLoader's 4 workers each wait on one file at a time, so little is read while 
 still coming (docs/benchmarks.md, "Arrived shards pushed into the page cache": 9-12 % of the
 files by the link time at bench scale 3). Each such read was a FUSE READ the daemon answers
 (2,400-3,500 files/s there), while pages already in the page cache are answered by the kernel
-alone (~6,000 files/s). So, as each
-shard completes, its files' bytes go into the page cache of their inodes, while the readers
-still wait on the link.
+alone (~6,000 files/s). So, as each shard completes, its files' bytes go into the page cache
+of their inodes, while the readers still wait on the link.
 
 When (`worth_pushing`): only without OPEN requests (the shim in effect: pages then survive
 every open of the file), and only when the dataset fits both the cache budget and a quarter of
@@ -20,8 +19,8 @@ waits while the kernel holds a page locked for a READ that this process may be t
 answer. Only files nobody has opened yet are pushed. Listings are plain READDIR
 (docs/tuning.md), so the kernel has an inode only for a file something looked up — with
 ImageFolder-style loaders, one that a reader opened, whose pages that read put in the page
-cache already (pushing those was measured to cost 5-8 % in `bench node`, where the readers keep
-up with the fetches). A zero-length `notify_store` asks which (ENOENT: no inode). A file
+cache already (pushing those cost 5-12 % in `bench node`, where the readers keep up with the
+fetches). A zero-length `notify_store` asks which (ENOENT: no inode). A file
 without one is looked up by the pusher (a `stat` through the mount, answered in C like any
 LOOKUP) and pushed: the LOOKUP the reader's `open` would have sent anyway, made earlier and
 off the reader's path (its `open` then finds the cached entry). A loader that stats every file
@@ -34,14 +33,15 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from array import array
 from collections import deque
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pyfuse3  # after the shim: shardfs.fuse's __init__ loads it first
 import trio
 
+from shardfs.catalog.tree import Tree
 from shardfs.read.cache import ShardCache
 
 log = logging.getLogger(__name__)
@@ -105,13 +105,13 @@ class PushStats:
 
 
 class PagePusher:
-    def __init__(self, files: dict[int, list[tuple[int, int, int]]], cache: ShardCache,
-                 keys: list[str], mountpoint: str, path_of: Callable[[int], bytes]) -> None:
-        self._files = files  # shard -> [(inode, offset in shard, size)], from the tree
+    def __init__(self, tree: Tree, cache: ShardCache, keys: list[str], mountpoint: str) -> None:
+        self._tree = tree
+        # Tree.files_by_shard, built by the first push (in its thread, not on the loop)
+        self._index: tuple[array, array] | None = None
         self._cache = cache
         self._keys = keys
         self._mountpoint = os.fsencode(mountpoint)
-        self._path_of = path_of  # inode -> path below the mountpoint (Tree.path)
         self._queue: deque[int] = deque()
         self._wake = trio.Event()
         self._off = False  # the kernel does not support it: stop
@@ -119,7 +119,7 @@ class PagePusher:
 
     def shard_complete(self, shard: int) -> None:
         """Reader.on_complete: queue a shard that has just arrived whole."""
-        if shard in self._files and not self._off:
+        if not self._off:
             self._queue.append(shard)
             self._wake.set()
 
@@ -141,16 +141,19 @@ class PagePusher:
             # Our own descriptor: the cache may evict the shard (and close its fd) meanwhile,
             # and a thread abandoned at shutdown must not read a reused fd number.
             fd = os.dup(cached.fd)
-            await trio.to_thread.run_sync(self._push, fd, self._files[shard],
-                                          abandon_on_cancel=True)
+            await trio.to_thread.run_sync(self._push, fd, shard, abandon_on_cancel=True)
             self.stats.shards += 1
 
-    def _push(self, fd: int, files: list[tuple[int, int, int]]) -> None:
-        """In a worker thread: the files nobody has opened yet, from the shard's cache file to
+    def _push(self, fd: int, shard: int) -> None:
+        """In a worker thread: the shard's files nobody has opened yet, from its cache file to
         the kernel."""
-        stats = self.stats
+        stats, tree = self.stats, self._tree
         try:
-            for ino, offset, size in files:
+            if self._index is None:
+                self._index = tree.files_by_shard(len(self._keys))
+            order, start = self._index
+            for pos in order[start[shard] : start[shard + 1]]:
+                ino, offset, size = pos + 1, tree.offset[pos], tree.size[pos]
                 if size == 0:
                     continue
                 if self._has_inode(ino):
@@ -159,16 +162,18 @@ class PagePusher:
                 if not self._look_up(ino):
                     stats.unknown += 1
                     continue
-                pos = 0
-                while pos < size:
-                    n = min(PIECE, size - pos)
-                    data = os.pread(fd, n, offset + pos)
+                at = 0
+                while at < size:
+                    n = min(PIECE, size - at)
+                    data = os.pread(fd, n, offset + at)
                     if len(data) != n:
                         raise OSError(errno.EIO, f"short read of a cached shard ({len(data)} "
                                                  f"of {n} bytes)")
-                    if not self._store(ino, pos, data):
+                    if not self._store(ino, at, data):
+                        if not self._off:
+                            stats.unknown += 1  # its inode went away meanwhile
                         break
-                    pos += n
+                    at += n
                 else:
                     stats.files += 1
                     stats.bytes += size
@@ -188,7 +193,7 @@ class PagePusher:
     def _look_up(self, ino: int) -> bool:
         """The LOOKUP that gives the kernel an inode for the file: a stat through the mount."""
         try:
-            os.stat(self._mountpoint + b"/" + self._path_of(ino))
+            os.stat(self._mountpoint + b"/" + self._tree.path(ino))
         except OSError:
             return False
         self.stats.looked_up += 1

@@ -459,14 +459,13 @@ class Reader:
     # -- shards announced ahead (shard-aware samplers) -------------------------------------
     def queue_ahead(self, shards: Sequence[int], owner: Hashable) -> int:
         """Shards a sampler says it reads next (ShardAwareSampler, through the announce
-        socket), in its order: fetched whole in that order (see _start_ahead), so the link
-        is busy with the
-        sampler's next shards before its readers touch them. Only when the dataset fits the
-        cache: otherwise shards held for later would make the cache evict shards being read
-        and fetch them again (measured: 1.6-1.8x the bytes in the bench's over-cache
-        scenario), so announcements are ignored. Returns how many shards were added (not
-        cached, fetching or announced already). `owner` names the announcing connection
-        (see forget_ahead)."""
+        socket), in its order: fetched whole in that order (see _start_ahead), so the link is
+        busy with the sampler's next shards before its readers touch them. Only when the
+        dataset fits the cache: otherwise shards held for later would make the cache evict
+        shards being read and fetch them again (measured: 1.6-1.8x the bytes in the bench's
+        over-cache scenario), so announcements are ignored. Returns how many shards were
+        added (not cached, fetching or announced already). `owner` names the announcing
+        connection (see forget_ahead)."""
         if not self._dataset_fits():
             return 0
         added = 0
