@@ -218,9 +218,12 @@ def test_server_without_range_support_mounts_whole_shard_only(
         extra = [] if warm else ["--no-warm"]
         m = mounter.mount([brace(dataset, f"{url}/data")], None, None, *extra)
         assert_same_bytes(dataset, m.mountpoint)
-        s = m.stats()
-        assert s["reader"]["member_fetches"] == 0  # no member reads: whole shards only
-        assert s["shards_cached"] == len(shard_names(dataset))
+        # A read returns once its bytes are in; its shard is committed (fdatasync) after.
+        deadline = time.monotonic() + 30
+        while m.stats()["shards_cached"] < len(shard_names(dataset)):
+            assert time.monotonic() < deadline, m.stats()
+            time.sleep(0.05)
+        assert m.stats()["reader"]["member_fetches"] == 0  # no member reads: whole shards only
     log = m.log()
     assert log.count("whole-shard-only mode") == 1, log
     assert all(r in ("", "bytes=0-0") for r in ranges), set(ranges)
