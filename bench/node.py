@@ -137,10 +137,9 @@ def _mount_pids(pid: int) -> list[int]:
 class Mount:
     def __init__(self, sources: list[str], mountpoint: Path, cache_dir: Path,
                  workers: int, push_pages: str = "auto") -> None:
+        # --workers always: the default is one per core, not 1
         args = [*SHARDFS, "mount", *sources, str(mountpoint), "--cache-dir", str(cache_dir),
-                "--no-warm", "--push-pages", push_pages]
-        if workers != 1:
-            args += ["--workers", str(workers)]
+                "--no-warm", "--push-pages", push_pages, "--workers", str(workers)]
         result = subprocess.run(args, capture_output=True, text=True, timeout=600)
         match = re.search(r"daemon pid (\d+)", result.stdout)
         if result.returncode != 0 or not match:
