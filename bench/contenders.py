@@ -48,6 +48,7 @@ class Ctx:
     cache_root: Path | None = None
     over_cache_bytes: int = 0  # --cache-size for the "over" scenario
     fits_cache_bytes: int = 0  # --cache-size for the main scenario
+    shardfs_args: tuple[str, ...] = ()  # more `shardfs mount` arguments (--shardfs-arg)
 
     @property
     def images_url(self) -> str:
@@ -392,7 +393,7 @@ class Shardfs(Contender):
             size = ctx.over_cache_bytes if scenario == "over" else ctx.fits_cache_bytes
         self.cache_size = size
         cmd = [sys.executable, "-m", "shardfs", "mount", source, str(mnt), "--cache-dir",
-               str(cache), "--cache-size", str(size), "--no-warm"]
+               str(cache), "--cache-size", str(size), "--no-warm", *ctx.shardfs_args]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=MOUNT_TIMEOUT_S)
         match = re.search(r"daemon pid (\d+)", result.stdout)
         if match:

@@ -271,7 +271,8 @@ class Bench:
                       cache_root=cache_root,
                       workers=a.workers, batch_size=a.batch_size, seed=a.seed, say=self.say,
                       fits_cache_bytes=max(2 * data.shard_bytes, 64 << 20),
-                      over_cache_bytes=data.shard_bytes // 4)
+                      over_cache_bytes=data.shard_bytes // 4,
+                      shardfs_args=tuple(a.shardfs_arg))
             record["cache_sizes"] = {"main": ctx.fits_cache_bytes, "over": ctx.over_cache_bytes}
             ctxs = {s: ctx for s in scenarios}
             if small is not None:
@@ -368,6 +369,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    "timeout (default 90 x --scale)")
     p.add_argument("--meta-limit", type=float, default=None,
                    help="seconds the metadata pass may run (default 30 x --scale)")
+    p.add_argument("--shardfs-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for every `shardfs mount` (repeat it: "
+                   "--shardfs-arg=--push-pages --shardfs-arg=off)")
     p.add_argument("--out", default=str(REPO / "bench" / "out"),
                    help="results, data and scratch (default bench/out)")
     p.add_argument("--json", help="write the record here (default OUT/run-STAMP.json)")
