@@ -120,3 +120,20 @@ def test_node_tables_of_other_worker_counts_are_kept(tmp_path: Path):
     assert text.index("workers=1)") < text.index("one") < text.index("workers=2)") \
         < text.index("two, new") < text.index(MARK_END)
     assert text.count(MARK_BEGIN) == text.count(MARK_END) == 1
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_node_mounts_serve_with_the_workers_asked_for(dataset, tmp_path: Path, workers: int):
+    """`bench node --workers 1` once ran the mount's default (one worker per core): the
+    1-against-2 comparisons then compared 2 workers with 2 workers."""
+    from bench.node import Mount
+
+    sources = [f"file://{p}" for p in sorted(dataset.shard_dir.glob("*.tar"))]
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    mount = Mount(sources, mnt, tmp_path / "cache", workers, "off")
+    try:
+        serving = mount.stats()["workers"]
+    finally:
+        mount.close()
+    assert len(serving) == (0 if workers == 1 else workers), serving
