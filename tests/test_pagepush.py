@@ -114,23 +114,26 @@ def _memory_cgroup_dir() -> Path | None:
 
 def test_the_memory_rule_counts_a_cgroup_limit():
     """Pushed pages are charged to the daemon's cgroup: a container's or a unit's memory
-    limit, not the machine's memory, is what a quarter of must hold the dataset."""
+    limit, not the machine's memory, is what a quarter of must hold the dataset — also a
+    limit set on a group above the daemon's (a systemd slice's MemoryMax=)."""
     group = _memory_cgroup_dir()
     if group is None or not os.access(group.parent, os.W_OK):
         pytest.skip("no writable memory cgroup here")
     limit = 256 << 20
     group.mkdir()
+    leaf = group / "leaf"  # the process goes below the group that has the limit
     try:
         limit_file = group / ("memory.max" if (group / "memory.max").exists()
                               else "memory.limit_in_bytes")
         limit_file.write_text(str(limit))
+        leaf.mkdir()
         code = ("import sys; sys.stdin.readline(); from shardfs.fuse.pagepush import "
                 "memory_available_to_us as m, worth_pushing as w; "
                 f"print(m(), w(True, {limit // 4}, 1 << 40), w(True, {limit // 4 + 1}, 1 << 40))")
         proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True)
         try:
-            (group / "cgroup.procs").write_text(str(proc.pid))
+            (leaf / "cgroup.procs").write_text(str(proc.pid))
             out, _ = proc.communicate("go\n", timeout=60)
         finally:
             if proc.poll() is None:
@@ -141,4 +144,6 @@ def test_the_memory_rule_counts_a_cgroup_limit():
                               capture_output=True, text=True, timeout=60).stdout.split()
         assert int(free[0]) > limit  # outside the group: the machine's memory
     finally:
+        if leaf.exists():
+            leaf.rmdir()
         group.rmdir()

@@ -19,8 +19,8 @@ waits while the kernel holds a page locked for a READ that this process may be t
 answer. Only files nobody has opened yet are pushed. Listings are plain READDIR
 (docs/tuning.md), so the kernel has an inode only for a file something looked up — with
 ImageFolder-style loaders, one that a reader opened, whose pages that read put in the page
-cache already (pushing those cost 5-12 % in `bench node`, where the readers keep up with the
-fetches). A zero-length `notify_store` asks which (ENOENT: no inode). A file
+cache already (pushing those cost 5-12 % in `bench node` with 2 workers, where the readers
+keep up with the fetches). A zero-length `notify_store` asks which (ENOENT: no inode). A file
 without one is looked up by the pusher (a `stat` through the mount, answered in C like any
 LOOKUP) and pushed: the LOOKUP the reader's `open` would have sent anyway, made earlier and
 off the reader's path (its `open` then finds the cached entry). A loader that stats every file
@@ -70,7 +70,9 @@ def memory_available_to_us() -> int | None:
 
 
 def _cgroup_limits() -> list[int]:
-    """Memory limits of this process's cgroups (v2 memory.max, v1 memory.limit_in_bytes)."""
+    """Memory limits of this process's cgroups and their ancestors (v2 memory.max, v1
+    memory.limit_in_bytes): a limit on a parent (a systemd slice's MemoryMax=, a pod's)
+    holds for every group below it."""
     limits = []
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
@@ -79,17 +81,21 @@ def _cgroup_limits() -> list[int]:
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controllers == "":
-            file = Path("/sys/fs/cgroup", path.lstrip("/"), "memory.max")
+            root, name = Path("/sys/fs/cgroup"), "memory.max"
         elif "memory" in controllers.split(","):
-            file = Path("/sys/fs/cgroup/memory", path.lstrip("/"), "memory.limit_in_bytes")
+            root, name = Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"
         else:
             continue
-        try:
-            text = file.read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit():  # "max": no limit
-            limits.append(int(text))
+        group = root / path.lstrip("/")
+        for directory in (group, *group.parents):
+            try:
+                text = (directory / name).read_text().strip()
+            except OSError:
+                text = ""  # the root group has no limit file
+            if text.isdigit():  # "max": no limit
+                limits.append(int(text))
+            if directory == root:
+                break
     return limits
 
 
