@@ -263,12 +263,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.epochsim", description=__doc__)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--files", type=int, default=Setup.files)
+    parser.add_argument("--workers", type=int, default=Setup.workers,
+                        help="DataLoader workers, each reading its batch one file at a time")
+    parser.add_argument("--policies", default=None,
+                        help="comma-separated beginnings of policy names (default: all)")
     args = parser.parse_args()
-    setup = Setup(files=args.files)
+    setup = Setup(files=args.files, workers=args.workers)
+    wanted = args.policies.split(",") if args.policies else [""]
     print("| policy | epoch / link time | first batch s | files read by T | fetched / read "
           "| requests |")
     print("|---|---|---|---|---|---|")
     for name, run in POLICIES.items():
+        if not any(name.startswith(w) for w in wanted):
+            continue
         rs = [run(setup, seed) for seed in range(1, args.seeds + 1)]
         print(f"| {name} | {' / '.join(f'{r.x_link:.2f}' for r in rs)}x "
               f"| {' / '.join(f'{r.first_batch:.1f}' for r in rs)} "
