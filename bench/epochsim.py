@@ -161,6 +161,8 @@ def run_streams(setup: Setup, seed: int, slots: int = 8, budget: float = 0.10,
                 elapsed = t - began[k] - setup.latency
                 rate = front[k] / elapsed if elapsed > 0 and front[k] > 64e3 else None
                 eta = (end - front[k]) / rate if rate else None
+            # As the reader's rule: about two member-read round trips (its bytes at a
+            # quarter of the link); a shard still waiting for a slot has no eta at all.
             patience = 2 * (setup.latency + 4 * m.sizes[f] / setup.link)
             if eta is not None and eta > patience and dup + m.sizes[f] <= budget * started:
                 dup += m.sizes[f]
