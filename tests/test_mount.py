@@ -193,9 +193,13 @@ def test_small_cache_evicts_and_stays_within_budget(dataset, nginx, mounter: Mou
     while m.stats()["shards_fetching"] and time.monotonic() < deadline:
         time.sleep(0.05)  # a read returns once its bytes are in; its fetch ends a bit later
     stats = m.stats()
-    shards = len(dataset.shards.shards)
-    assert stats["reader"]["shard_fetches_done"] >= shards, stats["reader"]
-    assert stats["evictions"] >= shards - 5, stats
+    # More whole shards than fit went through the cache, and each one past the room for 5 made
+    # room by evicting one. Not every shard need come whole: when the streams' windows
+    # (workingset.py) briefly span more shards than fit, the reader reads members instead
+    # (seen in CI, session 8: 7 and 9 of 10 shards whole).
+    done = stats["reader"]["shard_fetches_done"]
+    assert done > 5, stats["reader"]
+    assert stats["evictions"] >= done - 5, stats
     assert stats["evicted_bytes"] > 0
     assert stats["cache_used_bytes"] <= budget
     assert stats["cache_budget_bytes"] == budget
