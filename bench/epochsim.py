@@ -1,11 +1,12 @@
 """A model of the cold shuffled epoch: how close to the link can `shuffle=True` get?
 
-`python -m bench.epochsim` steps a model of bench's cold scenario (3,000 files of 50-175 KB in
-~4.2 MB shards, 100 MB/s, 20 ms per request, a DataLoader of 4 workers reading batches of 32
-one file at a time, ~0.6 ms a file once its bytes are in) under fetch policies that shardfs
-has or could have, and prints each one's epoch as a fraction of the link time T (all bytes
-once at the link rate). It checks ideas before they are built (docs/benchmarks.md, "What a
-model of the epoch says"); it measures nothing about the real daemon.
+`python -m bench.epochsim` steps a model of bench's cold scenario at `--scale 3`
+(3,000 files of 50-175 KB in ~12 MB shards, 100 MB/s, 20 ms per request, a DataLoader of 4
+workers reading batches of 32 one file at a time, ~0.6 ms a file once its bytes are in)
+under fetch policies that shardfs has or could have, and prints each one's epoch as a
+fraction of the link time T (all bytes once at the link rate). It checks ideas before they
+are built (docs/benchmarks.md, "What a model of the epoch says about priority"); it measures
+nothing about the real daemon.
 
 Policies:
 - `streams`: today's reader (shardfs/read/reader.py): up to `slots` whole-shard GETs sharing
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 @dataclass
 class Setup:
     files: int = 3000
-    shard_bytes: float = 4.2e6
+    shard_bytes: float = 12.1e6  # --scale 3: 338 MB in 28 shards
     link: float = 100e6  # bytes/s
     latency: float = 0.02  # s from a request to its first byte
     read_cost: float = 0.0006  # s a DataLoader worker spends on a file whose bytes are in
@@ -143,7 +144,8 @@ def run_streams(setup: Setup, seed: int, slots: int = 8, budget: float = 0.10,
 
     def have(f: int) -> bool:
         k, _, end = m.where[f]
-        return (front[k] is not None and front[k] >= end) or members.get(f, [0, 1])[1] <= 0
+        whole = front[k] is not None and front[k] >= end
+        return whole or (f in members and members[f][1] <= 0)
 
     while not m.finished:
         m.step_readers(t, have)
