@@ -122,11 +122,15 @@ class Model:
 
 
 def run_streams(setup: Setup, seed: int, slots: int = 8, budget: float = 0.10,
-                prio: bool = False) -> Result:
+                prio: bool = False, skip: bool = False) -> Result:
     m = Model(setup, seed)
     n = len(m.shard_len)
     front: list[float | None] = [None] * n  # bytes arrived; None: not started
     began = [0.0] * n
+    asked = [0.0] * n  # when the shard's current GET was asked
+    # skip: a member read ahead of its shard's GET is not fetched twice: the GET ends at the
+    # member and a new one asks for the rest (an arrival map in the cache, not one frontier).
+    ahead: list[list[tuple[float, float]]] = [[] for _ in range(n)]  # members ahead: start, end
     queued: list[int] = []
     members: dict[int, list[float]] = {}  # file -> [asked at, bytes left]
     dup = started = fetched = 0.0
@@ -138,7 +142,7 @@ def run_streams(setup: Setup, seed: int, slots: int = 8, budget: float = 0.10,
 
     def start(k: int) -> None:
         nonlocal started, requests
-        front[k], began[k] = 0.0, t
+        front[k], began[k], asked[k] = 0.0, t, t
         started += m.shard_len[k]
         requests += 1
 
@@ -166,11 +170,18 @@ def run_streams(setup: Setup, seed: int, slots: int = 8, budget: float = 0.10,
             # As the reader's rule: about two member-read round trips (its bytes at a
             # quarter of the link); a shard still waiting for a slot has no eta at all.
             patience = 2 * (setup.latency + 4 * m.sizes[f] / setup.link)
-            if eta is not None and eta > patience and dup + m.sizes[f] <= budget * started:
+            if eta is None or eta <= patience:
+                continue
+            start_f = m.where[f][1]
+            if skip and (front[k] is None or front[k] <= start_f):
+                ahead[k].append((start_f, end))
+            elif dup + m.sizes[f] <= budget * started:
                 dup += m.sizes[f]
-                members[f] = [t, m.sizes[f]]
-                requests += 1
-        flows = [("shard", k) for k in running() if t - began[k] >= setup.latency]
+            else:
+                continue
+            members[f] = [t, m.sizes[f]]
+            requests += 1
+        flows = [("shard", k) for k in running() if t - asked[k] >= setup.latency]
         flows += [("member", f) for f, (asked, left) in members.items()
                   if left > 0 and t - asked >= setup.latency]
         if prio:
@@ -181,7 +192,20 @@ def run_streams(setup: Setup, seed: int, slots: int = 8, budget: float = 0.10,
             share = setup.link * setup.step / len(flows)
             fetched += share
             if kind == "shard":
+                old = front[key]
                 front[key] = min(m.shard_len[key], front[key] + share)  # type: ignore[operator]
+                hit = [r for r in ahead[key] if old <= r[0] < front[key]]
+                if hit:  # end this GET at the member, ask again past it (and any next to it)
+                    new = min(hit)[1]
+                    for r in sorted(ahead[key]):
+                        if r[0] <= new:
+                            new = max(new, r[1])
+                    ahead[key] = [r for r in ahead[key] if r[0] > new]
+                    fetched -= front[key] - min(hit)[0]
+                    front[key] = min(m.shard_len[key], new)
+                    if front[key] < m.shard_len[key]:
+                        asked[key] = t
+                        requests += 1
             else:
                 members[key][1] -= share
         while queued and len(running()) < slots:
@@ -250,11 +274,122 @@ def run_chunks(setup: Setup, seed: int, inflight: int = 8, chunk: float = 1e6,
     return m.result(t, fetched, requests)
 
 
+def run_split(setup: Setup, seed: int, slots: int = 8, max_streams: int = 32,
+              budget: float = 0.10) -> Result:
+    """`streams`, but a member read ahead of its shard's GET splits that GET: the GET stops
+    at the member and a new ranged GET, asked at once, fetches what followed it. Each byte is
+    fetched once; the cache would hold shards filled out of order (an arrival map)."""
+    m = Model(setup, seed)
+    n = len(m.shard_len)
+    in_shard: list[list[int]] = [[] for _ in range(n)]  # files by their offset
+    for f, (k, _, _) in m.where.items():
+        in_shard[k].append(f)
+    for files in in_shard:
+        files.sort(key=lambda f: m.where[f][1])
+    arrived: set[int] = set()
+    # GETs: [shard, pos, stop, asked at, index of the next file to complete, first pos]
+    gets: list[list] = []
+    began: dict[int, float] = {}
+    queued: list[int] = []
+    members: dict[int, list[float]] = {}
+    dup = started = fetched = 0.0
+    requests = 0
+    t = 0.0
+
+    def shards_running() -> set[int]:
+        return {g[0] for g in gets}
+
+    def start(k: int) -> None:
+        nonlocal started, requests
+        pos, i = 0.0, 0
+        for f in in_shard[k] + [None]:  # one ranged GET per gap between members fetched
+            if f is not None and f not in members:
+                continue
+            a, b = (m.where[f][1], m.where[f][2]) if f is not None else (m.shard_len[k], 0.0)
+            if a > pos:
+                gets.append([k, pos, a, t, i, pos])
+                requests += 1
+            pos = b
+            i = in_shard[k].index(f) + 1 if f is not None else 0
+        began[k] = t
+        started += m.shard_len[k]
+        requests += 1
+
+    def have(f: int) -> bool:
+        return f in arrived or (f in members and members[f][1] <= 0)
+
+    while not m.finished:
+        m.step_readers(t, have)
+        for f, _ in m.waiting.values():
+            k, a, b = m.where[f]
+            if k not in began and k not in queued:
+                if len(shards_running()) < slots:
+                    start(k)
+                else:
+                    queued.append(k)
+            if f in members:
+                continue
+            covering = [g for g in gets if g[0] == k and g[1] <= a < g[2]]
+            eta: float | None = float("inf")
+            if covering:
+                g = covering[0]
+                elapsed = t - g[3] - setup.latency
+                got = g[1] - g[5]
+                rate = got / elapsed if elapsed > 0 and got > 64e3 else None
+                rate = setup.link / max(1, len(gets)) if rate is None and elapsed > 0 else rate
+                eta = (b - g[1]) / rate if rate else None
+            patience = 2 * (setup.latency + 4 * m.sizes[f] / setup.link)
+            if eta is None or eta <= patience:
+                continue
+            if covering and covering[0][1] < a and len(gets) < max_streams:
+                g = covering[0]
+                if b < g[2]:
+                    later = [i for i, x in enumerate(in_shard[k]) if m.where[x][1] >= b]
+                    gets.append([k, b, g[2], t, later[0] if later else len(in_shard[k]), b])
+                    requests += 1
+                g[2] = a
+            elif covering and covering[0][1] >= a and len(gets) < max_streams:
+                g = covering[0]  # the GET was not yet under way there: start past the member
+                g[1] = g[5] = b
+                g[4] += 1
+            elif k not in began:
+                pass  # its GETs, when they start, go around it
+            elif dup + m.sizes[f] <= budget * started:
+                dup += m.sizes[f]
+            else:
+                continue
+            members[f] = [t, m.sizes[f]]
+            requests += 1
+        flows: list[tuple[str, object]] = [("get", g) for g in gets if t - g[3] >= setup.latency]
+        flows += [("member", f) for f, (asked, left) in members.items()
+                  if left > 0 and t - asked >= setup.latency]
+        share = setup.link * setup.step / max(1, len(flows))
+        for kind, key in flows:
+            fetched += share
+            if kind == "get":
+                g = key  # type: ignore[assignment]
+                g[1] = min(g[2], g[1] + share)
+                files = in_shard[g[0]]
+                while g[4] < len(files) and m.where[files[g[4]]][2] <= g[1]:
+                    arrived.add(files[g[4]])
+                    g[4] += 1
+            else:
+                members[key][1] -= share  # type: ignore[index]
+        gets = [g for g in gets if g[1] < g[2]]
+        while queued and len(shards_running()) < slots:
+            start(queued.pop(0))
+        t += setup.step
+    return m.result(t, fetched, requests)
+
+
 POLICIES = {
     "streams (today: 8 GETs, 10 % early members)": lambda s, seed: run_streams(s, seed),
     "streams, no early members": lambda s, seed: run_streams(s, seed, budget=0.0),
     "streams-prio, ideal, no early members": lambda s, seed: run_streams(
         s, seed, slots=10**6, budget=0.0, prio=True),
+    "streams, members not fetched twice": lambda s, seed: run_streams(s, seed, skip=True),
+    "split GETs at members (arrival map), 32 GETs at most": lambda s, seed: run_split(s, seed),
+    "split GETs at members, 64 at most": lambda s, seed: run_split(s, seed, max_streams=64),
     "chunks of 1 MB, 8 at once": lambda s, seed: run_chunks(s, seed, prio=False),
     "chunks-prio of 1 MB, 8 at once": lambda s, seed: run_chunks(s, seed),
     "chunks-prio of 1 MB, 16 at once": lambda s, seed: run_chunks(s, seed, inflight=16),

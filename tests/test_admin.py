@@ -271,8 +271,13 @@ def test_stats_command_during_reads(dataset: Dataset, nginx, mounter: Mounter):
     assert r["shard_fetches_done"] == shards, r
     assert r["member_fetches"] == r["early_member_reads"], r
     assert r["member_bytes"] == r["early_member_bytes"] <= 0.10 * sizes, r
-    assert r["shard_bytes"] == sizes and after["bytes_indexed"] == sizes, after
-    assert after["bytes_fetched"] == 2 * sizes + r["member_bytes"]
+    # A read far ahead of a fetch may split it (reader.py, _split): no byte comes twice, but
+    # the GET cut short may bring a little past its new end (counted) and what the server
+    # had sent in the same block (not seen by the reader; at most a block per split).
+    assert r["shard_bytes"] == sizes + r["split_overrun_bytes"], r
+    assert after["bytes_indexed"] == sizes, after
+    used = 2 * sizes + r["member_bytes"] + r["split_overrun_bytes"]
+    assert used <= after["bytes_fetched"] <= used + r["split_reads"] * 256 * 1024, (after, r)
     assert after["shards_cached"] == shards and after["shards_fetching"] == 0
     assert r["cache_hits"] + r["frontier_hits"] + r["waits"] == r["reads"], r
     # The daemon's request count is what the proxy saw (probes, index scans, fetches).

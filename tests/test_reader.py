@@ -3,6 +3,7 @@ cache: every byte must equal the shard's, and the policy must pick the right fet
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import random
@@ -396,3 +397,151 @@ def test_fetch_failing_after_a_waiters_bytes_arrived(tmp_path: Path, shards: Sha
         assert not cache.has(catalog.keys[0])
 
     run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources)
+
+
+class _SlowWholeShards:
+    """A file source whose whole-shard streams crawl (`delay` s per chunk) while ranged
+    streams are fast, or fail at once with `ranges_fail`."""
+
+    def __init__(self, inner: Source, delay: float, ranges_fail: bool) -> None:
+        self.inner = inner
+        self.stats = inner.stats
+        self.delay = delay
+        self.ranges_fail = ranges_fail
+        self.asked: list[tuple[str, int, int]] = []
+
+    async def stat(self, url: str) -> ShardInfo:
+        return await self.inner.stat(url)
+
+    async def fetch_optional(self, url: str) -> bytes | None:
+        return await self.inner.fetch_optional(url)
+
+    async def stream(self, shard: ShardInfo, start: int, end: int) -> AsyncIterator[bytes]:
+        self.asked.append((shard.url, start, end))
+        whole = start == 0 and end == shard.size
+        if not whole and self.ranges_fail:
+            raise Unreachable(f"{shard.url}: injected failure of a ranged GET")
+        stream = self.inner.stream(shard, start, end)
+        try:
+            async for chunk in stream:
+                yield chunk
+                if whole:
+                    await trio.sleep(self.delay)
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class _SlowSources(Sources):
+    def __init__(self, delay: float, ranges_fail: bool = False) -> None:
+        super().__init__(SourceSettings(chunk_size=4096))
+        self.delay, self.ranges_fail = delay, ranges_fail
+        self.made: list[_SlowWholeShards] = []
+
+    def for_url(self, url: str) -> Source:
+        source = _SlowWholeShards(super().for_url(url), self.delay, self.ranges_fail)
+        self.made.append(source)
+        return source
+
+
+def test_a_read_far_ahead_splits_the_fetch_and_no_byte_comes_twice(
+        tmp_path: Path, shards: Shards) -> None:
+    """The whole-shard GET crawls; a read of the shard's last member does not wait for it
+    (nor fetch its member a second time): the GET stops short of the member, the member comes
+    by its own GET into the part file, a third GET brings what followed it. The shard is then
+    complete, byte for byte, and its sha256 checked from the part file."""
+    sources = _SlowSources(delay=0.01)  # ~40 chunks of 4 KiB: about 0.4 s for the shard
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        # As an index of a remote shard would have it (file:// indexes are not streamed):
+        # checked at commit, from the part file once the fetch was split.
+        catalog.sha256[3] = hashlib.sha256(shards.paths[3].read_bytes()).hexdigest()
+        first, last = shards.order[3][2], shards.order[3][-2]  # [-1] is common/dup.txt
+        assert await read_member(reader, catalog, inodes[first]) == shards.contents[first]
+        assert await read_member(reader, catalog, inodes[last]) == shards.contents[last]
+        assert 3 in reader.fetches, "the far read waited for the whole shard"
+        stats = reader.stats
+        assert stats.split_reads == 1, stats
+        assert stats.early_member_reads == 0 and stats.member_fetches == 0, stats
+        await wait_idle(reader)
+        assert stats.shard_fetches_done == 1 and stats.fetch_errors == 0
+        assert cache.has(catalog.keys[3])
+        with open(cache.shards_dir / catalog.keys[3], "rb") as f:
+            assert f.read() == shards.paths[3].read_bytes()
+        size = catalog.shards[3].size
+        ref = catalog.tree.file_ref(inodes[last])
+        asked = [a for s in sources.made for a in s.asked if a[0] == shards.urls[3]]
+        # The whole GET, then one for the member's bytes, one for the rest of the shard.
+        assert sorted(a[1:] for a in asked) == [(0, size), (ref.offset, ref.offset + ref.size),
+                                                (ref.offset + ref.size, size)]
+        assert stats.shard_bytes == size + stats.split_overrun_bytes
+        assert stats.split_overrun_bytes < 4096  # at most one chunk past the new end
+        # Every member reads back right, from the cache now.
+        for path in shards.order[3][:-1]:
+            assert await read_member(reader, catalog, inodes[path]) == shards.contents[path]
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources)
+
+
+def test_a_failed_split_get_fails_the_fetch_with_eio(tmp_path: Path, shards: Shards) -> None:
+    """A GET a split added fails (the source unreachable past its deadline): the whole fetch
+    fails with it, as one GET's failure would — the read waiting gets EIO, the part file is
+    dropped, nothing is cached, and a later read starts afresh."""
+    sources = _SlowSources(delay=0.01, ranges_fail=True)
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        first, last = shards.order[4][2], shards.order[4][-2]
+        assert await read_member(reader, catalog, inodes[first]) == shards.contents[first]
+        with pytest.raises(ReadError, match="injected failure"):
+            await read_member(reader, catalog, inodes[last])
+        await wait_idle(reader)
+        stats = reader.stats
+        assert stats.split_reads == 1 and stats.fetch_errors == 1, stats
+        assert not cache.has(catalog.keys[4]) and 4 in reader.failed
+        sources.ranges_fail = False
+        for source in sources.made:
+            source.ranges_fail = False
+        assert await read_member(reader, catalog, inodes[last]) == shards.contents[last]
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources)
+
+
+def test_a_split_fetch_whose_digest_differs_is_not_cached(tmp_path: Path,
+                                                           shards: Shards) -> None:
+    sources = _SlowSources(delay=0.01)
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        catalog.sha256[6] = hashlib.sha256(b"some other shard").hexdigest()
+        first, last = shards.order[6][2], shards.order[6][-2]
+        assert await read_member(reader, catalog, inodes[first]) == shards.contents[first]
+        assert await read_member(reader, catalog, inodes[last]) == shards.contents[last]
+        await wait_idle(reader)
+        stats = reader.stats
+        assert stats.split_reads == 1 and stats.fetch_errors == 1, stats
+        assert not cache.has(catalog.keys[6]) and 6 in reader.failed
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources)
+
+
+def test_no_split_when_the_policy_says_so(tmp_path: Path, shards: Shards) -> None:
+    """`split_fetches=False`: the far read is an early member read (bytes fetched twice,
+    within the allowance), as before splits existed."""
+    sources = _SlowSources(delay=0.01)
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        first, last = shards.order[5][2], shards.order[5][-2]
+        assert await read_member(reader, catalog, inodes[first]) == shards.contents[first]
+        assert await read_member(reader, catalog, inodes[last]) == shards.contents[last]
+        stats = reader.stats
+        assert stats.split_reads == 0 and stats.early_member_reads == 1, stats
+        await wait_idle(reader)
+        assert cache.has(catalog.keys[5]) and stats.shard_bytes == catalog.shards[5].size
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources,
+               policy=ReadPolicy(split_fetches=False))

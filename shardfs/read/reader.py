@@ -19,21 +19,22 @@ reads instead of thrashing an LRU of whole shards.
 from __future__ import annotations
 
 import hashlib
-import heapq
-import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Hashable, Iterable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 from cachetools import LRUCache
 
 from shardfs.catalog.catalog import Catalog
 from shardfs.catalog.codecs import CodecError, decompressor
-from shardfs.read.cache import DISK_FULL, PartFile, ShardCache, pwrite_all
+from shardfs.read.cache import DISK_FULL, ShardCache, pwrite_all, sha256_of
 from shardfs.read.diskread import DiskReads
+from shardfs.read.fetch import Fetch, FetchFailed, Get
 from shardfs.read.lookahead import Lookahead
 from shardfs.read.states import ShardStates
 from shardfs.read.workingset import WorkingSet
@@ -69,6 +70,11 @@ class ReadPolicy:
     # (bytes fetched / read <= 1.1): a cold shuffled epoch's first batch at 1.7-1.9 s instead
     # of 2.0-3.3 s with 5 % (bench --scale 3), 1.06x the bytes.
     early_member_fraction: float = 0.10
+    # Such a read whose member lies wholly ahead of the GET bringing it splits that GET
+    # instead (see _split): its member comes by a GET of its own, written into the part
+    # file, and is not fetched twice; no allowance needed. At most this many GETs per fetch.
+    split_fetches: bool = True
+    max_gets_per_fetch: int = 16
     member_cache: int = 64 * MiB  # RAM for recently fetched members/blocks
     prefetch: str = "touched"  # "touched": shards once read; "all": warm all if they fit
 
@@ -86,6 +92,10 @@ class ReaderStats:
     # fetch still queued for a slot): duplicate bytes, bounded by early_member_fraction.
     early_member_reads: int = 0
     early_member_bytes: int = 0
+    # Reads that split a whole-shard fetch (their member fetched once, by its own GET), and
+    # the bytes received past a GET's new end before it stopped (discarded).
+    split_reads: int = 0
+    split_overrun_bytes: int = 0
     shard_fetches_started: int = 0
     ahead_fetches: int = 0  # of those, started for shards a sampler announced (queue_ahead)
     shard_fetches_done: int = 0
@@ -96,61 +106,6 @@ class ReaderStats:
 
 class ReadError(Exception):
     """A read that must fail with EIO (source unreachable past the deadline, shard changed)."""
-
-
-class Fetch:
-    """One whole-shard download in progress; readers wait on its frontier."""
-
-    def __init__(self, shard: int, part: PartFile) -> None:
-        self.shard = shard
-        self.part = part
-        self.arrived = 0
-        self.began = time.monotonic()
-        self.first_byte: float | None = None  # monotonic time of the first chunk
-        self.failed: BaseException | None = None
-        self._waiters: list[tuple[int, int, trio.Event]] = []
-        self._seq = itertools.count()
-
-    def advance(self, n: int) -> None:
-        if self.first_byte is None:
-            self.first_byte = time.monotonic()
-        self.arrived += n
-        while self._waiters and self._waiters[0][0] <= self.arrived:
-            heapq.heappop(self._waiters)[2].set()
-
-    def fail(self, exc: BaseException) -> None:
-        self.failed = exc
-        for _, _, event in self._waiters:
-            event.set()
-        self._waiters.clear()
-
-    def eta(self, end: int) -> float | None:
-        """Seconds until the frontier passes `end` at the rate measured so far (None: no
-        rate yet)."""
-        if self.first_byte is None or self.arrived < 64 * 1024:
-            return None
-        elapsed = time.monotonic() - self.first_byte
-        if elapsed <= 0:
-            return None
-        return max(0, end - self.arrived) * elapsed / self.arrived
-
-    @property
-    def ttfb(self) -> float | None:
-        return None if self.first_byte is None else self.first_byte - self.began
-
-    async def wait_for(self, end: int) -> None:
-        if self.arrived < end and self.failed is None:
-            event = trio.Event()
-            heapq.heappush(self._waiters, (end, next(self._seq), event))
-            await event.wait()
-        if self.arrived < end:
-            raise FetchFailed(self.failed)
-
-
-class FetchFailed(Exception):
-    def __init__(self, cause: BaseException | None) -> None:
-        super().__init__(str(cause))
-        self.cause = cause
 
 
 @dataclass(slots=True)
@@ -297,14 +252,22 @@ class Reader:
             stats.cache_hits += 1  # its fetch completed while this read waited for it
             return await self._local(cached.fd, size, start, want)  # type: ignore[arg-type]
         if fetch is not None and fetch.failed is None:
-            if end <= fetch.arrived:
+            if fetch.has(start, end):
                 stats.frontier_hits += 1
-                return await self._local(fetch.part.fd, size, start, want)
-            if start - fetch.arrived <= self.policy.wait_ahead:
-                member_bytes = min(member_size, self.policy.member_block)
-                if await self._wait(fetch, key, start, end, member_bytes):
-                    return await self._local(fetch.part.fd, size, start, want)
+                return await self._from_part(fetch, start, end, want)
+            member = (member_off, member_off + min(member_size, self.policy.member_block))
+            if fetch.to_go(start) <= self.policy.wait_ahead:
+                if await self._wait(fetch, key, start, end, member):
+                    return await self._from_part(fetch, start, end, want)
+            elif self._split(fetch, *member) and await self._wait(fetch, key, start, end, None):
+                return await self._from_part(fetch, start, end, want)
         return await self._read_blocks(shard, member_off, member_size, start, end)
+
+    async def _from_part(self, fetch: Fetch, start: int, end: int,
+                         want: bool) -> bytes | bytearray | None:
+        """Bytes of a fetch in progress. Workers are told only the prefix (states.py): bytes
+        past it come back as bytes even when `want` is False."""
+        return await self._local(fetch.part.fd, end - start, start, want or end > fetch.arrived)
 
     async def _fetch_for(self, shard: int, key: str, member_bytes: int) -> Fetch | None:
         """The whole-shard fetch this read may wait on (started now if the policy says so),
@@ -336,28 +299,27 @@ class Reader:
         self.stats.early_member_bytes += nbytes
 
     async def _wait(self, fetch: Fetch, key: str, start: int, end: int,
-                    member_bytes: int | None) -> bool:
-        """Wait for a fetch's frontier to pass `end`: True when the bytes are in its part
-        file (read them before the next await). False: read the member instead — the fetch
-        died of a local cause, or (when `member_bytes`, what a member read would fetch, is
-        given) it would take longer than a member read."""
+                    member: tuple[int, int] | None) -> bool:
+        """Wait until a fetch has bytes [start, end): True when they are in its part file
+        (read them before the next await). False: read the member instead — the fetch died
+        of a local cause, or (when `member`, the range a member read would fetch, is given)
+        it would take longer than a member read and the member could not split the fetch."""
         self.stats.waits += 1
         self.cache.pin(key)  # the shard may complete meanwhile; it must not be evicted under us
         try:
-            if member_bytes is not None:
+            if member is not None:
                 patience = self._patience(fetch)
-                eta = fetch.eta(end)
-                if eta is not None and eta > patience and self._early_allowed(member_bytes):
-                    self._count_early(member_bytes)
+                eta = fetch.eta(start, end)
+                if eta is not None and eta > patience and self._read_member_instead(fetch, member):
                     return False
                 with trio.move_on_after(patience):
-                    await fetch.wait_for(end)
-                if fetch.arrived < end and fetch.failed is None:
-                    eta = fetch.eta(end)  # the rate is known better by now
-                    if (eta is None or eta > patience) and self._early_allowed(member_bytes):
-                        self._count_early(member_bytes)
+                    await fetch.wait_for(start, end)
+                if not fetch.has(start, end) and fetch.failed is None:
+                    eta = fetch.eta(start, end)  # the rate is known better by now
+                    if (eta is None or eta > patience) and \
+                            self._read_member_instead(fetch, member):
                         return False
-            await fetch.wait_for(end)
+            await fetch.wait_for(start, end)
             # Our bytes arrived; but if the fetch failed before this task ran again, its part
             # file is closed (its fd number may already name another file).
             return fetch.failed is None
@@ -368,6 +330,48 @@ class Reader:
             return False  # e.g. the local disk filled up: fall back to member reads
         finally:
             self.cache.unpin(key)
+
+    def _read_member_instead(self, fetch: Fetch, member: tuple[int, int]) -> bool:
+        """A read the fetch would keep waiting too long: split the fetch (the read then waits
+        for its member's own GET: False), else read the member if the duplicate allowance
+        lets it (True)."""
+        if self._split(fetch, *member):
+            return False
+        nbytes = member[1] - member[0]
+        if not self._early_allowed(nbytes):
+            return False
+        self._count_early(nbytes)
+        return True
+
+    def _split(self, fetch: Fetch, start: int, end: int) -> bool:
+        """Fetch member bytes [start, end) by a GET of their own, into the part file, if the
+        GET that would bring them has not reached them yet: that GET stops at `start` and a
+        new one brings what followed `end`. No byte is fetched twice (unlike an early member
+        read); the price is up to two more requests. False: not split (the policy, a shard
+        read only whole, bytes on their way already, GETs at their limit)."""
+        if not self.policy.split_fetches or self.whole_only[fetch.shard] or \
+                fetch.nursery is None or fetch.failed is not None or fetch.error is not None:
+            return False
+        get = fetch.covering(start)
+        if get is None or get.pos >= start or end > get.stop:
+            return False  # the member is next in line (or under way), or not all in one GET
+        more = 1 + (end < get.stop)
+        if len([g for g in fetch.gets if g.running]) + more > self.policy.max_gets_per_fetch:
+            return False
+        member, rest = Get(start, end), Get(end, get.stop)
+        try:
+            fetch.nursery.start_soon(self._run_get, fetch, member)
+        except RuntimeError:  # the fetch is ending: its GETs are all done
+            return False
+        get.stop = start
+        fetch.gets = [g for g in fetch.gets if g.running]
+        fetch.gets.append(member)
+        if rest.running:
+            fetch.gets.append(rest)
+            fetch.nursery.start_soon(self._run_get, fetch, rest)
+        fetch.split = True
+        self.stats.split_reads += 1
+        return True
 
     async def _read_compressed(self, shard: int, key: str, start: int, end: int,
                                want: bool) -> bytes | bytearray | None:
@@ -394,7 +398,7 @@ class Reader:
                 event = self._slot_waiters.setdefault(shard, trio.Event())
                 await event.wait()
                 continue
-            if fetch.failed is None and end <= fetch.arrived:
+            if fetch.failed is None and fetch.has(start, end):
                 self.stats.frontier_hits += 1
                 return await self._local(fetch.part.fd, end - start, start, want)
             if not await self._wait(fetch, key, start, end, None):
@@ -428,7 +432,7 @@ class Reader:
             if exc.errno in DISK_FULL:
                 self.cache.disk_full()
             return None
-        fetch = Fetch(shard, part)
+        fetch = Fetch(shard, part, part.size)
         self.fetches[shard] = fetch
         self._whole_bytes_started += self.sizes[shard]
         self._queue.pop(shard, None)
@@ -523,8 +527,10 @@ class Reader:
         try:
             plain = decompressor(codec) if codec else None
 
+            first = fetch.gets[0]
+
             def append_from_thread(piece: bytes) -> None:
-                trio.from_thread.run_sync(self._append, fetch, piece)
+                trio.from_thread.run_sync(self._write, fetch, first, piece)
 
             def check_and_decode(chunks: list[bytes]) -> None:  # in a worker thread
                 for chunk in chunks:
@@ -534,32 +540,46 @@ class Reader:
                         # Output in bounded pieces: a small input may inflate to gigabytes.
                         plain.feed_into(chunk, append_from_thread)
 
-            # Hashing and decompressing cost milliseconds per MiB; hashlib, zlib, zstd and
-            # lz4 release the GIL, so a worker thread keeps them off the loop that answers
-            # FUSE requests. A thread hop costs ~100 us, and HTTP yields ~64 KiB at a time:
-            # chunks go to the thread in batches of THREAD_BATCH. Plain bytes are written
-            # (and announced to readers) at once; the digest is checked before commit.
-            batch: list[bytes] = []
-            batched = 0
-            source = self.sources.for_url(info.url)
-            async for chunk in source.stream(info, 0, info.size):
-                self.stats.shard_bytes += len(chunk)
-                if plain is None:
-                    self._append(fetch, chunk)
-                if digest is None and plain is None:
-                    continue
-                batch.append(chunk)
-                batched += len(chunk)
-                if batched >= THREAD_BATCH:
+            async def first_get() -> None:
+                # Hashing and decompressing cost milliseconds per MiB; hashlib, zlib, zstd and
+                # lz4 release the GIL, so a worker thread keeps them off the loop that answers
+                # FUSE requests. A thread hop costs ~100 us, and HTTP yields ~64 KiB at a
+                # time: chunks go to the thread in batches of THREAD_BATCH. Plain bytes are
+                # written (and announced to readers) at once; the digest is checked before
+                # commit (from the part file, if reads split the fetch: see _split).
+                batch: list[bytes] = []
+                batched = 0
+                source = self.sources.for_url(info.url)
+                async with aclosing(source.stream(info, 0, info.size)) as chunks:
+                    async for chunk in chunks:
+                        self.stats.shard_bytes += len(chunk)
+                        if plain is None:
+                            self._write(fetch, first, chunk)
+                            if fetch.split and not first.running:
+                                break  # the rest comes by the GETs of the split
+                        if (digest is None or fetch.split) and plain is None:
+                            continue
+                        batch.append(chunk)
+                        batched += len(chunk)
+                        if batched >= THREAD_BATCH:
+                            await trio.to_thread.run_sync(check_and_decode, batch)
+                            batch, batched = [], 0
+                if batch:
                     await trio.to_thread.run_sync(check_and_decode, batch)
-                    batch, batched = [], 0
-            if batch:
-                await trio.to_thread.run_sync(check_and_decode, batch)
-            if plain is not None:
-                self._append(fetch, plain.finish())
+                if plain is not None:
+                    self._write(fetch, first, plain.finish())
+
+            async with trio.open_nursery() as nursery:
+                fetch.nursery = nursery  # the GETs a split adds run here
+                await self._guard_get(fetch, first_get())
+            fetch.nursery = None
+            if fetch.error is not None:
+                raise fetch.error
             if fetch.arrived != fetch.part.size:
                 raise ShardChanged(f"{info.url}: {fetch.arrived} bytes of tar, its index "
                                    f"says {fetch.part.size}")
+            if digest is not None and fetch.split:
+                digest = await trio.to_thread.run_sync(sha256_of, fetch.part.fd, fetch.size)
             if digest is not None and digest.hexdigest() != expected:
                 raise ShardChanged(f"{info.url}: content differs from its index (sha256)")
             await self.cache.commit(fetch.part)
@@ -593,12 +613,51 @@ class Reader:
             self._ahead.pop(shard, None)  # fetched (or failed): no longer awaited ahead
             self._start_queued()
 
-    def _append(self, fetch: Fetch, data: bytes) -> None:
-        if fetch.arrived + len(data) > fetch.part.size:  # never write past the reservation
-            raise ShardChanged(f"shard holds more than the {fetch.part.size} bytes indexed")
-        pwrite_all(fetch.part.fd, data, fetch.arrived)  # all of it, or OSError: no holes
-        self.states.arrived(fetch.shard, fetch.arrived + len(data))  # written, then announced
-        fetch.advance(len(data))
+    async def _guard_get(self, fetch: Fetch, get: Coroutine[Any, Any, None]) -> None:
+        """Run one GET of a fetch; its failure ends them all (and the fetch, with that
+        error): kept as `fetch.error`, not raised, so the GETs' nursery raises no group."""
+        try:
+            await get
+        except (SourceError, OSError, CodecError) as exc:
+            if fetch.error is None:
+                fetch.error = exc
+                fetch.fail(exc)  # at once: a reader woken by the last bytes must not use them
+            if fetch.nursery is not None:
+                fetch.nursery.cancel_scope.cancel()
+
+    async def _run_get(self, fetch: Fetch, get: Get) -> None:
+        """A GET a split added (see _split): bytes [get.pos, get.stop) into the part file."""
+        info = self.catalog.shards[fetch.shard]
+
+        async def stream() -> None:
+            source = self.sources.for_url(info.url)
+            async with aclosing(source.stream(info, get.pos, get.stop)) as chunks:
+                async for chunk in chunks:
+                    self.stats.shard_bytes += len(chunk)
+                    self._write(fetch, get, chunk)
+                    if not get.running:
+                        break  # split again: its end moved
+
+        await self._guard_get(fetch, stream())
+
+    def _write(self, fetch: Fetch, get: Get, data: bytes) -> None:
+        """Bytes that `get` brought, at its position; past its end (moved by a split) they are
+        dropped."""
+        room = get.stop - get.pos
+        if len(data) > room:
+            if not fetch.split:  # never write past the reservation
+                raise ShardChanged(f"shard holds more than the {fetch.part.size} bytes indexed")
+            self.stats.split_overrun_bytes += len(data) - room
+            data = data[:room]
+        if not data:
+            return
+        at = get.pos
+        pwrite_all(fetch.part.fd, data, at)  # all of it, or OSError: no holes
+        get.pos += len(data)
+        before = fetch.arrived
+        fetch.filled(at, len(data))
+        if fetch.arrived != before:
+            self.states.arrived(fetch.shard, fetch.arrived)  # written, then announced
 
     def warm(self, shards: list[int]) -> dict[str, int | list[int]]:
         """Queue whole-shard fetches (for `shardfs warm`) for as many shards as the budget holds.
