@@ -14,6 +14,12 @@ Policies:
   whose shard waits for a slot fetches its member if the duplicate bytes stay under `budget`.
 - `streams-prio`: the same, but the link goes only to shards a reader is waiting on, and the
   switch is instant (no request latency, no bytes already in flight): the ideal of priority.
+- `streams`, members not fetched twice (`skip`): a member read ahead of its shard's GET is
+  not fetched again: the GET ends at the member and a new GET asks for the rest when the
+  first gets there (one request latency lost each time).
+- `split` (shardfs/read/reader.py `_split`, since session 9): as `skip`, but the new GET is
+  asked at once, when the member read is, so no GET waits: the bytes of a shard arrive in
+  runs (the part file holds them out of order, read/fetch.py).
 - `chunks`, `chunks-prio`: ranged GETs of `chunk` bytes, `inflight` at once, each paying the
   request latency; `-prio` asks first for the next chunk of a shard a reader waits on. This is
   how priority could really be built over HTTP.
@@ -352,8 +358,6 @@ def run_split(setup: Setup, seed: int, slots: int = 8, max_streams: int = 32,
                 g = covering[0]  # the GET was not yet under way there: start past the member
                 g[1] = g[5] = b
                 g[4] += 1
-            elif k not in began:
-                pass  # its GETs, when they start, go around it
             elif dup + m.sizes[f] <= budget * started:
                 dup += m.sizes[f]
             else:
@@ -388,8 +392,8 @@ POLICIES = {
     "streams-prio, ideal, no early members": lambda s, seed: run_streams(
         s, seed, slots=10**6, budget=0.0, prio=True),
     "streams, members not fetched twice": lambda s, seed: run_streams(s, seed, skip=True),
-    "split GETs at members (arrival map), 32 GETs at most": lambda s, seed: run_split(s, seed),
-    "split GETs at members, 64 at most": lambda s, seed: run_split(s, seed, max_streams=64),
+    "split (a member read far ahead splits its GET), 32 GETs at most":
+        lambda s, seed: run_split(s, seed),
     "chunks of 1 MB, 8 at once": lambda s, seed: run_chunks(s, seed, prio=False),
     "chunks-prio of 1 MB, 8 at once": lambda s, seed: run_chunks(s, seed),
     "chunks-prio of 1 MB, 16 at once": lambda s, seed: run_chunks(s, seed, inflight=16),

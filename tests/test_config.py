@@ -81,3 +81,23 @@ def test_credentials_by_reference_only(tmp_path: Path, monkeypatch):
     monkeypatch.delenv("MY_KEY_ID")
     with pytest.raises(ConfigError, match="MY_KEY_ID is not set"):
         resolve_credentials(refs["credentials"])
+
+
+def test_split_fetches_from_flag_option_and_file(tmp_path: Path):
+    """`--split-fetches off`, `-o split_fetches=off` and `split_fetches: false` all reach the
+    read policy; the default is on."""
+    import argparse
+
+    from shardfs.cli.main import _mount_config, add_mount_arguments, mount_settings
+
+    config = tmp_path / "c.yaml"
+    config.write_text("split_fetches: false\n")
+    cases = {(): True, ("--split-fetches", "off"): False, ("-o", "split_fetches=off"): False,
+             ("--config", str(config)): False,
+             ("--config", str(config), "--split-fetches", "on"): True}
+    for extra, want in cases.items():
+        parser = argparse.ArgumentParser()
+        add_mount_arguments(parser)
+        args = parser.parse_args(["http://x/a.tar", str(tmp_path / "mnt"),
+                                  "--cache-dir", str(tmp_path / "cache"), *extra])
+        assert _mount_config(mount_settings(args)).policy.split_fetches is want, extra

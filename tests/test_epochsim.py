@@ -5,7 +5,7 @@ docs/benchmarks.md leans on)."""
 
 from __future__ import annotations
 
-from bench.epochsim import Model, Setup, run_chunks, run_streams
+from bench.epochsim import Model, Setup, run_chunks, run_split, run_streams
 
 SMALL = Setup(files=600)
 
@@ -35,3 +35,15 @@ def test_free_instant_priority_beats_fair_sharing():
     ideal = run_streams(SMALL, seed=3, slots=10**6, budget=0.0, prio=True)
     assert ideal.epoch < fair.epoch
     assert ideal.read_by_link_time > fair.read_by_link_time
+
+
+def test_split_gets_fetch_each_byte_about_once():
+    """Splitting GETs at members read early fetches no member twice (only members of shards
+    still waiting for a slot, within the allowance), and is no faster than the link."""
+    r = run_split(SMALL, seed=4)
+    assert r.fetched_over_read <= 1.0 + 0.10 + 0.01
+    assert r.epoch >= r.link_time
+    assert r.requests > len(Model(SMALL, 4).shard_len)  # the splits' GETs
+    skip = run_streams(SMALL, seed=4, skip=True)
+    assert abs(skip.fetched_over_read - 1.0) < 0.01
+    assert skip.epoch >= skip.link_time

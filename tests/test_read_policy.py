@@ -12,6 +12,8 @@ import tarfile
 import time
 from pathlib import Path
 
+import pytest
+
 from shardfs.devtools.nginx import Nginx
 from tests.conftest import Dataset, Mount, Mounter, brace, shard_names
 from tests.faultproxy import FaultProxy
@@ -69,14 +71,17 @@ def _big_shard(path: Path) -> dict[str, bytes]:
     return members
 
 
-def test_read_far_ahead_of_the_frontier_reads_the_member(nginx: Nginx, mounter: Mounter):
+@pytest.mark.parametrize("split", ["on", "off"])
+def test_read_far_ahead_of_the_frontier_reads_the_member(nginx: Nginx, mounter: Mounter,
+                                                         split: str):
     """A read more than wait_ahead (16 MiB) past a running fetch's frontier does not wait for
-    the download: it fetches its member directly."""
+    the download: it splits the fetch (its member by a GET of its own, which the download will
+    not fetch again), or with --split-fetches off fetches its member alongside."""
     (nginx.root / "big").mkdir()
     members = _big_shard(nginx.root / "big" / "big-0.tar")
     with FaultProxy(nginx.port) as proxy:
         m = mounter.mount([f"{proxy.url}/big/big-{{0..0}}.tar"], None, None, "--no-warm",
-                          "--timeout", "30")
+                          "--timeout", "30", "--split-fetches", split)
         # The whole-shard fetch (the next request) stalls after 64 KiB: its frontier stays
         # there while the tail, ~20 MiB further, is read.
         proxy.stall(60, after_bytes=64 * 1024, times=1)
@@ -85,12 +90,18 @@ def test_read_far_ahead_of_the_frontier_reads_the_member(nginx: Nginx, mounter: 
         stats = m.stats()
         r = stats["reader"]
         assert stats["shards_fetching"] == 1  # the stalled download is still running ...
-        assert r["shard_fetches_started"] == 1 and r["waits"] == 1, r  # ... head waited on it
-        assert r["member_fetches"] == 1 and r["member_bytes"] == 4096, r  # the tail did not
+        assert r["shard_fetches_started"] == 1 and r["waits"] >= 1, r  # ... head waited on it
+        if split == "on":  # the tail's bytes came by a GET of the fetch's own
+            assert r["split_reads"] == 1 and r["member_fetches"] == 0, r
+        else:
+            assert r["split_reads"] == 0, r
+            assert r["member_fetches"] == 1 and r["member_bytes"] == 4096, r
         tail_off = int(os.getxattr(m.mountpoint / "tail.bin", "user.shardfs.offset"))
         tail_requests = [q for q in proxy.requests
                          if q.headers.get("range", "").startswith(f"bytes={tail_off}-")]
         assert len(tail_requests) == 1, [q.headers.get("range") for q in proxy.requests]
+        if split == "on":
+            assert tail_requests[0].headers["range"] == f"bytes={tail_off}-{tail_off + 4095}"
 
 
 def test_whole_shard_download_is_checked_against_the_index_sha256(dataset: Dataset,

@@ -53,7 +53,8 @@ def absolute_specs(specs: list[str]) -> list[str]:
 # Flags that map 1:1 onto config keys; their argparse default is None ("not given") so that
 # a config file or -o option is only overridden by flags the user really typed.
 _FLAG_KEYS = ("cache_dir", "cache_size", "timeout", "deadline", "max_fetches",
-              "max_member_fetches", "prefetch", "push_pages", "index_parallel", "workers",
+              "max_member_fetches", "prefetch", "push_pages", "split_fetches", "index_parallel",
+              "workers",
               "log_level", "log_file", "metrics_listen", "uid", "gid",
               "s3_endpoint", "s3_region", "s3_profile", "s3_addressing", "ais_endpoint",
               "hf_endpoint", "gs_endpoint", "request_rate", "lookahead_buffer")
@@ -86,6 +87,10 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--push-pages", choices=("auto", "off"),
                    help="put each fetched shard's files into the kernel's page cache when the "
                    "dataset fits the cache and a quarter of RAM (auto, default) or never (off)")
+    p.add_argument("--split-fetches", choices=("on", "off"),
+                   help="a read far ahead of a whole-shard download gets its file by a request "
+                   "of its own, which the download then skips (on, default), or reads it "
+                   "alongside, fetching it twice, within 10%% of the bytes (off)")
     p.add_argument("--index-parallel", help="shards indexed at once (default 8)")
     p.add_argument("--workers", help="processes answering FUSE requests (default: the "
                    "machine's cores, at most 8; 1: the daemon alone)")
@@ -189,7 +194,8 @@ def _mount_config(s: dict):
             request_rate=s["request_rate"],
             s3_credentials=resolve_credentials(s["credentials"]) or None),
         policy=ReadPolicy(max_fetches=s["max_fetches"],
-                          max_member_fetches=s["max_member_fetches"], prefetch=s["prefetch"]),
+                          max_member_fetches=s["max_member_fetches"], prefetch=s["prefetch"],
+                          split_fetches=s["split_fetches"]),
         lookahead=LookaheadPolicy(buffer_bytes=s["lookahead_buffer"],
                                   max_requests=s["lookahead_requests"]),
         index_parallel=s["index_parallel"], warm_while_indexing=s["warm_while_indexing"],

@@ -38,6 +38,8 @@ _METRICS = (
      "Cache-file reads that went to a thread (would have waited for the disk)"),
     ("shardfs_early_member_reads", ("reader", "early_member_reads"), "counter",
      "Member reads instead of waiting on a slow whole-shard fetch"),
+    ("shardfs_split_reads", ("reader", "split_reads"), "counter",
+     "Reads that split a whole-shard fetch (their file by a GET of its own, fetched once)"),
     ("shardfs_source_throttled", ("source", "throttled"), "counter",
      "Answers asking to slow down (429, 503 SlowDown)"),
     ("shardfs_source_budget_waits", ("source", "budget_waits"), "counter",
