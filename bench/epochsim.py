@@ -127,6 +127,15 @@ class Model:
                       fetched / self.total, requests)
 
 
+def start_or_queue(k: int, slot_free: bool, start: Callable[[int], None],
+                   queued: list[int]) -> None:
+    """A shard first read: its whole fetch starts if a slot is free, else it queues."""
+    if slot_free:
+        start(k)
+    else:
+        queued.append(k)
+
+
 def run_streams(setup: Setup, seed: int, slots: int = 8, budget: float = 0.10,
                 prio: bool = False, skip: bool = False) -> Result:
     m = Model(setup, seed)
@@ -162,10 +171,7 @@ def run_streams(setup: Setup, seed: int, slots: int = 8, budget: float = 0.10,
         for f, _ in m.waiting.values():
             k, _, end = m.where[f]
             if front[k] is None and k not in queued:
-                if len(running()) < slots:
-                    start(k)
-                else:
-                    queued.append(k)
+                start_or_queue(k, len(running()) < slots, start, queued)
             if f in members:
                 continue
             eta: float | None = float("inf")
@@ -329,10 +335,7 @@ def run_split(setup: Setup, seed: int, slots: int = 8, max_streams: int = 32,
         for f, _ in m.waiting.values():
             k, a, b = m.where[f]
             if k not in began and k not in queued:
-                if len(shards_running()) < slots:
-                    start(k)
-                else:
-                    queued.append(k)
+                start_or_queue(k, len(shards_running()) < slots, start, queued)
             if f in members:
                 continue
             covering = [g for g in gets if g[0] == k and g[1] <= a < g[2]]
