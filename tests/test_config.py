@@ -84,17 +84,17 @@ def test_credentials_by_reference_only(tmp_path: Path, monkeypatch):
 
 
 def test_split_fetches_from_flag_option_and_file(tmp_path: Path):
-    """`--split-fetches off`, `-o split_fetches=off` and `split_fetches: false` all reach the
-    read policy; the default is on."""
+    """`--split-fetches on|off`, `-o split_fetches=...` and `split_fetches:` in the config
+    all reach the read policy; the default is off."""
     import argparse
 
     from shardfs.cli.main import _mount_config, add_mount_arguments, mount_settings
 
     config = tmp_path / "c.yaml"
-    config.write_text("split_fetches: false\n")
-    cases = {(): True, ("--split-fetches", "off"): False, ("-o", "split_fetches=off"): False,
-             ("--config", str(config)): False,
-             ("--config", str(config), "--split-fetches", "on"): True}
+    config.write_text("split_fetches: true\n")
+    cases = {(): False, ("--split-fetches", "on"): True, ("-o", "split_fetches=on"): True,
+             ("--config", str(config)): True,
+             ("--config", str(config), "--split-fetches", "off"): False}
     for extra, want in cases.items():
         parser = argparse.ArgumentParser()
         add_mount_arguments(parser)

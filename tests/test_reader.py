@@ -399,6 +399,9 @@ def test_fetch_failing_after_a_waiters_bytes_arrived(tmp_path: Path, shards: Sha
     run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources)
 
 
+SPLIT = ReadPolicy(split_fetches=True)  # off by default (docs/benchmarks.md, session 9)
+
+
 class _SlowWholeShards:
     """A file source whose whole-shard streams crawl (`delay` s per chunk) while ranged
     streams are fast, or fail at once with `ranges_fail`."""
@@ -483,7 +486,8 @@ def test_a_read_far_ahead_splits_the_fetch_and_no_byte_comes_twice(
         for path in shards.order[3][:-1]:
             assert await read_member(reader, catalog, inodes[path]) == shards.contents[path]
 
-    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources)
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources,
+               policy=SPLIT)
 
 
 def test_a_failed_split_get_fails_the_fetch_with_eio(tmp_path: Path, shards: Shards) -> None:
@@ -507,7 +511,8 @@ def test_a_failed_split_get_fails_the_fetch_with_eio(tmp_path: Path, shards: Sha
             source.ranges_fail = False
         assert await read_member(reader, catalog, inodes[last]) == shards.contents[last]
 
-    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources)
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources,
+               policy=SPLIT)
 
 
 def test_a_split_fetch_whose_digest_differs_is_not_cached(tmp_path: Path,
@@ -525,12 +530,13 @@ def test_a_split_fetch_whose_digest_differs_is_not_cached(tmp_path: Path,
         assert stats.split_reads == 1 and stats.fetch_errors == 1, stats
         assert not cache.has(catalog.keys[6]) and 6 in reader.failed
 
-    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources)
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources,
+               policy=SPLIT)
 
 
 def test_no_split_when_the_policy_says_so(tmp_path: Path, shards: Shards) -> None:
-    """`split_fetches=False`: the far read is an early member read (bytes fetched twice,
-    within the allowance), as before splits existed."""
+    """`split_fetches=False` (the default): the far read is an early member read (bytes
+    fetched twice, within the allowance)."""
     sources = _SlowSources(delay=0.01)
 
     async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:

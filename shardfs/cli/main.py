@@ -89,8 +89,9 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    "dataset fits the cache and a quarter of RAM (auto, default) or never (off)")
     p.add_argument("--split-fetches", choices=("on", "off"),
                    help="a read far ahead of a whole-shard download gets its file by a request "
-                   "of its own, which the download then skips (on, default), or reads it "
-                   "alongside, fetching it twice, within 10%% of the bytes (off)")
+                   "of its own, which the download then skips (on; the download's bytes already in "
+                   "flight past that point are wasted), or reads it alongside, fetching it "
+                   "twice, within 10%% of the bytes (off, default)")
     p.add_argument("--index-parallel", help="shards indexed at once (default 8)")
     p.add_argument("--workers", help="processes answering FUSE requests (default: the "
                    "machine's cores, at most 8; 1: the daemon alone)")

@@ -70,10 +70,12 @@ class ReadPolicy:
     # (bytes fetched / read <= 1.1): a cold shuffled epoch's first batch at 1.7-1.9 s instead
     # of 2.0-3.3 s with 5 % (bench --scale 3), 1.06x the bytes.
     early_member_fraction: float = 0.10
-    # Such a read whose member lies wholly ahead of the GET bringing it splits that GET
+    # Such a read whose member lies wholly ahead of the GET bringing it may split that GET
     # instead (see _split): its member comes by a GET of its own, written into the part
-    # file, and is not fetched twice; no allowance needed. At most this many GETs per fetch.
-    split_fetches: bool = True
+    # file. Off by default: the GET cut short has bytes in flight past its new end (socket
+    # buffers), measured 1.27x the bytes and no faster (docs/benchmarks.md, session 9).
+    # At most max_gets_per_fetch GETs per fetch.
+    split_fetches: bool = False
     max_gets_per_fetch: int = 16
     member_cache: int = 64 * MiB  # RAM for recently fetched members/blocks
     prefetch: str = "touched"  # "touched": shards once read; "all": warm all if they fit
