@@ -17,9 +17,11 @@ Policies:
 - `streams`, members not fetched twice (`skip`): a member read ahead of its shard's GET is
   not fetched again: the GET ends at the member and a new GET asks for the rest when the
   first gets there (one request latency lost each time).
-- `split` (shardfs/read/reader.py `_split`, since session 9): as `skip`, but the new GET is
-  asked at once, when the member read is, so no GET waits: the bytes of a shard arrive in
-  runs (the part file holds them out of order, read/fetch.py).
+- `split` (shardfs/read/reader.py `_split`, `--split-fetches on`): as `skip`, but the new
+  GET is asked at once, when the member read is, so no GET waits: the bytes of a shard arrive
+  in runs (the part file holds them out of order, read/fetch.py). The model leaves out the
+  bytes a GET cut short has in flight past its new end; on a real mount they made it 1.27x
+  the bytes and no faster (docs/benchmarks.md), so the reader does not split by default.
 - `chunks`, `chunks-prio`: ranged GETs of `chunk` bytes, `inflight` at once, each paying the
   request latency; `-prio` asks first for the next chunk of a shard a reader waits on. This is
   how priority could really be built over HTTP.
