@@ -551,3 +551,30 @@ def test_no_split_when_the_policy_says_so(tmp_path: Path, shards: Shards) -> Non
 
     run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources,
                policy=ReadPolicy(split_fetches=False))
+
+
+def test_a_split_of_a_large_member_takes_the_block_the_read_is_in(tmp_path: Path,
+                                                                  big_shards: Shards) -> None:
+    """A member larger than a member block is split off block by block: the read at 200 KiB
+    into it asks for the 64 KiB block holding that offset, not the member's first block."""
+    shards = big_shards
+    sources = _SlowSources(delay=0.01)
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        first = shards.order[2][2]
+        assert await read_member(reader, catalog, inodes[first]) == shards.contents[first]
+        big = inodes[b"big/large.bin"]
+        off = 200 * 1024
+        got = await read_member(reader, catalog, big, off, 1000)
+        assert got == shards.contents[b"big/large.bin"][off : off + 1000]
+        assert reader.stats.split_reads == 1, reader.stats
+        ref = catalog.tree.file_ref(big)
+        block = ref.offset + off // BLOCK * BLOCK
+        asked = [a[1:] for s in sources.made for a in s.asked if a[0] == shards.urls[2]]
+        assert (block, block + BLOCK) in asked, asked
+        await wait_idle(reader)
+        assert cache.has(catalog.keys[2])
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources,
+               policy=ReadPolicy(split_fetches=True, member_block=BLOCK))

@@ -105,10 +105,6 @@ class Fetch:
                     still.append(waiter)
             self._waiters = still
 
-    @property
-    def complete(self) -> bool:
-        return self.arrived >= self.size
-
     # -- waiting -----------------------------------------------------------------------------
     def covering(self, pos: int) -> Get | None:
         """The running GET that will bring byte `pos`, if any."""

@@ -257,7 +257,11 @@ class Reader:
             if fetch.has(start, end):
                 stats.frontier_hits += 1
                 return await self._from_part(fetch, start, end, want)
-            member = (member_off, member_off + min(member_size, self.policy.member_block))
+            # What a member read would fetch: the member, or the block of it holding `start`
+            # (the unit of _read_blocks, and of a split).
+            block = self.policy.member_block
+            first = member_off + (start - member_off) // block * block
+            member = (first, min(first + block, member_off + member_size))
             if fetch.to_go(start) <= self.policy.wait_ahead:
                 if await self._wait(fetch, key, start, end, member):
                     return await self._from_part(fetch, start, end, want)
