@@ -11,6 +11,8 @@ of later runs go through the reader, which knows the runs.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 
 import trio
@@ -57,7 +59,10 @@ class Fetch:
         self.split = False  # more than the one GET: bytes arrived out of order
         self.nursery: trio.Nursery | None = None  # runs the GETs a split adds
         self._runs: list[list[int]] = []  # [start, end) on disk, sorted, apart
-        self._waiters: list[tuple[int, int, trio.Event]] = []
+        # (end, seq, start, event), a heap by end: while the bytes come as one frontier, a
+        # chunk wakes exactly the waiters it reaches and looks at no other.
+        self._waiters: list[tuple[int, int, int, trio.Event]] = []
+        self._seq = itertools.count()
 
     # -- what is on disk -------------------------------------------------------------------
     def has(self, start: int, end: int) -> bool:
@@ -96,14 +101,22 @@ class Fetch:
             self._runs = runs = merged
         if runs[0][0] == 0:
             self.arrived = runs[0][1]
-        if self._waiters:
-            still = []
-            for waiter in self._waiters:
-                if self.has(waiter[0], waiter[1]):
-                    waiter[2].set()
-                else:
-                    still.append(waiter)
-            self._waiters = still
+        waiters = self._waiters
+        if not waiters:
+            return
+        if not self.split:  # one run from 0: a waiter is served iff its end has arrived
+            arrived = self.arrived
+            while waiters and waiters[0][0] <= arrived:
+                heapq.heappop(waiters)[3].set()
+            return
+        still = []
+        for waiter in waiters:
+            if self.has(waiter[2], waiter[0]):
+                waiter[3].set()
+            else:
+                still.append(waiter)
+        heapq.heapify(still)
+        self._waiters = still
 
     # -- waiting -----------------------------------------------------------------------------
     def covering(self, pos: int) -> Get | None:
@@ -133,14 +146,14 @@ class Fetch:
     async def wait_for(self, start: int, end: int) -> None:
         if not self.has(start, end) and self.failed is None:
             event = trio.Event()
-            self._waiters.append((start, end, event))
+            heapq.heappush(self._waiters, (end, next(self._seq), start, event))
             await event.wait()
         if not self.has(start, end):
             raise FetchFailed(self.failed)
 
     def fail(self, exc: BaseException) -> None:
         self.failed = exc
-        for _, _, event in self._waiters:
+        for *_, event in self._waiters:
             event.set()
         self._waiters.clear()
 
