@@ -49,6 +49,7 @@ class Bench:
         self.args = args
         self.t0 = time.monotonic()
         self.nginx: Nginx | None = None
+        self.cap: BandwidthCap | None = None
         self.active: Contender | None = None
 
     def say(self, text: str) -> None:
@@ -174,11 +175,16 @@ class Bench:
         # FUSE worker processes (shardfs --workers) serve reads too: their CPU counts apart.
         worker_pids = (before or {}).get("workers") or []
         wcpu0 = {pid: procs.cpu_seconds(pid) for pid in worker_pids}
+        sent0 = self.cap.sent_bytes() if self.cap is not None else None
         e = self.epoch(c.spec(ctx, decode), self.args.epoch_limit)
+        sent1 = self.cap.sent_bytes() if self.cap is not None else None
         cpu1 = procs.cpu_seconds(c.pid)
         wcpu1 = {pid: procs.cpu_seconds(pid) for pid in worker_pids}
         t = self.traffic()
         e.update(requests=t["requests"], nginx_bytes=t["bytes"], http_errors=t["errors"])
+        # All loopback traffic through the cap during the epoch (requests, responses, acks):
+        # what crossed the link, unlike nginx_bytes (see BandwidthCap.sent_bytes).
+        e["link_bytes"] = sent1 - sent0 if sent0 is not None and sent1 is not None else None
         e["decode"] = decode
         if decode:  # decoded batches carry tensors, not lengths; every file is read fully
             e["bytes_read"] = round(ctx.data.loose_bytes * e["files"] / ctx.data.files)
@@ -199,7 +205,8 @@ class Bench:
         self.say(f"  {c.name}: {name} epoch: {e['files']} files in {e['iterate_s']:.2f} s "
                  f"({rate:.0f} files/s, {e['bytes_read'] / e['iterate_s'] / 1e6:.1f} MB/s), "
                  f"first batch {e['ttfb_s'] or 0:.2f} s, {e['requests']} requests, "
-                 f"{e['nginx_bytes'] / 1e6:.1f} MB from nginx")
+                 f"{e['nginx_bytes'] / 1e6:.1f} MB from nginx"
+                 + (f", {e['link_bytes'] / 1e6:.1f} MB on the link" if e["link_bytes"] else ""))
         return e
 
     def meta_epoch(self, c: Contender, ctx: Ctx, rec: dict) -> None:
@@ -279,6 +286,7 @@ class Bench:
                 ctxs["small"] = dataclasses.replace(
                     ctx, data=small, fits_cache_bytes=max(2 * small.shard_bytes, 64 << 20))
             with BandwidthCap(None if a.no_tc else a.rate, burst=a.burst) as cap:
+                self.cap = cap
                 record["link"] = {"cap": cap.describe(), "active": cap.active,
                                   "bytes_per_s": cap.bytes_per_s, "rate": a.rate,
                                   "latency_ms": a.latency_ms}

@@ -74,6 +74,18 @@ class BandwidthCap:
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
+    def sent_bytes(self) -> int | None:
+        """Bytes the cap has let through so far (tc's "Sent" counter), None when uncapped.
+
+        This is what crossed the link. nginx's access log counts what nginx handed to its
+        socket, which includes a send buffer (up to `net.ipv4.tcp_wmem`, 4 MiB) that a client
+        closing the connection early never receives."""
+        if not self.active:
+            return None
+        out = subprocess.run(["tc", "-s", "qdisc", "show", "dev", self.dev],
+                             capture_output=True, text=True).stdout
+        return parse_tc_sent(out)
+
     @property
     def bytes_per_s(self) -> float | None:
         return parse_rate(self.rate) if self.active and self.rate else None
@@ -83,6 +95,15 @@ class BandwidthCap:
             return (f"tc tbf rate {self.rate} burst {self.burst} latency {self.latency} "
                     f"on {self.dev}")
         return f"uncapped: {self.error}"
+
+
+def parse_tc_sent(text: str) -> int | None:
+    """`tc -s qdisc show` output -> the root qdisc's "Sent N bytes" (None if absent)."""
+    for line in text.splitlines():
+        words = line.split()
+        if len(words) >= 3 and words[0] == "Sent" and words[2] == "bytes":
+            return int(words[1])
+    return None
 
 
 def parse_rate(text: str) -> float:
