@@ -18,6 +18,7 @@ correctness (every epoch is still a permutation of all sample indices).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import heapq
@@ -482,6 +483,37 @@ def _window(window: int | None, stats: dict | None) -> int:
     return chosen
 
 
+@dataclasses.dataclass(frozen=True)
+class _ShardPlan:
+    """What both samplers derive from their dataset: its shard map, the window of shards read
+    at once, the shards-ahead announcer, and the groups that the epoch order shuffles."""
+
+    map: ShardMap
+    window: int
+    ahead: _ShardsAhead
+    gid: torch.Tensor
+    n_groups: int
+
+    @classmethod
+    def of(cls, dataset: Any, window: int | None, shard_map: ShardMap | None,
+           map_cache: bool | str | os.PathLike[str]) -> _ShardPlan:
+        paths = _DatasetPaths(dataset)
+        m = _resolve_map(dataset, paths, shard_map, map_cache)
+        stats = _first_stats(paths, m)
+        chosen = _window(window, stats)
+        gid, n_groups = _groups(m)
+        return cls(m, chosen, _ShardsAhead(paths, m, stats, chosen), gid, n_groups)
+
+
+def _generator(shuffle: bool, seed: int) -> torch.Generator | None:
+    """The epoch's random generator (None: no shuffle, shards and files in order)."""
+    if not shuffle:
+        return None
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
 class ShardAwareSampler(Sampler[int]):
     """Drop-in for RandomSampler over an ImageFolder whose files live on a shardfs mount.
 
@@ -499,12 +531,9 @@ class ShardAwareSampler(Sampler[int]):
         self.dataset = dataset
         self.shuffle = shuffle
         self.seed = seed
-        paths = _DatasetPaths(dataset)
-        self.map = _resolve_map(dataset, paths, shard_map, map_cache)
-        stats = _first_stats(paths, self.map)
-        self.window = _window(window, stats)
-        self._ahead = _ShardsAhead(paths, self.map, stats, self.window)
-        self._gid, self._n_groups = _groups(self.map)
+        plan = _ShardPlan.of(dataset, window, shard_map, map_cache)
+        self.map, self.window, self._ahead = plan.map, plan.window, plan.ahead
+        self._gid, self._n_groups = plan.gid, plan.n_groups
         self.epoch = 0
         self._epoch_set = False
 
@@ -516,10 +545,7 @@ class ShardAwareSampler(Sampler[int]):
         return len(self.map)
 
     def __iter__(self) -> Iterator[int]:
-        g = None
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
+        g = _generator(self.shuffle, self.seed + self.epoch)
         order = _epoch_order(self._gid, self._n_groups, g, window=self.window,
                              per_rank=len(self.map), nodes=1, node=0, local_size=1, local_rank=0)
         if not self._epoch_set:
@@ -584,12 +610,9 @@ class DistributedShardSampler(Sampler[int]):
         self.local_world_size = local_world_size
         self.node, self.local_rank = divmod(rank, local_world_size)
         self.num_nodes = num_replicas // local_world_size
-        paths = _DatasetPaths(dataset)
-        self.map = _resolve_map(dataset, paths, shard_map, map_cache)
-        stats = _first_stats(paths, self.map)
-        self.window = _window(window, stats)
-        self._ahead = _ShardsAhead(paths, self.map, stats, self.window)
-        self._gid, self._n_groups = _groups(self.map)
+        plan = _ShardPlan.of(dataset, window, shard_map, map_cache)
+        self.map, self.window, self._ahead = plan.map, plan.window, plan.ahead
+        self._gid, self._n_groups = plan.gid, plan.n_groups
         n = len(self.map)
         self.num_samples = n // num_replicas if drop_last else math.ceil(n / num_replicas)
         self.total_size = self.num_samples * num_replicas
@@ -602,10 +625,7 @@ class DistributedShardSampler(Sampler[int]):
         return self.num_samples
 
     def __iter__(self) -> Iterator[int]:
-        g = None
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
+        g = _generator(self.shuffle, self.seed + self.epoch)
         order = _epoch_order(self._gid, self._n_groups, g, window=self.window,
                              per_rank=self.num_samples, nodes=self.num_nodes, node=self.node,
                              local_size=self.local_world_size, local_rank=self.local_rank)
