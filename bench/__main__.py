@@ -1,5 +1,5 @@
-"""`python -m bench run [--quick] [...]`, `python -m bench node [...]` and
-`python -m bench report RECORD.json --docs PAGE`."""
+"""`python -m bench run [--quick] [...]`, `python -m bench node [...]`,
+`python -m bench httpcpu [...]` and `python -m bench report RECORD.json --docs PAGE`."""
 
 from __future__ import annotations
 
@@ -27,9 +27,16 @@ def main(argv: list[str] | None = None) -> int:
 
     node = sub.add_parser("node", help="many reader processes against one mount vs ext4")
     add_node_arguments(node)
+    from bench.httpcpu import add_arguments as add_httpcpu_arguments
+    from bench.httpcpu import httpcpu_command
+
+    httpcpu = sub.add_parser("httpcpu", help="CPU per GB received by the HTTP source")
+    add_httpcpu_arguments(httpcpu)
     args = parser.parse_args(argv)
     if args.command == "node":
         return node_command(args, argv[1:])
+    if args.command == "httpcpu":
+        return httpcpu_command(args)
     if args.command == "run":
         if args.argv is None:
             args.argv = "python -m bench " + " ".join(argv)

@@ -16,6 +16,7 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import TypeVar
 
+import httpcore
 import pytest
 import trio
 
@@ -33,6 +34,7 @@ from shardfs.sources import (
     Unreachable,
     to_url,
 )
+from shardfs.sources.http import HTTP_RECEIVE_BYTES
 from tests.faultproxy import FaultProxy
 
 # The `nginx` fixture comes from tests/nginx_fixture.py via tests/conftest.py.
@@ -282,6 +284,33 @@ def test_sequential_ranged_streams_reuse_one_connection(nginx: Nginx) -> None:
         with_http(check)
         assert proxy.connections_accepted == 1
         assert len(proxy.requests) == 23
+
+
+def test_stream_receives_more_than_httpcore_default_at_a_time(
+        nginx: Nginx, monkeypatch: pytest.MonkeyPatch) -> None:
+    """sources/http.py raises httpcore's receive size from 64 KiB: a body that piles up in
+    the socket while the consumer is busy comes in larger pieces, byte-exact. If a new
+    httpcore drops the constant, this fails and says so (the CPU saving is then gone)."""
+    assert hasattr(httpcore.AsyncHTTP11Connection, "READ_NUM_BYTES"), "gone from httpcore"
+    # As a fresh process has it (another test's HttpSource raised it already):
+    monkeypatch.setattr(httpcore.AsyncHTTP11Connection, "READ_NUM_BYTES", 64 * 1024)
+    data = put(nginx.root, "big.tar", 8 << 20)
+    sizes: list[int] = []
+
+    async def check(source: HttpSource) -> bytes:
+        # Building the source raised it:
+        assert httpcore.AsyncHTTP11Connection.READ_NUM_BYTES == HTTP_RECEIVE_BYTES
+        shard = await source.stat(f"{nginx.url}/big.tar")
+        parts = []
+        async with aclosing(source.stream(shard, 0, shard.size)) as chunks:
+            async for chunk in chunks:
+                sizes.append(len(chunk))
+                parts.append(chunk)
+                await trio.sleep(0.005)  # a busy consumer: the socket buffer fills meanwhile
+        return b"".join(parts)
+
+    assert with_http(check, SourceSettings(chunk_size=4 << 20)) == data
+    assert max(sizes) > 64 * 1024, sizes[:20]
 
 
 def test_stream_sends_validators(nginx: Nginx) -> None:
