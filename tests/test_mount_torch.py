@@ -30,6 +30,8 @@ def test_imagefolder_same_samples_and_targets(dataset, nginx, mounter: Mounter):
         assert ta == tb and a.tobytes() == b.tobytes()
 
 
+# 4 worker processes on purpose (more than this machine's cores: readers wait on I/O).
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 def test_dataloader_epoch_with_workers(dataset, nginx, mounter: Mounter):
     publish(dataset, nginx.root)
     m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None, "--no-warm")
