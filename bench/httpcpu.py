@@ -29,6 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="turns through all sizes")
     p.add_argument("--streams", type=int, default=8, help="connections at once")
     p.add_argument("--mb", type=int, default=256, help="size of the served file, MB")
+    p.add_argument("--stdlib", action="store_true",
+                   help="also: the standard library's http.client, readinto a 1 MiB buffer, one "
+                        "thread per connection, with and without pwrite to a file (a receive "
+                        "path shardfs does not have; docs/benchmarks.md)")
 
 
 def _cpu_s() -> float:
@@ -59,6 +63,38 @@ async def _receive(receive: int, url: str, size: int,
     return (cpu1 - cpu0) / gb, gb / (t1 - t0), sum(pieces) / len(pieces)
 
 
+def _receive_stdlib(port: int, path: str, size: int, streams: int,
+                    sink: int | None) -> tuple[float, float]:
+    """The same transfers by http.client in threads; each buffer pwritten to `sink` if set."""
+    import http.client
+    import threading
+
+    def one() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            conn.request("GET", path)
+            resp = conn.getresponse()
+            view = memoryview(bytearray(1 << 20))
+            got = 0
+            while n := resp.readinto(view):
+                if sink is not None:
+                    os.pwrite(sink, view[:n], got % (64 << 20))  # a 64 MiB file, reused
+                got += n
+            assert got == size, (got, size)
+        finally:
+            conn.close()
+
+    threads = [threading.Thread(target=one) for _ in range(streams)]
+    cpu0, t0 = _cpu_s(), time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    cpu1, t1 = _cpu_s(), time.perf_counter()
+    gb = size * streams / 1e9
+    return (cpu1 - cpu0) / gb, gb / (t1 - t0)
+
+
 def httpcpu_command(args: argparse.Namespace) -> int:
     sizes = [int(k) * 1024 for k in args.sizes.split(",")]
     with tempfile.TemporaryDirectory(prefix="shardfs-httpcpu-") as tmp:
@@ -76,4 +112,14 @@ def httpcpu_command(args: argparse.Namespace) -> int:
                                                   args.streams)
                     print(f"receive {receive >> 10:5d} KiB: {cpu_gb:.2f} CPU s/GB, "
                           f"{gb_s:.2f} GB/s, mean piece {mean / 1024:.0f} KiB", flush=True)
+                if args.stdlib:
+                    sink = os.open(root / "sink", os.O_RDWR | os.O_CREAT, 0o600)
+                    try:
+                        for label, fd in (("", None), (", pwrite", sink)):
+                            cpu_gb, gb_s = _receive_stdlib(server.port, "/shard.bin",
+                                                           args.mb << 20, args.streams, fd)
+                            print(f"http.client readinto, threads{label}: {cpu_gb:.2f} CPU "
+                                  f"s/GB, {gb_s:.2f} GB/s", flush=True)
+                    finally:
+                        os.close(sink)
     return 0
