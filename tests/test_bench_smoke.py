@@ -74,6 +74,7 @@ def test_bench_tiny_end_to_end(tmp_path: Path) -> None:
             cold = main[name]["epochs"]["cold"]
             assert cold["files"] == record["dataset"]["files"] == 12
             assert cold["bytes_read"] == record["dataset"]["bytes"]
+            assert cold["link_bytes"] is None  # --no-tc: no cap, so nothing counted
         assert main["shardfs"]["epochs"]["cold"]["shardfs_stats"]["bytes_served"] > 0
         assert record["scenarios"]["meta"]["shardfs"]["status"] == "ok"
         assert record["scenarios"]["meta"]["shardfs"]["epochs"]["meta"]["imagefolder_files"] == 300
@@ -137,3 +138,21 @@ def test_node_mounts_serve_with_the_workers_asked_for(dataset, tmp_path: Path, w
     finally:
         mount.close()
     assert len(serving) == (0 if workers == 1 else workers), serving
+
+
+def test_micro_benches_run_and_report() -> None:
+    """`bench.fetchwake` and `bench httpcpu` (docs/benchmarks.md cites both) still run."""
+    wake = subprocess.run([sys.executable, "-m", "bench.fetchwake", "--waiters", "0,4",
+                           "--rounds", "1"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert wake.returncode == 0, wake.stderr[-2000:]
+    assert [line.split()[0] for line in wake.stdout.splitlines()] == ["0", "4"]
+    http = subprocess.run([sys.executable, "-m", "bench", "httpcpu", "--mb", "4", "--rounds",
+                           "1", "--sizes", "64,1024", "--streams", "2", "--stdlib"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert http.returncode == 0, http.stderr[-2000:]
+    lines = http.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == [
+        "receive    64 KiB", "receive  1024 KiB", "http.client readinto, threads",
+        "http.client readinto, threads, pwrite"], lines
+    assert all("CPU s/GB" in line for line in lines)
