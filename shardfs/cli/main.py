@@ -385,10 +385,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run a small end-to-end demo on loopback")
     demo.add_argument("--workdir", help="keep the demo's files here (default: a temp dir)")
+
+    # -- Kubernetes CSI driver (docs/kubernetes.md); grpcio only needed when run ------------
+    csi = sub.add_parser("csi", help="Kubernetes CSI node plugin (privileged)")
+    from shardfs.csi.plugin.args import add_arguments as add_csi_arguments
+    add_csi_arguments(csi)
+    csi_mounter = sub.add_parser("csi-mounter",
+                                 help="Kubernetes: serve the CSI plugin's mounts (unprivileged)")
+    from shardfs.csi.mounter.args import add_arguments as add_mounter_arguments
+    add_mounter_arguments(csi_mounter)
     return parser
 
 
-COMMANDS = ("mount", "umount", "index", "pack", "stats", "warm", "demo")
+COMMANDS = ("mount", "umount", "index", "pack", "stats", "warm", "demo", "csi", "csi-mounter")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -415,6 +424,12 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "demo":
         from shardfs.cli.demo import run_demo
         code = run_demo(args)
+    elif args.command == "csi":
+        from shardfs.csi.plugin.server import run as run_csi_plugin
+        code = run_csi_plugin(args)
+    elif args.command == "csi-mounter":
+        from shardfs.csi.mounter.server import run as run_csi_mounter
+        code = run_csi_mounter(args)
     else:  # pragma: no cover - argparse enforces the choices
         code = 2
     sys.exit(code)

@@ -1,0 +1,243 @@
+"""The node plugin's volumes: publish (mount once per volume, bind into each pod) and
+unpublish (unbind; the last one unmounts and releases the daemon), plus what a restarted
+plugin finds on the node.
+
+One FUSE mount per volume key at STATE_DIR/mounts/KEY: the plugin opens /dev/fuse, mounts it
+there with fd=N and hands the descriptor to the mounter, whose daemon answers INIT; a publish
+returns only once the mounter says the daemon is ready and the mount answers statvfs. Every
+pod's target path is a read-only bind of that mount.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardfs.csi.plugin import kernel
+from shardfs.csi.plugin.link import Descriptors, MounterLink, MounterUnavailable
+from shardfs.csi.plugin.state import PluginState, Publish, Volume
+from shardfs.csi.volume import VolumeError, VolumeSpec, is_ephemeral, parse_volume
+
+log = logging.getLogger(__name__)
+
+SERVE_TIMEOUT_S = 1800.0  # indexing a large dataset the first time takes a while
+
+
+class NodeError(Exception):
+    """An error for the CSI caller; `code` names a grpc.StatusCode member."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class PublishRequest:
+    volume_id: str
+    target_path: str
+    context: dict[str, str]
+    secrets: dict[str, str]
+    mount_group: str
+    readonly: bool
+    has_capability: bool
+    block: bool
+
+
+class Node:
+    def __init__(self, state_dir: Path, mounter: str) -> None:
+        self.state = PluginState(state_dir)
+        self.descriptors = Descriptors()
+        self.link = MounterLink(mounter, self.descriptors, self._known)
+        self._key_locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
+        self._recover()
+
+    def _known(self) -> dict[str, dict]:
+        with self.state.lock:
+            return {k: v.spec.to_json() for k, v in self.state.volumes.items()}
+
+    # -- restart -------------------------------------------------------------------------
+    def _recover(self) -> None:
+        """After a restart: keep the volumes whose node mount is still there (the mounter
+        hands their descriptors back on the first sync), forget the rest, and publishes
+        whose bind is gone."""
+        changed = False
+        with self.state.lock:
+            for key, volume in list(self.state.volumes.items()):
+                if kernel.mount_at(volume.node_path) is None:
+                    log.warning("volume %s: its node mount %s is gone (node restarted?); "
+                                "forgetting it", key, volume.node_path)
+                    for target in volume.publishes:
+                        with contextlib.suppress(OSError):
+                            kernel.unmount(target)
+                    del self.state.volumes[key]
+                    changed = True
+                    continue
+                for target in list(volume.publishes):
+                    if kernel.mount_at(target) is None:
+                        log.warning("volume %s: %s is no longer mounted; forgetting it",
+                                    key, target)
+                        del volume.publishes[target]
+                        changed = True
+            if changed:
+                self.state.save()
+        if self.state.volumes:
+            log.info("found %d volume(s) mounted by an earlier plugin, %d publish(es)",
+                     len(self.state.volumes),
+                     sum(len(v.publishes) for v in self.state.volumes.values()))
+
+    # -- publish -------------------------------------------------------------------------
+    def publish(self, req: PublishRequest) -> None:
+        if not req.volume_id:
+            raise NodeError("INVALID_ARGUMENT", "volume_id is missing")
+        if not req.target_path:
+            raise NodeError("INVALID_ARGUMENT", "target_path is missing")
+        if not req.has_capability:
+            raise NodeError("INVALID_ARGUMENT", "volume_capability is missing")
+        if req.block:
+            raise NodeError("INVALID_ARGUMENT", "shardfs volumes are filesystems: block "
+                            "access is not supported (use volumeMode: Filesystem)")
+        if not os.path.isabs(req.target_path):
+            raise NodeError("INVALID_ARGUMENT", f"target_path {req.target_path!r} is not "
+                            "absolute")
+        try:
+            spec = parse_volume(req.context, req.secrets, req.mount_group)
+        except VolumeError as exc:
+            raise NodeError("INVALID_ARGUMENT", str(exc)) from None
+        key = spec.key(req.secrets, self.state.salt)
+        target = os.path.normpath(req.target_path)
+        wanted = Publish(req.volume_id, req.readonly, is_ephemeral(req.context))
+        with self._key_locks[key]:
+            found = self.state.find_target(target)
+            if found is not None:
+                volume, publish = found
+                if volume.key == key and publish.volume_id == wanted.volume_id and \
+                        publish.readonly == wanted.readonly:
+                    if kernel.mount_at(target) is not None:
+                        return  # already published just so: idempotent
+                else:
+                    raise NodeError("ALREADY_EXISTS", f"{target} is already published with "
+                                    f"other arguments (volume {publish.volume_id})")
+            volume = self._ensure_mounted(key, spec, req.secrets)
+            try:
+                os.makedirs(target, exist_ok=True)
+                if kernel.mount_at(target) is None:
+                    kernel.bind_read_only(volume.node_path, target)
+            except OSError as exc:
+                self._release_if_unused(volume)
+                raise NodeError("INTERNAL", f"cannot bind the volume into {target}: "
+                                f"{exc.strerror}") from None
+            with self.state.lock:
+                volume.publishes[target] = wanted
+                self.state.save()
+        log.info("published volume %s (%s) at %s", req.volume_id, key, target)
+
+    def _ensure_mounted(self, key: str, spec: VolumeSpec, secrets: dict[str, str]) -> Volume:
+        """The volume's node mount, made and served if it is not there yet."""
+        with self.state.lock:
+            volume = self.state.volumes.get(key)
+        if volume is not None and kernel.mount_at(volume.node_path) is not None:
+            return volume
+        node_path = self.state.node_path(key)
+        volume = Volume(key, spec, node_path)
+        with self.state.lock:  # recorded before it exists: a restart finds what to clean
+            self.state.volumes[key] = volume
+            self.state.save()
+        try:
+            os.makedirs(node_path, exist_ok=True)
+            try:
+                fd = kernel.mount_fuse(node_path)
+            except OSError as exc:
+                raise NodeError("INTERNAL", f"cannot mount FUSE at {node_path}: "
+                                f"{exc.strerror}") from None
+            self.descriptors.put(key, fd)
+            try:
+                reply = self.link.request(
+                    {"op": "serve", "key": key, "spec": spec.to_json(), "secrets": secrets,
+                     "node_path": node_path}, (fd,), timeout=SERVE_TIMEOUT_S)
+            except MounterUnavailable as exc:
+                raise NodeError("UNAVAILABLE", str(exc)) from None
+            if not reply.get("ok"):
+                raise NodeError(reply.get("code") or "INTERNAL",
+                                reply.get("error") or "the mounter could not serve the volume")
+            if kernel.answers(node_path, timeout=30.0) is not True:
+                raise NodeError("INTERNAL", f"the mount at {node_path} does not answer")
+        except BaseException:
+            self._forget(volume)
+            raise
+        log.info("volume %s mounted at %s", key, node_path)
+        return volume
+
+    # -- unpublish -----------------------------------------------------------------------
+    def unpublish(self, volume_id: str, target_path: str) -> None:
+        if not volume_id:
+            raise NodeError("INVALID_ARGUMENT", "volume_id is missing")
+        if not target_path:
+            raise NodeError("INVALID_ARGUMENT", "target_path is missing")
+        target = os.path.normpath(target_path)
+        found = self.state.find_target(target)
+        if found is None:
+            # Not ours (any more): make sure nothing of ours is left there. Idempotent.
+            entry = kernel.mount_at(target)
+            if entry is not None and entry.fstype == kernel.FSTYPE:
+                self._unbind(target)
+            self._remove_target(target)
+            return
+        volume, publish = found
+        if publish.volume_id != volume_id:
+            log.warning("unpublish of %s names volume %s; it was published as %s",
+                        target, volume_id, publish.volume_id)
+        with self._key_locks[volume.key]:
+            self._unbind(target)
+            self._remove_target(target)
+            with self.state.lock:
+                volume.publishes.pop(target, None)
+                self.state.save()
+            log.info("unpublished volume %s from %s", volume_id, target)
+            self._release_if_unused(volume)
+
+    def _unbind(self, target: str) -> None:
+        try:
+            kernel.unmount(target)
+        except OSError as exc:
+            raise NodeError("INTERNAL", f"cannot unmount {target}: {exc.strerror}") from None
+
+    @staticmethod
+    def _remove_target(target: str) -> None:
+        try:
+            os.rmdir(target)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            if exc.errno != errno.ENOTDIR:
+                raise NodeError("INTERNAL", f"cannot remove {target}: {exc.strerror}") from None
+
+    def _release_if_unused(self, volume: Volume) -> None:
+        with self.state.lock:
+            if volume.publishes or self.state.volumes.get(volume.key) is not volume:
+                return
+        self._forget(volume)
+        log.info("volume %s released (no pod uses it)", volume.key)
+
+    def _forget(self, volume: Volume) -> None:
+        """Unmount the node mount (its daemon ends), stop the daemon, drop the record."""
+        with contextlib.suppress(OSError):
+            kernel.unmount(volume.node_path)
+        try:
+            self.link.request({"op": "release", "key": volume.key}, timeout=60.0)
+        except MounterUnavailable as exc:
+            # The mounter forgets it on its next sync: we no longer list the volume.
+            log.warning("volume %s: %s; the mounter drops it when it comes back",
+                        volume.key, exc)
+        self.descriptors.drop(volume.key)
+        with contextlib.suppress(OSError):
+            os.rmdir(volume.node_path)
+        with self.state.lock:
+            if self.state.volumes.get(volume.key) is volume:
+                del self.state.volumes[volume.key]
+                self.state.save()
