@@ -457,9 +457,12 @@ def check_budget(infos: list[ShardInfo], sizes: list[int], whole_only: list[bool
 
 async def open_catalog(urls: list[str], sources: Sources, cache: ShardCache, *,
                        progress: Progress | None = None, parallel: int = 8,
-                       warm: bool = True) -> Catalog:
-    """Everything the mount needs before it appears: shard identities and the merged tree."""
-    infos = await stat_all(urls, sources)
+                       warm: bool = True, infos: list[ShardInfo] | None = None) -> Catalog:
+    """Everything the mount needs before it appears: shard identities and the merged tree.
+    `infos`: the identities to use instead of asking the sources (a takeover must serve the
+    tree the kernel has seen)."""
+    if infos is None:
+        infos = await stat_all(urls, sources)
     keys = [shard_key(info.identity) for info in infos]
     tree_path = cache.tree_path(tree_key(infos))
     indexer = None

@@ -42,6 +42,16 @@ def _stop_child(child: subprocess.Popen) -> None:
         child.wait()
 
 
+def _fuse_fd(argv: list[str]) -> tuple[int, ...]:
+    """The descriptor of --fuse-fd N, which the daemon must inherit."""
+    for i, arg in enumerate(argv):
+        value = arg.split("=", 1)[1] if arg.startswith("--fuse-fd=") else \
+            argv[i + 1] if arg == "--fuse-fd" and i + 1 < len(argv) else None
+        if value is not None and value.isdigit():
+            return (int(value),)
+    return ()
+
+
 def run_daemon(argv: list[str]) -> int:
     """Start `shardfs mount ARGV -f` as a detached child; return once the mount is ready (0),
     failed (the child's status), or the user interrupted the wait (130)."""
@@ -51,8 +61,8 @@ def run_daemon(argv: list[str]) -> int:
     child: subprocess.Popen | None = None
     try:
         try:
-            child = subprocess.Popen(cmd, pass_fds=(write_fd,), stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+            child = subprocess.Popen(cmd, pass_fds=(write_fd, *_fuse_fd(argv)),
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
             os.close(write_fd)
             write_fd = -1
             message = _read_all(read_fd).decode(errors="replace")

@@ -127,6 +127,58 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    help="at most N requests/s to the sources (default: unlimited until a "
                    "store throttles, then adaptive)")
     p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    add_takeover_arguments(p)
+
+
+# -- mounts that outlive their daemon (issue 25): --fuse-fd, --takeover, restart ------------
+def add_takeover_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--fuse-fd", type=int, metavar="N",
+                   help="serve the open /dev/fuse descriptor N, which another process has "
+                   "already mounted at MOUNTPOINT (mount -t fuse.shardfs -o fd=N,...); that "
+                   "process unmounts it")
+    p.add_argument("--takeover", action="store_true",
+                   help="with --fuse-fd: the connection was served by an earlier shardfs "
+                   "daemon using the same cache dir (its INIT is answered); take it over "
+                   "from that daemon's session record, serving again the requests it left")
+
+
+FUSE_DEVICE = os.makedev(10, 229)  # /dev/fuse
+TAKEOVER_LOCK_WAIT_S = 10.0  # a daemon being replaced may still be letting go of the cache
+
+
+def check_fuse_fd(args: argparse.Namespace) -> None:
+    """--fuse-fd must name an open /dev/fuse descriptor; --takeover needs one."""
+    if args.fuse_fd is None:
+        if args.takeover:
+            raise UsageError("--takeover needs --fuse-fd N (the live connection to take over)")
+        return
+    import stat
+
+    try:
+        st = os.fstat(args.fuse_fd)
+    except OSError:
+        raise UsageError(f"--fuse-fd {args.fuse_fd}: no such open descriptor") from None
+    if not stat.S_ISCHR(st.st_mode) or st.st_rdev != FUSE_DEVICE:
+        raise UsageError(f"--fuse-fd {args.fuse_fd} is not a /dev/fuse descriptor")
+    os.set_inheritable(args.fuse_fd, False)
+
+
+def open_cache_for_takeover(cache) -> None:
+    """The daemon being replaced may still hold the cache dir for a moment: wait for it."""
+    import time
+
+    from shardfs.read.cache import CacheError
+
+    deadline = time.monotonic() + TAKEOVER_LOCK_WAIT_S
+    while True:
+        try:
+            cache.open()
+            return
+        except CacheError as exc:
+            if "in use" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+# -- end of issue 25's block ---------------------------------------------------------------
 
 
 def _looks_like_source(text: str) -> bool:
@@ -218,6 +270,7 @@ def run_mount_foreground(args: argparse.Namespace) -> int:
     from shardfs.daemon.lifecycle import run as run_daemon
     from shardfs.daemon.mountpoint import MountpointError, prepare_mountpoint
     from shardfs.daemon.notify import sd_notify
+    from shardfs.daemon.sessionrecord import RecordError
     from shardfs.read.cache import CacheError, ShardCache
     from shardfs.sources import SourceError
     from shardfs.util.aioutil import first_error
@@ -235,11 +288,17 @@ def run_mount_foreground(args: argparse.Namespace) -> int:
         cfg = _mount_config(settings)
         cfg.detached = daemonized
         mount_log.set_level(cfg.log_level)
-        cfg.mountpoint = prepare_mountpoint(cfg.mountpoint, nonempty=settings["nonempty"])
+        check_fuse_fd(args)
+        cfg.fuse_fd, cfg.takeover = args.fuse_fd, args.takeover
+        if cfg.fuse_fd is None:  # else the descriptor's maker mounted it there
+            cfg.mountpoint = prepare_mountpoint(cfg.mountpoint, nonempty=settings["nonempty"])
         if not cfg.cache_dir.exists():
             created_cache_dir = cfg.cache_dir
         cache = ShardCache(cfg.cache_dir, cfg.cache_size)
-        cache.open()
+        if cfg.takeover:
+            open_cache_for_takeover(cache)
+        else:
+            cache.open()
         log_file = cfg.log_path
         if daemonized:
             # Mount-time lines go to the waiting terminal and to the log the daemon keeps.
@@ -277,7 +336,7 @@ def run_mount_foreground(args: argparse.Namespace) -> int:
         with first_error():
             run_daemon(cfg, cache, on_ready)
         code = 0
-    except (CatalogError, SourceError) as exc:
+    except (CatalogError, SourceError, RecordError) as exc:
         _say_error(str(exc))
     except (KeyboardInterrupt, Interrupted) as exc:
         end_lines()

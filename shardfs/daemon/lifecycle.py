@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -24,18 +25,25 @@ from shardfs.daemon.announce import announce_address, attach_lookahead, serve_an
 from shardfs.daemon.control import control_address, serve_control
 from shardfs.daemon.mountpoint import is_mounted
 from shardfs.daemon.notify import sd_notify
+from shardfs.daemon.sessionrecord import (
+    SessionRecord,
+    describe_init,
+    read_record,
+    remove_record,
+    write_record,
+)
 from shardfs.daemon.workers import WorkerPool, Zygote, worker_address
 from shardfs.fuse import session as fuse_session
 from shardfs.fuse import shim
 from shardfs.fuse.fastread import COLLECT_INTERVAL, FastReads, next_interval
 from shardfs.fuse.ops import ShardFS
 from shardfs.fuse.pagepush import PagePusher, worth_pushing
-from shardfs.fuse.worker import WorkerSetup, run_worker
+from shardfs.fuse.worker import WorkerSetup, resend_unanswered, run_worker
 from shardfs.read.cache import ShardCache
 from shardfs.read.lookahead import Lookahead, LookaheadPolicy
 from shardfs.read.reader import Reader, ReadPolicy
 from shardfs.read.states import ShardStates
-from shardfs.sources import Sources, SourceSettings
+from shardfs.sources import ShardInfo, Sources, SourceSettings
 from shardfs.util.progress import ProgressLine
 
 log = logging.getLogger(__name__)
@@ -65,6 +73,9 @@ class MountConfig:
     max_tasks: int = 256  # concurrent FUSE requests in flight (readers waiting on fetches)
     workers: int = 1  # FUSE worker processes; 1: the daemon serves requests itself
     detached: bool = False  # daemonized: output goes to log_path once ready
+    # An open /dev/fuse descriptor another process mounted (--fuse-fd); None: mount here.
+    fuse_fd: int | None = None
+    takeover: bool = False  # the connection's INIT was answered by an earlier daemon
 
     @property
     def log_path(self) -> str:
@@ -104,6 +115,15 @@ class Throughput:
 
 
 @dataclass(slots=True)
+class SessionState:
+    """This daemon's FUSE session as far as takeovers go."""
+
+    takeovers: int = 0  # daemons that took the mount over before and including this one
+    can_take_over: bool = False  # a session record was written: a new daemon can adopt it
+    mounted_at: float = field(default_factory=time.time)
+
+
+@dataclass(slots=True)
 class Mounted:
     """Everything a running mount has, for stats, control requests and metrics."""
 
@@ -119,6 +139,7 @@ class Mounted:
     ops: ShardFS | None = None  # when the daemon answers FUSE requests itself
     lookahead: Lookahead | None = None  # announced reads (shardfs.torch.Lookahead)
     pusher: PagePusher | None = None  # fetched shards into the page cache
+    session: SessionState = field(default_factory=lambda: SessionState())
 
     def collect_fast_reads(self) -> bool:
         """Count the reads the shim answered in C in this process (bytes on disk, in the
@@ -143,6 +164,7 @@ class Mounted:
 
     def snapshot(self) -> dict[str, Any]:
         self.collect_fast_reads()
+        session = self.session
         rs, catalog, cache = self.reader.stats, self.catalog, self.cache
         fetched = rs.shard_bytes + rs.member_bytes + catalog.indexed_bytes
         if self.lookahead is not None:
@@ -157,6 +179,9 @@ class Mounted:
             "opens": (self.ops.opens if self.ops is not None else 0)
             + (self.workers.opens if self.workers is not None else 0),
             "uptime_s": round(time.monotonic() - self.started, 3),
+            # daemons that took this mount over from a dead or replaced one (--takeover)
+            "takeovers": session.takeovers,
+            "takeover_ready": session.can_take_over,
             "sources": self.cfg.specs,
             "cache_dir": str(self.cfg.cache_dir),
             "control_socket": self.cfg.control_socket,
@@ -284,17 +309,28 @@ def run(cfg: MountConfig, cache: ShardCache, on_ready: Callable[[str], None]) ->
     with workers, INIT is answered and the worker zygote forked here, before any thread of
     the serving loop exists), then serving (a second trio loop)."""
     _raise_fd_limit()
+    record = read_record(cfg.cache_dir) if cfg.takeover else None
     indexing_sources = Sources(cfg.settings)
-    catalog = trio.run(_interruptible, _open_catalog, cfg, cache, indexing_sources)
+    catalog = trio.run(_interruptible, _open_catalog, cfg, cache, indexing_sources,
+                       record.shards if record is not None else None)
     ops = ShardFS(catalog.tree, None, [s.url for s in catalog.shards], uid=cfg.uid,
                   gid=cfg.gid)
-    ops.no_open = fuse_session.mount(ops, cfg.mountpoint, fuse_options(cfg))
+    session = SessionState()
+    if record is not None:
+        assert cfg.fuse_fd is not None
+        ops.no_open = _take_over(ops, cfg, record)
+        session.takeovers = record.takeovers + 1
+        session.mounted_at = record.mounted_at
+    else:
+        ops.no_open = fuse_session.mount(ops, cfg.mountpoint, fuse_options(cfg),
+                                         fuse_fd=cfg.fuse_fd)
     states = ShardStates(len(catalog.shards))
     zygote = None
     try:
         if cfg.workers > 1:
             if ops.no_open:
-                fuse_session.answer_init()
+                if record is None:
+                    fuse_session.answer_init()
                 setup = WorkerSetup(ops, states, cache.shards_dir, catalog.keys,
                                     sum(catalog.data_sizes or [s.size for s in catalog.shards]),
                                     worker_address(cfg.control_socket), cfg.max_tasks)
@@ -305,23 +341,48 @@ def run(cfg: MountConfig, cache: ShardCache, on_ready: Callable[[str], None]) ->
             else:
                 log.warning("--workers %d needs the pyfuse3 shim, which is not in effect: "
                             "serving from this one process", cfg.workers)
-        trio.run(_serve, cfg, cache, catalog, ops, states, zygote, on_ready, indexing_sources)
+        trio.run(_serve, cfg, cache, catalog, ops, states, zygote, on_ready, indexing_sources,
+                 session)
     finally:
         sd_notify("STOPPING=1")
-        fuse_session.close(unmount=True)
+        fuse_session.close(unmount=True)  # a --fuse-fd mount is its maker's to unmount
+        if cfg.fuse_fd is None:  # unmounted: there is no session left to take over
+            remove_record(cfg.cache_dir)
         if zygote is not None:
             zygote.stop()
         log.info("unmounted %s", cfg.mountpoint)
 
 
-async def _open_catalog(cfg: MountConfig, cache: ShardCache, sources: Sources) -> Catalog:
+def _take_over(ops: ShardFS, cfg: MountConfig, record: SessionRecord) -> bool:
+    """Adopt the live connection `cfg.fuse_fd` as an initialised session, as the record says
+    the first daemon's was, and have the kernel queue again the requests the previous daemon
+    had read and not answered. True (reads need no OPEN: a takeover needs the shim)."""
+    assert cfg.fuse_fd is not None
+    reply = fuse_session.resume(ops, cfg.fuse_fd, record.init_request, fuse_options(cfg))
     try:
-        urls = await resolve_sources(cfg.specs, sources)
+        resend_unanswered(shim.session_fd())
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            log.warning("this kernel has no FUSE_NOTIFY_RESEND (Linux < 6.9): reads the "
+                        "previous daemon had taken fail with ECONNABORTED")
+        else:
+            raise
+    log.info("took over the mount at %s (takeover %d; INIT recorded by pid %d, protocol "
+             "7.%d, reply of %d bytes replayed)", cfg.mountpoint, record.takeovers + 1,
+             record.pid, describe_init(record.init_request)["minor"], len(reply))
+    return True
+
+
+async def _open_catalog(cfg: MountConfig, cache: ShardCache, sources: Sources,
+                        infos: list[ShardInfo] | None = None) -> Catalog:
+    try:
+        urls = [s.url for s in infos] if infos is not None \
+            else await resolve_sources(cfg.specs, sources)
         progress = ProgressLine("indexing shards")
         catalog = await open_catalog(urls, sources, cache,
                                      progress=_indexing_progress(progress),
                                      parallel=cfg.index_parallel,
-                                     warm=cfg.warm_while_indexing)
+                                     warm=cfg.warm_while_indexing, infos=infos)
         progress.close()
     finally:
         await sources.aclose()
@@ -337,11 +398,12 @@ async def _open_catalog(cfg: MountConfig, cache: ShardCache, sources: Sources) -
 
 async def _serve(cfg: MountConfig, cache: ShardCache, catalog: Catalog, ops: ShardFS,
                  states: ShardStates, zygote: Zygote | None,
-                 on_ready: Callable[[str], None], indexing_sources: Sources) -> None:
+                 on_ready: Callable[[str], None], indexing_sources: Sources,
+                 session: SessionState) -> None:
     sources = Sources(cfg.settings, after=indexing_sources)
     try:
         reader = Reader(catalog, cache, sources, cfg.policy, states=states)
-        mounted = Mounted(cfg, catalog, cache, reader, sources)
+        mounted = Mounted(cfg, catalog, cache, reader, sources, session=session)
         mounted.lookahead = attach_lookahead(reader, cfg.lookahead)
         if cfg.push_pages and worth_pushing(ops.no_open, reader.dataset_bytes, cache.budget):
             mounted.pusher = PagePusher(catalog.tree, cache, catalog.keys, cfg.mountpoint)
@@ -380,6 +442,30 @@ def _watchdog_interval() -> float | None:
     return int(usec) / 2e6
 
 
+def _record_session(mounted: Mounted) -> None:
+    """Write the session record (sessionrecord.py) once INIT is answered, so that a new
+    daemon can take this mount over; without the shim there is no INIT request to record,
+    and the mount behaves as before (said once)."""
+    cfg = mounted.cfg
+    request = shim.init_request()
+    if not request:
+        log.info("this mount cannot be taken over by a new daemon (the pyfuse3 shim is not "
+                 "in effect): if the daemon dies, the mount is lost")
+        remove_record(cfg.cache_dir)
+        return
+    record = SessionRecord(mountpoint=cfg.mountpoint, init_request=request,
+                           shards=mounted.catalog.shards,
+                           fuse_options=sorted(fuse_options(cfg)),
+                           takeovers=mounted.session.takeovers,
+                           mounted_at=mounted.session.mounted_at,
+                           libfuse=fuse_session.libfuse_version())
+    try:
+        write_record(cfg.cache_dir, record)
+        mounted.session.can_take_over = True
+    except OSError as exc:
+        log.warning("cannot write the session record (%s): the mount cannot be taken over", exc)
+
+
 async def _serve_mounted(mounted: Mounted, zygote: Zygote | None,
                          on_ready: Callable[[str], None]) -> None:
     cfg, catalog = mounted.cfg, mounted.catalog
@@ -416,6 +502,7 @@ async def _serve_mounted(mounted: Mounted, zygote: Zygote | None,
 
                 await nursery.start(workers_main)
             await _probe_ready(cfg.mountpoint)
+            _record_session(mounted)
             nursery.start_soon(_report_status, mounted)
             interval = _watchdog_interval()
             if interval:

@@ -20,6 +20,13 @@
  *    without entering Python, and so are READs of shard bytes on disk (complete, or below a
  *    fetch's frontier) that are in the page cache (shardfs_shim_serve_reads); everything
  *    else still goes to pyfuse3.
+ * 5. Takeover (docs/pyfuse3.md, "A session that outlives its daemon"): the kernel's INIT request
+ *    is kept as received (shardfs_shim_init_request), so that the daemon can record it; a new
+ *    daemon adopting the live connection feeds that request to libfuse again through
+ *    fuse_session_process_buf (shardfs_shim_replay_init) while the session's descriptor is
+ *    still a pipe, which takes libfuse through its own INIT handling (got_init, the
+ *    negotiated protocol minor, capabilities, max_write) and catches the reply, which the
+ *    kernel must not see twice. Only public libfuse API is used.
  *
  * No libfuse3 link at build time: the real functions are looked up in the already loaded
  * libfuse3 (pyfuse3 loaded it) on first use.
@@ -43,6 +50,24 @@ static read_fn real_read;
 static void *real(const char *name);
 static int fast_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off);
 #include "_shim_meta.c"
+
+/* The kernel's INIT request as received (fuse_in_header + fuse_init_in), for the record. */
+static unsigned char init_request[sizeof(struct fuse_in_header) + sizeof(struct fuse_init_in)];
+static size_t init_request_len;
+
+static void note_init(const struct fuse_buf *buf, int len)
+{
+    if (len < (int)sizeof(struct fuse_in_header) || (buf->flags & FUSE_BUF_IS_FD)
+        || buf->mem == NULL)
+        return;
+    const struct fuse_in_header *in = buf->mem;
+    if (in->opcode != FUSE_INIT)
+        return;
+    size_t n = (size_t)len < sizeof(init_request) ? (size_t)len : sizeof(init_request);
+    memset(init_request, 0, sizeof(init_request));
+    memcpy(init_request, buf->mem, n);
+    init_request_len = n;
+}
 
 static void *patched_ops;          /* our copy of the caller's ops, READ replaced */
 static struct fuse_session *last_session;
@@ -111,6 +136,8 @@ int fuse_session_receive_buf(struct fuse_session *se, struct fuse_buf *buf)
     if (next == NULL)
         return -ENOSYS;
     int res = next(se, buf);
+    if (res > 0 && init_request_len == 0)
+        note_init(buf, res);
     /* Answer what C can answer without going back to pyfuse3's loop (_shim_meta.c). */
     while (res > 0 && process != NULL && session_fd != NULL
            && drain_in_c(se, buf, res, process)) {
@@ -150,8 +177,51 @@ int shardfs_shim_process_one(void)
     do {
         res = receive(last_session, &buf);
     } while (res == -EINTR);
-    if (res > 0)
+    if (res > 0) {
+        note_init(&buf, res);
         process(last_session, &buf);
+    }
     free(buf.mem);
     return res;
+}
+
+/* Copy the kernel's INIT request (as received by this process) into out; its length, or 0 if
+ * none was received here, or -1 if out is too small. */
+int shardfs_shim_init_request(unsigned char *out, size_t room)
+{
+    if (init_request_len == 0)
+        return 0;
+    if (room < init_request_len)
+        return -1;
+    memcpy(out, init_request, init_request_len);
+    return (int)init_request_len;
+}
+
+/* Have libfuse process `request` (a recorded INIT request) as if the kernel had just sent it:
+ * the last session becomes initialised exactly as the first daemon's was. The reply goes to
+ * the session's current descriptor, which the caller has made a pipe. 0, or -errno. */
+int shardfs_shim_replay_init(const unsigned char *request, size_t len)
+{
+    if (last_session == NULL)
+        return -ENOTCONN;
+    if (len < sizeof(struct fuse_in_header) + 8
+        || ((const struct fuse_in_header *)request)->opcode != FUSE_INIT
+        || ((const struct fuse_in_header *)request)->len != len)
+        return -EINVAL;
+    process_buf_fn process = (process_buf_fn)real("fuse_session_process_buf");
+    if (process == NULL)
+        return -ENOSYS;
+    void *copy = malloc(len);
+    if (copy == NULL)
+        return -ENOMEM;
+    memcpy(copy, request, len);
+    struct fuse_buf buf;
+    memset(&buf, 0, sizeof(buf));
+    buf.mem = copy;
+    buf.size = len;
+    process(last_session, &buf);
+    free(copy);
+    memcpy(init_request, request, len);   /* this process's record is the same request */
+    init_request_len = len;
+    return 0;
 }

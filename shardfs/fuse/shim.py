@@ -47,6 +47,29 @@ def active() -> bool:
     return _lib is not None and _lib.shardfs_shim_sessions() > 0
 
 
+def loaded() -> bool:
+    """True when the shim's library is loaded (it may still not be in effect)."""
+    return _lib is not None
+
+
+def init_request() -> bytes:
+    """The kernel's INIT request as this process received it (or replayed it), b"" if none."""
+    if _lib is None:
+        return b""
+    buf = ctypes.create_string_buffer(256)
+    n = _lib.shardfs_shim_init_request(buf, ctypes.c_size_t(len(buf)))
+    return buf.raw[:n] if n > 0 else b""
+
+
+def replay_init(request: bytes) -> None:
+    """Have libfuse process a recorded INIT request on the session (see session.resume)."""
+    if _lib is None:
+        raise RuntimeError(f"the pyfuse3 shim is not loaded: {load_error}")
+    res = _lib.shardfs_shim_replay_init(ctypes.c_char_p(request), ctypes.c_size_t(len(request)))
+    if res != 0:
+        raise RuntimeError(f"libfuse refused the recorded INIT request (error {-res})")
+
+
 def session_fd() -> int:
     """The /dev/fuse descriptor of the mounted session."""
     if _lib is None:

@@ -1,0 +1,56 @@
+"""A FUSE mount made the way a CSI node plugin makes one: open /dev/fuse, mount(2) with fd=N,
+and hand the descriptor to a server (`shardfs mount ... --fuse-fd N`). Needs root."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import os
+from pathlib import Path
+
+MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
+MNT_DETACH = 2
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+def can_mount() -> bool:
+    return os.geteuid() == 0 and os.path.exists("/dev/fuse")
+
+
+class FuseMount:
+    """An open /dev/fuse descriptor mounted at `mountpoint`, not yet served (INIT pending)."""
+
+    def __init__(self, mountpoint: Path) -> None:
+        self.mountpoint = mountpoint
+        self.fd = os.open("/dev/fuse", os.O_RDWR)
+        options = (f"fd={self.fd},rootmode=40000,user_id={os.getuid()},"
+                   f"group_id={os.getgid()},allow_other,default_permissions")
+        if _libc.mount(b"shardfs", os.fsencode(mountpoint), b"fuse.shardfs",
+                       MS_RDONLY | MS_NOSUID | MS_NODEV, options.encode()) != 0:
+            err = ctypes.get_errno()
+            os.close(self.fd)
+            raise OSError(err, f"mount {mountpoint}: {os.strerror(err)}")
+
+    def connection(self) -> Path | None:
+        """/sys/fs/fuse/connections/<minor of the mount's device> (from mountinfo)."""
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if fields[4] == str(self.mountpoint):
+                    return Path("/sys/fs/fuse/connections") / fields[2].split(":")[1]
+        return None
+
+    def mounted(self) -> bool:
+        return self.connection() is not None
+
+    def close(self) -> None:
+        """Abort the connection (nothing may hang on it), detach the mount, close the fd."""
+        conn = self.connection()
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                (conn / "abort").write_text("1")
+            _libc.umount2(os.fsencode(self.mountpoint), MNT_DETACH)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
