@@ -1,0 +1,230 @@
+"""The CSI driver through kubelet's calls, with real FUSE mounts, nginx and SeaweedFS S3.
+
+`tests/csi_node.py` has the test kubelet; the plugin and the mounter run as processes of
+their own (the container-death tests are in test_csi_restart.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Dataset, brace
+from tests.csi_node import (
+    DRIVER,
+    csi_node,
+    grpc,
+    mounter_records,
+    needs_root,
+    node_mount_count,
+)
+
+pytestmark = needs_root
+
+# Reads every file under ROOT and prints {relative path: sha256} as JSON: run as another
+# user, or in a mount namespace of its own (a pod's view).
+READER = """
+import hashlib, json, os, sys
+root = sys.argv[1]
+out = {}
+for d, _, files in os.walk(root):
+    for name in files:
+        p = os.path.join(d, name)
+        with open(p, 'rb') as f:
+            out[os.path.relpath(p, root)] = hashlib.sha256(f.read()).hexdigest()
+print(json.dumps(out))
+"""
+
+
+def checksums(ds: Dataset) -> dict[str, str]:
+    return {rel: hashlib.sha256(data).hexdigest() for rel, data in ds.files().items()}
+
+
+def read_as(root: Path, *prefix: str, user: int | None = None) -> dict[str, str]:
+    # The system interpreter: another user may not reach the test's virtualenv.
+    python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+    result = subprocess.run([*prefix, python, "-c", READER, str(root)],
+                            capture_output=True, text=True, timeout=120, user=user,
+                            group=user, extra_groups=[] if user is not None else None,
+                            env={"PATH": os.environ["PATH"]})
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def serve_dataset(ds: Dataset, www: Path) -> None:
+    shutil.copytree(ds.shard_dir, www / "data")
+
+
+def code_of(exc_info: pytest.ExceptionInfo) -> grpc.StatusCode:
+    return exc_info.value.code()
+
+
+def test_identity_node_info_and_two_pods_on_one_volume(dataset: Dataset, nginx,
+                                                        tmp_path: Path) -> None:
+    serve_dataset(dataset, nginx.root)
+    source = brace(dataset, f"{nginx.url}/data")
+    want = checksums(dataset)
+    with csi_node(tmp_path) as (node, kubelet):
+        info = kubelet.register()
+        assert info["name"] == DRIVER and info["node_id"] == "node-1" and info["version"]
+        assert info["capabilities"] == [6]  # VOLUME_MOUNT_GROUP; no staging
+        assert len(kubelet.call("Identity", "GetPluginCapabilities").capabilities) == 0
+
+        # A static PV used by two pods: one daemon, one cache, the bytes fetched once.
+        attrs = {"source": source, "workers": "1", "prefetch": "touched"}
+        a = kubelet.publish("pod-a", "data", "imagenet", attrs)
+        assert node_mount_count(node) == 1 and len(mounter_records(node)) == 1
+        t0 = time.monotonic()
+        b = kubelet.publish("pod-b", "data", "imagenet", attrs)
+        second_publish_s = time.monotonic() - t0
+        assert second_publish_s < 1.0, second_publish_s  # a bind of the one mount
+        assert node_mount_count(node) == 1 and len(mounter_records(node)) == 1
+        dev = {m.mountpoint: m.major_minor for m in node.paths.kubelet.mounts_below()}
+        assert dev[str(a)] == dev[str(b)]  # the same FUSE connection
+        # A non-root reader reads every byte, in each pod; the second pod's reads fetch
+        # nothing: the bytes come once for the node. A pod's own mount namespace sees the
+        # volume too.
+        nginx.reset_log()
+        assert read_as(a, user=1000) == want
+        first = sum(r.bytes_sent for r in nginx.access_log() if r.uri.endswith(".tar"))
+        assert first <= sum(s.size for s in dataset.shards.shards)
+        nginx.reset_log()
+        assert read_as(b, user=1000) == want
+        assert read_as(b, "unshare", "--mount", "--propagation", "slave") == want
+        assert [r.uri for r in nginx.access_log()] == []
+        # Writes fail: the binds are read-only, and so is shardfs.
+        with pytest.raises(OSError):
+            (a / "new-file").write_bytes(b"x")
+
+        # Idempotent publish; the same target with other arguments is ALREADY_EXISTS.
+        kubelet.publish("pod-a", "data", "imagenet", attrs)
+        with pytest.raises(grpc.RpcError) as exc:
+            kubelet.publish("pod-a", "data", "other-volume", attrs)
+        assert code_of(exc) == grpc.StatusCode.ALREADY_EXISTS
+
+        kubelet.unpublish("pod-a", "data", "imagenet")
+        assert not a.exists()  # the plugin removed its target
+        assert read_as(b) == want  # the other pod still reads
+        kubelet.unpublish("pod-a", "data", "imagenet")  # again: idempotent
+        kubelet.unpublish("pod-b", "data", "imagenet")
+        assert not b.exists()
+        assert node_mount_count(node) == 0 and mounter_records(node) == []
+        assert (node.paths.cache_root).is_dir()  # released caches stay for a remount
+        logs = node.logs()
+        assert "Traceback" not in logs, logs
+
+
+def test_every_error_code(dataset: Dataset, nginx, tmp_path: Path) -> None:
+    serve_dataset(dataset, nginx.root)
+    (nginx.root / "not-a-tar.tar").write_bytes(b"this is no tar archive " * 100)
+    source = brace(dataset, f"{nginx.url}/data")
+    with csi_node(tmp_path) as (node, kubelet):
+        target = str(kubelet.target("pod-e", "v"))
+        bad = {
+            "volume_id": kubelet.publish_request("", target, {"source": source}),
+            "target_path": kubelet.publish_request("v", "", {"source": source}),
+            "capability": kubelet.publish_request("v", target, {"source": source},
+                                                  capability=False),
+            "source": kubelet.publish_request("v", target, {}),
+            "attribute": kubelet.publish_request("v", target, {"source": source,
+                                                              "cache_size": "banana"}),
+            "node path": kubelet.publish_request("v", target, {"source": source,
+                                                              "cache_dir": "/etc"}),
+            "secret key": kubelet.publish_request("v", target, {"source": source},
+                                                  secrets={"password": "x"}),
+        }
+        for what, req in bad.items():
+            with pytest.raises(grpc.RpcError) as exc:
+                kubelet.call("Node", "NodePublishVolume", req)
+            assert code_of(exc) == grpc.StatusCode.INVALID_ARGUMENT, (what, exc.value)
+        with pytest.raises(grpc.RpcError) as exc:
+            kubelet.call("Node", "NodePublishVolume", bad["attribute"])
+        # The config's own message names the key, the value and what is allowed.
+        assert "cache_size: bad value 'banana'" in exc.value.details()
+        for volume_id, path in (("", target), ("v", "")):
+            with pytest.raises(grpc.RpcError) as exc:
+                kubelet.call("Node", "NodeUnpublishVolume",
+                             __import__("shardfs.csi.proto", fromlist=["x"])
+                             .NodeUnpublishVolumeRequest(volume_id=volume_id,
+                                                         target_path=path))
+            assert code_of(exc) == grpc.StatusCode.INVALID_ARGUMENT
+
+        # A failed mount is an error whose message is the daemon's `shardfs: error:` line,
+        # and leaves nothing mounted, recorded or running.
+        for attrs, words in (
+                ({"source": "http://127.0.0.1:9/none-{0..1}.tar", "deadline": "2",
+                  "timeout": "1"}, "127.0.0.1:9"),
+                ({"source": f"{nginx.url}/not-a-tar.tar"}, "not-a-tar.tar")):
+            with pytest.raises(grpc.RpcError) as exc:
+                kubelet.publish("pod-e", "v", "v", attrs)
+            assert code_of(exc) == grpc.StatusCode.INTERNAL
+            assert exc.value.details().startswith("shardfs: error:"), exc.value.details()
+            assert words in exc.value.details()
+            assert node_mount_count(node) == 0 and mounter_records(node) == []
+        # Unpublishing what was never published is fine (idempotent).
+        kubelet.unpublish("pod-e", "v", "v")
+        assert "Traceback" not in node.logs(), node.logs()
+
+
+def test_inline_volume_with_secrets_and_fsgroup(tmp_path: Path) -> None:
+    from tests.seaweed_fixture import SeaweedServer
+
+    key, secret = "CSIKEY0000000001", "csi-secret-value-42"
+    with SeaweedServer(tmp_path / "weed", {"r": (key, secret, ["Read", "List"])}) as weed, \
+            csi_node(tmp_path / "node") as (node, kubelet):
+        import io
+        import tarfile
+
+        weed.admin.create_bucket(Bucket="csi-data")
+        members = {f"cls/{i}.bin": os.urandom(3000 + i) for i in range(20)}
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            for name, data in members.items():
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                info.mode = 0o600  # not readable by others in the tar: shardfs shows 0444
+                tar.addfile(info, io.BytesIO(data))
+        weed.admin.put_object(Bucket="csi-data", Key="train-0.tar", Body=buf.getvalue())
+        attrs = {"source": "s3://csi-data/train-0.tar", "s3_endpoint": weed.url,
+                 "s3_region": "us-east-1", "s3_addressing": "path", "deadline": "5"}
+        secrets = {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}
+        # Wrong credentials: the daemon's error line, and nothing left behind.
+        with pytest.raises(grpc.RpcError) as exc:
+            kubelet.publish("pod-s", "inline", "csi-abc", attrs, ephemeral=True,
+                            secrets={**secrets, "AWS_SECRET_ACCESS_KEY": "wrong"})
+        assert exc.value.details().startswith("shardfs: error:"), exc.value.details()
+        assert node_mount_count(node) == 0
+        # An inline (ephemeral) volume comes as SINGLE_NODE_WRITER: mounted read-only anyway;
+        # the pod's fsGroup is the files' group.
+        target = kubelet.publish("pod-s", "inline", "csi-abc", attrs, ephemeral=True,
+                                 secrets=secrets, fs_group="4321")
+        assert os.stat(target / "cls" / "0.bin").st_gid == 4321
+        got = read_as(target, user=1000)
+        assert got == {n: hashlib.sha256(d).hexdigest() for n, d in members.items()}
+        entry = next(m for m in node.paths.kubelet.mounts_below()
+                     if m.mountpoint == str(target))
+        assert "ro" in Path("/proc/self/mountinfo").read_text().split(
+            f" {target} ")[1].split()[0].split(",")
+        assert entry.fstype == "fuse.shardfs"
+        # The secret reaches only the daemon: no log line, no file readable by others.
+        assert secret not in node.logs()
+        for root in (node.paths.mounter_state, node.paths.cache_root, node.paths.plugin_state):
+            for path in root.rglob("*"):
+                if path.is_file() and secret.encode() in path.read_bytes():
+                    assert path.stat().st_mode & 0o077 == 0, path
+                    assert path.parent.stat().st_mode & 0o077 == 0, path.parent
+        assert not any(secret.encode() in p.read_bytes()
+                       for p in node.paths.plugin_state.rglob("*") if p.is_file())
+        kubelet.unpublish("pod-s", "inline", "csi-abc")
+        assert node_mount_count(node) == 0
+        # Released: its secrets are gone from the mounter's state too.
+        assert not any(secret.encode() in p.read_bytes()
+                       for p in node.paths.mounter_state.rglob("*") if p.is_file())
