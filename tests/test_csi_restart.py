@@ -1,0 +1,166 @@
+"""Mounts outlive the plugin's and the mounter's containers.
+
+Each runs as a container would run it: its own PID and mount namespace with its own /proc
+(`unshare --pid --fork --mount-proc`), the kubelet dir a shared mount, so that the plugin's
+mounts propagate out as with Bidirectional. Readers read every file in a loop, with
+checksums, dropping each file's pages after reading it so that every read reaches the FUSE
+connection; one container's init is killed in the middle (the kernel kills its whole PID
+namespace), then the other's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from shardfs.csi.plugin import kernel
+from tests.conftest import Dataset, brace
+from tests.csi_node import csi_node, mounter_records, needs_root, node_mount_count
+from tests.test_csi import checksums, serve_dataset
+
+pytestmark = needs_root
+
+# Reads every file of ROOT until STOP exists, comparing checksums; each file's pages are
+# dropped after reading so that the next round asks the FUSE connection again.
+LOOP_READER = """
+import hashlib, json, os, sys, time
+root, want_path, stop = sys.argv[1:4]
+want = json.load(open(want_path))
+ok = errors = wrong = rounds = 0
+messages = []
+while not os.path.exists(stop):
+    for rel, digest in want.items():
+        try:
+            fd = os.open(os.path.join(root, rel), os.O_RDONLY)
+            try:
+                data = b''
+                while chunk := os.read(fd, 1 << 20):
+                    data += chunk
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            errors += 1
+            messages.append(f'{rel}: {exc}')
+            continue
+        if hashlib.sha256(data).hexdigest() == digest:
+            ok += 1
+        else:
+            wrong += 1
+    rounds += 1
+print(json.dumps({'ok': ok, 'errors': errors, 'wrong': wrong, 'rounds': rounds,
+                  'messages': messages[:5]}))
+"""
+
+
+class Readers:
+    def __init__(self, target: Path, want: dict[str, str], work: Path, n: int = 2) -> None:
+        self.stop_file = work / "stop-readers"
+        self.stop_file.unlink(missing_ok=True)
+        want_path = work / "want.json"
+        want_path.write_text(json.dumps(want))
+        python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else "python3"
+        self.procs = [subprocess.Popen(
+            [python, "-c", LOOP_READER, str(target), str(want_path), str(self.stop_file)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, user=1000, group=1000,
+            extra_groups=[]) for _ in range(n)]
+
+    def finish(self) -> list[dict]:
+        self.stop_file.touch()
+        results = []
+        for proc in self.procs:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err
+            results.append(json.loads(out))
+        return results
+
+
+def wait_for(predicate, timeout: float, what: str, logs) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}\n{logs()}")
+        time.sleep(0.1)
+
+
+def test_plugin_and_mounter_containers_die_without_a_read_error(
+        dataset: Dataset, nginx, tmp_path: Path) -> None:
+    serve_dataset(dataset, nginx.root)
+    want = checksums(dataset)
+    attrs = {"source": brace(dataset, f"{nginx.url}/data"), "workers": "1"}
+    with csi_node(tmp_path, isolated=True) as (node, kubelet):
+        kubelet.register()
+        target = kubelet.publish("pod-a", "data", "ds", attrs)
+        work = node.paths.kubelet.root / "readers"  # under /tmp: reachable by uid 1000
+        work.mkdir()
+        readers = Readers(target, want, work)
+        try:
+            time.sleep(1.0)
+            # 1. The plugin's container dies: the mounts and their daemon live on.
+            node.plugin.kill()
+            assert node_mount_count(node) == 1
+            time.sleep(1.0)
+            node.start_plugin()
+            kubelet.wait_ready()
+            wait_for(lambda: node.mounter.text().count("synced with the plugin") >= 2,
+                     30, "the new plugin's sync", node.logs)
+            # The new plugin knows the volume: a second pod is a bind of the same mount.
+            t0 = time.monotonic()
+            other = kubelet.publish("pod-b", "data", "ds", attrs)
+            assert time.monotonic() - t0 < 1.0
+            assert node_mount_count(node) == 1 and len(mounter_records(node)) == 1
+
+            # 2. The mounter's container dies (with the daemon): the plugin holds the FUSE
+            # descriptor, the new mounter's daemon takes the live mount over.
+            old_daemon_log = node.mounter.text()
+            node.mounter.kill()
+            time.sleep(1.0)
+            node.start_mounter()
+            wait_for(lambda: "took over the mount" in node.mounter.text(), 120,
+                     "the new mounter's takeover", node.logs)
+            time.sleep(1.0)
+        finally:
+            results = readers.finish()
+        assert "serves the mount" in old_daemon_log
+        total_ok = sum(r["ok"] for r in results)
+        assert all(r["errors"] == 0 and r["wrong"] == 0 for r in results), results
+        assert total_ok >= 2 * len(want), results
+
+        # The new plugin unpublishes cleanly, through the new mounter.
+        kubelet.unpublish("pod-a", "data", "ds")
+        kubelet.unpublish("pod-b", "data", "ds")
+        assert not target.exists() and not other.exists()
+        assert node_mount_count(node) == 0 and mounter_records(node) == []
+        assert kernel.mount_at(str(target)) is None
+        logs = node.logs()
+        assert "Traceback" not in logs, logs
+
+
+def test_plugin_restart_after_its_volume_went_away(dataset: Dataset, nginx,
+                                                   tmp_path: Path) -> None:
+    """A restarted plugin forgets publishes whose bind is gone and volumes whose node mount
+    is gone (as after a node reboot), and unpublish of them still succeeds."""
+    serve_dataset(dataset, nginx.root)
+    attrs = {"source": brace(dataset, f"{nginx.url}/data"), "workers": "1"}
+    with csi_node(tmp_path) as (node, kubelet):
+        target = kubelet.publish("pod-a", "data", "ds", attrs)
+        node.plugin.kill()
+        node.mounter.kill()  # both gone: the connection ends with the last descriptor
+        for entry in sorted(node.paths.kubelet.mounts_below(),
+                            key=lambda m: -len(m.mountpoint)):
+            kernel.unmount(entry.mountpoint)  # what a reboot leaves: nothing mounted
+        node.start_mounter()
+        node.start_plugin()
+        kubelet.wait_ready()
+        kubelet.unpublish("pod-a", "data", "ds")
+        assert not target.exists()
+        state = json.loads((node.paths.plugin_state / "state.json").read_text())
+        assert state["volumes"] == {}
+        # And the volume can be published afresh.
+        again = kubelet.publish("pod-c", "data", "ds", attrs)
+        assert sorted(p.name for p in again.iterdir()) == sorted(
+            p.name for p in dataset.root.iterdir())
+        kubelet.unpublish("pod-c", "data", "ds")
