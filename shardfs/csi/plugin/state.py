@@ -55,8 +55,11 @@ class PluginState:
         self.lock = threading.RLock()
         self.volumes: dict[str, Volume] = {}
         self.dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.dir, 0o700)
+        # Traversable, not listable: the mounter's daemons (maybe another uid) reach their
+        # node mounts; state.json and salt are 0600.
+        os.chmod(self.dir, 0o711)
         (self.dir / "mounts").mkdir(exist_ok=True)
+        os.chmod(self.dir / "mounts", 0o711)
         self.salt = self._salt()
         self._load()
 
