@@ -164,3 +164,44 @@ def test_plugin_restart_after_its_volume_went_away(dataset: Dataset, nginx,
         assert sorted(p.name for p in again.iterdir()) == sorted(
             p.name for p in dataset.root.iterdir())
         kubelet.unpublish("pod-c", "data", "ds")
+
+
+def daemon_pids(cache_dir: Path) -> list[int]:
+    """Host pids of shardfs daemons serving from `cache_dir`."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"--fuse-fd" in argv and str(cache_dir).encode() in argv:
+                out.append(int(proc.name))
+    return out
+
+
+def test_a_dead_daemon_is_replaced_by_the_mounter(dataset: Dataset, nginx,
+                                                  tmp_path: Path) -> None:
+    serve_dataset(dataset, nginx.root)
+    want = checksums(dataset)
+    attrs = {"source": brace(dataset, f"{nginx.url}/data"), "workers": "1"}
+    with csi_node(tmp_path) as (node, kubelet):
+        target = kubelet.publish("pod-a", "data", "ds", attrs)
+        (key,) = mounter_records(node)
+        (pid,) = daemon_pids(node.paths.cache_root / key)
+        work = node.paths.kubelet.root / "readers"
+        work.mkdir()
+        readers = Readers(target, want, work)
+        try:
+            time.sleep(1.0)
+            os.kill(pid, 9)  # the OOM killer, a bug: the mounter starts a successor
+            wait_for(lambda: "took over the mount" in node.mounter.text(), 60,
+                     "the successor daemon", node.logs)
+            time.sleep(1.0)
+        finally:
+            results = readers.finish()
+        assert all(r["errors"] == 0 and r["wrong"] == 0 for r in results), results
+        assert "ended (signal 9) while the volume is published" in node.mounter.text()
+        assert daemon_pids(node.paths.cache_root / key) not in ([], [pid])
+        kubelet.unpublish("pod-a", "data", "ds")
+        assert node_mount_count(node) == 0
