@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
         from shardfs.cli.demo import run_demo
         code = run_demo(args)
     elif args.command == "csi":
-        from shardfs.csi.plugin.server import run as run_csi_plugin
+        from shardfs.csi.plugin.args import run_command as run_csi_plugin
         code = run_csi_plugin(args)
     elif args.command == "csi-mounter":
         from shardfs.csi.mounter.server import run as run_csi_mounter

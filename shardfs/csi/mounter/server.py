@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -133,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         cache_size = parse_size(args.cache_size) if args.cache_size else \
             default_cache_size(cache_root)
     except ValueError as exc:
-        print(f"shardfs: error: {exc}", flush=True)
+        print(f"shardfs: error: {exc}", file=sys.stderr, flush=True)
         return 1
     volumes = Volumes(Path(args.state_dir), cache_root, cache_size)
     os.makedirs(os.path.dirname(path), exist_ok=True)

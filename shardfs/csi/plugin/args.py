@@ -18,3 +18,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "shared with the host's mount namespace (e.g. under the kubelet dir)")
     p.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error"))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """`shardfs csi`: a clear error when the csi extra (grpcio, protobuf) is missing."""
+    import sys
+
+    try:
+        import grpc  # noqa: F401
+        from google import protobuf  # noqa: F401
+    except ImportError as exc:
+        print(f"shardfs: error: shardfs csi needs grpcio and protobuf (pip install "
+              f"'shardfs[csi]'): {exc}", file=sys.stderr)
+        return 1
+    from shardfs.csi.plugin.server import run
+
+    return run(args)

@@ -63,9 +63,10 @@ class Node:
 
     # -- restart -------------------------------------------------------------------------
     def _recover(self) -> None:
-        """After a restart: keep the volumes whose node mount is still there (the mounter
-        hands their descriptors back on the first sync), forget the rest, and publishes
-        whose bind is gone."""
+        """After a restart: keep the volumes whose node mount is still there and alive (the
+        mounter hands their descriptors back on the first sync); forget those whose node
+        mount is gone (a reboot), unmount those whose connection is dead, drop publishes
+        whose bind is gone, and release volumes no pod uses."""
         changed = False
         with self.state.lock:
             for key, volume in list(self.state.volumes.items()):
@@ -78,6 +79,19 @@ class Node:
                     del self.state.volumes[key]
                     changed = True
                     continue
+                if kernel.answers(volume.node_path, timeout=2.0) is False:
+                    # Its connection ended (every holder died): a dead mount, not a waiting one.
+                    log.warning("volume %s: its mount %s is dead (both the plugin and the "
+                                "mounter ended?); unmounting it and its pods' binds", key,
+                                volume.node_path)
+                    for target in volume.publishes:
+                        with contextlib.suppress(OSError):
+                            kernel.unmount(target)
+                    with contextlib.suppress(OSError):
+                        kernel.unmount(volume.node_path)
+                    del self.state.volumes[key]
+                    changed = True
+                    continue
                 for target in list(volume.publishes):
                     if kernel.mount_at(target) is None:
                         log.warning("volume %s: %s is no longer mounted; forgetting it",
@@ -86,6 +100,10 @@ class Node:
                         changed = True
             if changed:
                 self.state.save()
+            unused = [v for v in self.state.volumes.values() if not v.publishes]
+        for volume in unused:  # a publish the earlier plugin did not finish, or a lost pod
+            log.info("volume %s: mounted, but no pod uses it; releasing it", volume.key)
+            self._forget(volume)
         if self.state.volumes:
             log.info("found %d volume(s) mounted by an earlier plugin, %d publish(es)",
                      len(self.state.volumes),

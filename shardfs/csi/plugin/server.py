@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 from concurrent import futures
 from pathlib import Path
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         endpoint = wire.socket_path(args.endpoint)
         wire.socket_path(args.mounter)
     except ValueError as exc:
-        print(f"shardfs: error: {exc}", flush=True)
+        print(f"shardfs: error: {exc}", file=sys.stderr, flush=True)
         return 1
     node = Node(Path(args.state_dir), args.mounter)
     watch = threading.Thread(target=node.link.run, name="mounter-watch", daemon=True)
