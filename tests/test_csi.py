@@ -140,6 +140,8 @@ def test_every_error_code(dataset: Dataset, nginx, tmp_path: Path) -> None:
                                                               "cache_dir": "/etc"}),
             "secret key": kubelet.publish_request("v", target, {"source": source},
                                                   secrets={"password": "x"}),
+            "local path": kubelet.publish_request("v", target, {"source": "/etc/x.tar"}),
+            "file url": kubelet.publish_request("v", target, {"source": "file:///x.tar"}),
         }
         for what, req in bad.items():
             with pytest.raises(grpc.RpcError) as exc:

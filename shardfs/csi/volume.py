@@ -33,6 +33,10 @@ _NOT_SETTABLE = {
     "allow_other": "always on: every user of the pod may read the volume",
 }
 
+# Sources a pod may name. Local paths and file:// would be resolved in the mounter's
+# container, whose files (other volumes' caches, its state) are not the pod's to read.
+REMOTE_SCHEMES = ("http", "https", "s3", "gs", "hf", "ais")
+
 # Secret keys (nodePublishSecretRef) -> the daemon's environment variable of the same name.
 SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN",
                "GS_ACCESS_KEY_ID", "GS_SECRET_ACCESS_KEY")
@@ -77,6 +81,12 @@ def parse_volume(context: Mapping[str, str], secrets: Mapping[str, str],
     if not sources:
         raise VolumeError("volumeAttributes: 'source' is required: the shards, as `shardfs "
                           "mount` takes SOURCE (several separated by spaces)")
+    for source in sources:
+        scheme, sep, _ = source.partition("://")
+        if not sep or scheme.lower() not in REMOTE_SCHEMES:
+            raise VolumeError(f"volumeAttributes: source {source!r}: expected a URL "
+                              f"({', '.join(s + '://' for s in REMOTE_SCHEMES)}); local "
+                              "paths are not served to pods")
     raw: dict[str, Any] = {}
     for key, value in context.items():
         if key == "source" or key.startswith(KUBELET_PREFIX):

@@ -70,6 +70,7 @@ class Volumes:
         self.records.mkdir(exist_ok=True)
         os.chmod(self.records, 0o700)
         cache_root.mkdir(parents=True, exist_ok=True)
+        os.chmod(cache_root, 0o700)  # volumes' caches are theirs alone
         self._load()
 
     # -- records -------------------------------------------------------------------------
