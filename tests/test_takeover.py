@@ -123,6 +123,43 @@ def test_fuse_fd_daemonized(data, fuse_mount, tmp_path: Path):
         wait_until(lambda: not pid_alive(pid), "the daemon to stop")
 
 
+@needs_root
+@needs_shim
+def test_takeover_of_a_fuse_fd_mount_mid_read(data, fuse_mount, tmp_path: Path):
+    """What the CSI mounter does when it restarts: the descriptor's holder (here the test)
+    starts `--fuse-fd N --takeover` on the same cache dir after the daemon (with 2 workers)
+    was SIGKILLed while 8 reader processes read: 0 errors, 0 wrong bytes."""
+    fm = fuse_mount()
+    cache = tmp_path / "cache"
+    first = serve_fd(data, fm, cache, "--workers", "2", "--no-warm")
+    second = None
+    try:
+        wait_until(lambda: (cache / "session.json").exists() or first.poll() is not None,
+                   "the first daemon to serve")
+        record = json.loads((cache / "session.json").read_text())
+        assert record["format"] == "shardfs-session-1" and record["pid"] == first.pid
+        assert record["init"]["major"] == 7 and len(record["shards"]) == len(data.names)
+        readers = Readers(fm.mountpoint, data.sha)
+        time.sleep(0.3)
+        first.kill()
+        first.wait()
+        second = serve_fd(data, fm, cache, "--workers", "2", "--no-warm", "--takeover")
+        readers.check(len(data.sha))
+        after = json.loads(os.getxattr(fm.mountpoint, "user.shardfs.stats"))
+        assert after["pid"] == second.pid and after["takeovers"] == 1
+        assert after["worker_count"] == 2
+        assert json.loads((cache / "session.json").read_text())["takeovers"] == 1
+        second.send_signal(signal.SIGTERM)
+        second.wait(30)
+        assert second.returncode == 0
+        assert fm.mounted()  # the descriptor's maker unmounts
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def test_fuse_fd_must_be_dev_fuse(data, tmp_path: Path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
