@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing
 import os
@@ -16,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from shardfs.devtools.nginx import Nginx
 from tests.conftest import SHARDFS, Mounter, needs_shim
+from tests.faultproxy import FaultProxy
 from tests.fusefd import FuseMount, can_mount
 from tests.reliability import RandomDataset, ReadResult, make_dataset, pid_alive, read_all
 
@@ -254,9 +257,10 @@ def spare_ready(m) -> None:
     def standing_by() -> bool:
         for child in Path(f"/proc/{holder}/task/{holder}/children").read_text().split():
             cmd = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-            if b"--standby-fd" in cmd:
-                # standing by = blocked reading its standby pipe (its wchan is a pipe read)
-                return "pipe" in Path(f"/proc/{child}/wchan").read_text()
+            # standing by = blocked reading its standby pipe (its wchan is a pipe read); the
+            # daemon serving now was a spare too, and is not blocked there
+            if b"--standby-fd" in cmd and "pipe" in Path(f"/proc/{child}/wchan").read_text():
+                return True
         return False
 
     wait_until(standing_by, "the spare daemon to stand by", 60)
@@ -291,3 +295,132 @@ def test_kill_9_of_the_daemon_mid_read_costs_no_read_error(data, mounter: Mounte
     assert after["holder_pid"] == holder
     assert f"daemon {old} killed by SIGKILL; a new daemon takes the mount over" in m.log()
     report_gap("kill -9, file://, 1 process", gap)
+
+
+@needs_shim
+def test_kill_9_during_a_cold_http_fetch_with_two_workers(data, nginx: Nginx,
+                                                          mounter: Mounter):
+    """Every GET waits 0.1 s (a cold epoch over HTTP, reads waiting in the workers for the
+    daemon's fetches); the daemon is SIGKILLed twice: its workers die with it, the zygote
+    requeues what they held, the spare takes over with 2 new workers; 0 errors."""
+    data.publish(nginx.root / "cold")
+    with FaultProxy(nginx.port) as proxy:
+        m = mounter.mount([data.pattern(f"{proxy.url}/cold")], None, None, "--no-warm",
+                          "--workers", "2")
+        spare_ready(m)
+        proxy.stall(0.1)
+        names = sorted(data.sha)
+        readers = Readers(m.mountpoint, data.sha, seed=3)
+        for i in range(2):
+            time.sleep(0.5)
+            old, gap = kill_and_time(m.mountpoint, m.mountpoint / names[i])
+            assert gap < 5, gap
+            report_gap("kill -9, HTTP cold fetch, --workers 2", gap)
+            after = wait_serving_again(m.mountpoint, old)
+            assert after["worker_count"] == 2 and after["takeovers"] == i + 1
+            if i == 0:
+                spare_ready(m)
+        readers.check(len(data.sha))
+
+
+@needs_shim
+def test_restart_in_a_loop_during_reads(data, mounter: Mounter):
+    """`shardfs restart` three times while 8 reader processes read every file: each returns
+    once a new daemon (started with the installed code) serves; 0 errors."""
+    m = mounter.mount([data.pattern(f"file://{data.shard_dir}")], None, None, "--no-warm",
+                      "--workers", "2", "--cache-size", "2M")
+    holder = holder_alive(m)
+    readers = Readers(m.mountpoint, data.sha, seed=5)
+    pids = [stats(m.mountpoint)["pid"]]
+    for _ in range(3):
+        result = subprocess.run([*SHARDFS, "restart", str(m.mountpoint)], capture_output=True,
+                                text=True, timeout=180)
+        assert result.returncode == 0, result.stderr
+        pids.append(stats(m.mountpoint)["pid"])
+        assert f"daemon pid {pids[-2]} -> {pids[-1]}" in result.stdout
+    readers.check(len(data.sha))
+    s = stats(m.mountpoint)
+    assert s["takeovers"] == 3 and s["holder_pid"] == holder
+    assert len(set(pids)) == 4 and not any(pid_alive(p) for p in pids[:-1])
+    assert "received SIGUSR1: exiting, leaving the mount to the next daemon" in m.log()
+
+
+def test_restart_without_a_holder_says_why(data, mounter: Mounter):
+    m = mounter.mount([data.pattern(f"file://{data.shard_dir}")], None, None, "--no-holder",
+                      "--workers", "1")
+    result = subprocess.run([*SHARDFS, "restart", str(m.mountpoint)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 1
+    assert "no holder keeps" in result.stderr
+
+
+@needs_shim
+def test_a_daemon_that_keeps_dying_is_given_up(data, mounter: Mounter, monkeypatch):
+    """After N deaths in M seconds (here 3 in 60) the holder detaches the mount, says why and
+    exits: nothing is left running or mounted."""
+    monkeypatch.setenv("SHARDFS_HOLDER_GIVE_UP", "3/60")
+    m = mounter.mount([data.pattern(f"file://{data.shard_dir}")], None, None, "--workers",
+                      "1")
+    holder = holder_alive(m)
+    for i in range(3):
+        pid = stats(m.mountpoint)["pid"]
+        os.kill(pid, signal.SIGKILL)
+        if i < 2:
+            wait_serving_again(m.mountpoint, pid)
+    wait_until(lambda: not pid_alive(holder), "the holder to give up", 60)
+    assert not os.path.ismount(m.mountpoint)
+    log = m.log()
+    assert "3 deaths within 60 s, giving up: detaching the mount" in log
+    assert not _processes_using(m.cache_dir)
+
+
+def _processes_using(cache_dir: Path) -> list[int]:
+    """Pids whose command line names `cache_dir` (our daemons, spares and holder)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if str(cache_dir).encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+@needs_shim
+@pytest.mark.parametrize("how", ["umount", "sigterm-holder", "sigterm-after-takeover"])
+def test_stopping_ends_holder_and_daemon_together(data, mounter: Mounter, how: str):
+    m = mounter.mount([data.pattern(f"file://{data.shard_dir}")], None, None, "--workers",
+                      "1")
+    holder = holder_alive(m)
+    if how == "umount":
+        subprocess.run([*SHARDFS, "umount", str(m.mountpoint)], check=True, timeout=60)
+    elif how == "sigterm-holder":
+        os.kill(holder, signal.SIGTERM)
+    else:
+        spare_ready(m)
+        pid = stats(m.mountpoint)["pid"]
+        os.kill(pid, signal.SIGKILL)
+        os.kill(wait_serving_again(m.mountpoint, pid)["pid"], signal.SIGTERM)
+    wait_until(lambda: not pid_alive(holder), "the holder to end", 30)
+    wait_until(lambda: not _processes_using(m.cache_dir), "every process to end", 30)
+    assert not os.path.ismount(m.mountpoint)
+
+
+@needs_shim
+def test_without_resend_the_mount_behaves_as_before(data, mounter: Mounter, monkeypatch):
+    """The old-kernel path (forced with SHARDFS_NO_RESEND): said once at start; a killed
+    daemon leaves a dead mount, as before the holder existed, and the holder leaves too."""
+    monkeypatch.setenv("SHARDFS_NO_RESEND", "1")
+    m = mounter.mount([data.pattern(f"file://{data.shard_dir}")], None, None, "--workers",
+                      "1")
+    s = stats(m.mountpoint)
+    assert s["connection_kept_by"] is None and s["holder_pid"] is None
+    said = "this mount cannot outlive its daemon: this kernel has no FUSE_NOTIFY_RESEND"
+    assert m.log().count(said) == 1  # (the terminal saw the mount-time lines too)
+    holder = int(m.stdout.rsplit("holder pid ", 1)[1].split(")")[0])
+    os.kill(s["pid"], signal.SIGKILL)
+    wait_until(lambda: not pid_alive(holder), "the holder to leave with its daemon")
+    with pytest.raises(OSError) as err:
+        os.statvfs(m.mountpoint)
+    assert err.value.errno == errno.ENOTCONN
