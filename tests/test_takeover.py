@@ -4,17 +4,24 @@
 
 from __future__ import annotations
 
+import errno
+import json
+import multiprocessing
 import os
 import signal
 import subprocess
+import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import SHARDFS, needs_shim
+from shardfs.devtools.nginx import Nginx
+from tests.conftest import SHARDFS, Mounter, needs_shim
+from tests.faultproxy import FaultProxy
 from tests.fusefd import FuseMount, can_mount
-from tests.reliability import RandomDataset, make_dataset, pid_alive, read_all
+from tests.reliability import RandomDataset, ReadResult, make_dataset, pid_alive, read_all
 
 needs_root = pytest.mark.skipif(not can_mount(), reason="mount(2) of a FUSE fd needs root")
 
@@ -24,6 +31,15 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> RandomDataset:
     """~4 MB: 400 random files of ~10 KB, shards of ~512 KB."""
     return make_dataset(tmp_path_factory.mktemp("takeover"), files=400, mean_kb=10,
                         shard_kb=512, seed=25)
+
+
+GAPS: list[tuple[str, float]] = []
+
+
+def report_gap(what: str, seconds: float) -> None:
+    """Kill -> next answered read, printed at the end of the run (-s) for docs/reliability.md."""
+    GAPS.append((what, seconds))
+    print(f"takeover gap: {what}: {seconds:.3f} s")
 
 
 def wait_until(cond, what: str, timeout: float = 20.0) -> None:
@@ -81,7 +97,7 @@ def test_fuse_fd_serves_a_mount_another_process_made(data, fuse_mount, tmp_path:
                    or proc.poll() is not None, "the daemon to serve")
         assert proc.poll() is None, proc.communicate()
         assert_all_right(data, fm.mountpoint)
-        stats = __import__("json").loads(os.getxattr(fm.mountpoint, "user.shardfs.stats"))
+        stats = json.loads(os.getxattr(fm.mountpoint, "user.shardfs.stats"))
         assert stats["pid"] == proc.pid
         assert stats["worker_count"] == (2 if workers == "2" else 0)
         assert stats["takeover_ready"] is True
@@ -110,6 +126,43 @@ def test_fuse_fd_daemonized(data, fuse_mount, tmp_path: Path):
         wait_until(lambda: not pid_alive(pid), "the daemon to stop")
 
 
+@needs_root
+@needs_shim
+def test_takeover_of_a_fuse_fd_mount_mid_read(data, fuse_mount, tmp_path: Path):
+    """What the CSI mounter does when it restarts: the descriptor's holder (here the test)
+    starts `--fuse-fd N --takeover` on the same cache dir after the daemon (with 2 workers)
+    was SIGKILLed while 8 reader processes read: 0 errors, 0 wrong bytes."""
+    fm = fuse_mount()
+    cache = tmp_path / "cache"
+    first = serve_fd(data, fm, cache, "--workers", "2", "--no-warm")
+    second = None
+    try:
+        wait_until(lambda: (cache / "session.json").exists() or first.poll() is not None,
+                   "the first daemon to serve")
+        record = json.loads((cache / "session.json").read_text())
+        assert record["format"] == "shardfs-session-1" and record["pid"] == first.pid
+        assert record["init"]["major"] == 7 and len(record["shards"]) == len(data.names)
+        readers = Readers(fm.mountpoint, data.sha)
+        time.sleep(0.3)
+        first.kill()
+        first.wait()
+        second = serve_fd(data, fm, cache, "--workers", "2", "--no-warm", "--takeover")
+        readers.check(len(data.sha))
+        after = json.loads(os.getxattr(fm.mountpoint, "user.shardfs.stats"))
+        assert after["pid"] == second.pid and after["takeovers"] == 1
+        assert after["worker_count"] == 2
+        assert json.loads((cache / "session.json").read_text())["takeovers"] == 1
+        second.send_signal(signal.SIGTERM)
+        second.wait(30)
+        assert second.returncode == 0
+        assert fm.mounted()  # the descriptor's maker unmounts
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def test_fuse_fd_must_be_dev_fuse(data, tmp_path: Path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
@@ -127,3 +180,247 @@ def test_fuse_fd_must_be_dev_fuse(data, tmp_path: Path):
     assert "--takeover needs --fuse-fd" in result.stderr
 
 
+
+
+# -- the holder: kill -9, restart, give-up, stop -------------------------------------------
+def _read_chunk(job: tuple[str, dict[str, str], int]) -> ReadResult:
+    mnt, expected, seed = job
+    return read_all(Path(mnt), expected, threads=1, seed=seed)
+
+
+def read_in_processes(mnt: Path, sha: dict[str, str], processes: int = 8,
+                      seed: int = 0) -> ReadResult:
+    """Every file, split over `processes` reader processes, each checking sha256."""
+    names = sorted(sha)
+    jobs = [(str(mnt), {n: sha[n] for n in names[i::processes]}, seed + i)
+            for i in range(processes)]
+    total = ReadResult()
+    ctx = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(processes, mp_context=ctx) as pool:
+        for result in pool.map(_read_chunk, jobs, timeout=180):
+            total.merge(result)
+    return total
+
+
+def stats(mnt: Path) -> dict:
+    return json.loads(os.getxattr(mnt, "user.shardfs.stats"))
+
+
+def drop_pages(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+class Readers:
+    """8 reader processes over every file, in the background."""
+
+    def __init__(self, mnt: Path, sha: dict[str, str], seed: int = 0) -> None:
+        self.result: list[ReadResult] = []
+        self.thread = threading.Thread(
+            target=lambda: self.result.append(read_in_processes(mnt, sha, seed=seed)))
+        self.thread.start()
+
+    def check(self, files: int) -> ReadResult:
+        self.thread.join(240)
+        assert not self.thread.is_alive(), "readers hang"
+        (result,) = self.result
+        assert not result.wrong, result.wrong[:5]
+        assert not result.errors, list(result.errors.items())[:5]
+        assert result.files == files
+        return result
+
+
+def kill_and_time(mnt: Path, probe: Path) -> tuple[int, float]:
+    """SIGKILL the daemon (the pid of stats); seconds until `probe`, a file whose pages were
+    dropped, is read again through the mount (the kill -> next answered read gap)."""
+    old = stats(mnt)["pid"]
+    drop_pages(probe)
+    os.kill(old, signal.SIGKILL)
+    killed = time.monotonic()
+    probe.read_bytes()
+    return old, time.monotonic() - killed
+
+
+def wait_serving_again(mnt: Path, old_pid: int, timeout: float = 30) -> dict:
+    wait_until(lambda: stats(mnt)["pid"] != old_pid, "a new daemon", timeout)
+    return stats(mnt)
+
+
+def spare_ready(m) -> None:
+    """Wait until the holder's spare daemon stands by (imported), as it does in production
+    a few seconds after each start."""
+    holder = stats(m.mountpoint)["holder_pid"]
+
+    def standing_by() -> bool:
+        for child in Path(f"/proc/{holder}/task/{holder}/children").read_text().split():
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            # standing by = blocked reading its standby pipe (its wchan is a pipe read); the
+            # daemon serving now was a spare too, and is not blocked there
+            if b"--standby-fd" in cmd and "pipe" in Path(f"/proc/{child}/wchan").read_text():
+                return True
+        return False
+
+    wait_until(standing_by, "the spare daemon to stand by", 60)
+
+
+def holder_alive(m) -> int:
+    pid = stats(m.mountpoint)["holder_pid"]
+    assert pid and pid_alive(pid)
+    return pid
+
+
+@needs_shim
+def test_kill_9_of_the_daemon_mid_read_costs_no_read_error(data, mounter: Mounter):
+    """8 reader processes read every file (checked) while the daemon is SIGKILLed: the holder
+    keeps the connection, a spare daemon takes the mount over; 0 errors, 0 wrong bytes, the
+    mount answers again within 5 s; the log says how the daemon ended."""
+    m = mounter.mount([data.pattern(f"file://{data.shard_dir}")], None, None, "--no-warm",
+                      "--workers", "1")
+    before = stats(m.mountpoint)
+    assert before["connection_kept_by"] == "holder" and before["takeover_ready"]
+    assert f"daemon pid {before['pid']}, holder pid {before['holder_pid']}" in m.stdout
+    holder = holder_alive(m)
+    spare_ready(m)
+    probe = m.mountpoint / sorted(data.sha)[-1]
+    readers = Readers(m.mountpoint, data.sha)
+    time.sleep(0.3)
+    old, gap = kill_and_time(m.mountpoint, probe)
+    readers.check(len(data.sha))
+    assert gap < 5, gap
+    after = stats(m.mountpoint)
+    assert after["pid"] != old and after["takeovers"] == 1
+    assert after["holder_pid"] == holder
+    assert f"daemon {old} killed by SIGKILL; a new daemon takes the mount over" in m.log()
+    report_gap("kill -9, file://, 1 process", gap)
+
+
+@needs_shim
+def test_kill_9_during_a_cold_http_fetch_with_two_workers(data, nginx: Nginx,
+                                                          mounter: Mounter):
+    """Every GET waits 0.1 s (a cold epoch over HTTP, reads waiting in the workers for the
+    daemon's fetches); the daemon is SIGKILLed twice: its workers die with it, the zygote
+    requeues what they held, the spare takes over with 2 new workers; 0 errors."""
+    data.publish(nginx.root / "cold")
+    with FaultProxy(nginx.port) as proxy:
+        m = mounter.mount([data.pattern(f"{proxy.url}/cold")], None, None, "--no-warm",
+                          "--workers", "2")
+        spare_ready(m)
+        proxy.stall(0.1)
+        names = sorted(data.sha)
+        readers = Readers(m.mountpoint, data.sha, seed=3)
+        for i in range(2):
+            time.sleep(0.5)
+            old, gap = kill_and_time(m.mountpoint, m.mountpoint / names[i])
+            assert gap < 5, gap
+            report_gap("kill -9, HTTP cold fetch, --workers 2", gap)
+            after = wait_serving_again(m.mountpoint, old)
+            assert after["worker_count"] == 2 and after["takeovers"] == i + 1
+            if i == 0:
+                spare_ready(m)
+        readers.check(len(data.sha))
+
+
+@needs_shim
+def test_restart_in_a_loop_during_reads(data, mounter: Mounter):
+    """`shardfs restart` three times while 8 reader processes read every file: each returns
+    once a new daemon (started with the installed code) serves; 0 errors."""
+    m = mounter.mount([data.pattern(f"file://{data.shard_dir}")], None, None, "--no-warm",
+                      "--workers", "2", "--cache-size", "2M")
+    holder = holder_alive(m)
+    readers = Readers(m.mountpoint, data.sha, seed=5)
+    pids = [stats(m.mountpoint)["pid"]]
+    for _ in range(3):
+        result = subprocess.run([*SHARDFS, "restart", str(m.mountpoint)], capture_output=True,
+                                text=True, timeout=180)
+        assert result.returncode == 0, result.stderr
+        pids.append(stats(m.mountpoint)["pid"])
+        assert f"daemon pid {pids[-2]} -> {pids[-1]}" in result.stdout
+    readers.check(len(data.sha))
+    s = stats(m.mountpoint)
+    assert s["takeovers"] == 3 and s["holder_pid"] == holder
+    assert len(set(pids)) == 4 and not any(pid_alive(p) for p in pids[:-1])
+    assert "received SIGUSR1: exiting, leaving the mount to the next daemon" in m.log()
+
+
+def test_restart_without_a_holder_says_why(data, mounter: Mounter):
+    m = mounter.mount([data.pattern(f"file://{data.shard_dir}")], None, None, "--no-holder",
+                      "--workers", "1")
+    result = subprocess.run([*SHARDFS, "restart", str(m.mountpoint)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 1
+    assert "no holder keeps" in result.stderr
+
+
+@needs_shim
+def test_a_daemon_that_keeps_dying_is_given_up(data, mounter: Mounter, monkeypatch):
+    """After N deaths in M seconds (here 3 in 60) the holder detaches the mount, says why and
+    exits: nothing is left running or mounted."""
+    monkeypatch.setenv("SHARDFS_HOLDER_GIVE_UP", "3/60")
+    m = mounter.mount([data.pattern(f"file://{data.shard_dir}")], None, None, "--workers",
+                      "1")
+    holder = holder_alive(m)
+    for i in range(3):
+        pid = stats(m.mountpoint)["pid"]
+        os.kill(pid, signal.SIGKILL)
+        if i < 2:
+            wait_serving_again(m.mountpoint, pid)
+    wait_until(lambda: not pid_alive(holder), "the holder to give up", 60)
+    assert not os.path.ismount(m.mountpoint)
+    log = m.log()
+    assert "3 deaths within 60 s, giving up: detaching the mount" in log
+    assert not _processes_using(m.cache_dir)
+
+
+def _processes_using(cache_dir: Path) -> list[int]:
+    """Pids whose command line names `cache_dir` (our daemons, spares and holder)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if str(cache_dir).encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+@needs_shim
+@pytest.mark.parametrize("how", ["umount", "sigterm-holder", "sigterm-after-takeover"])
+def test_stopping_ends_holder_and_daemon_together(data, mounter: Mounter, how: str):
+    m = mounter.mount([data.pattern(f"file://{data.shard_dir}")], None, None, "--workers",
+                      "1")
+    holder = holder_alive(m)
+    if how == "umount":
+        subprocess.run([*SHARDFS, "umount", str(m.mountpoint)], check=True, timeout=60)
+    elif how == "sigterm-holder":
+        os.kill(holder, signal.SIGTERM)
+    else:
+        spare_ready(m)
+        pid = stats(m.mountpoint)["pid"]
+        os.kill(pid, signal.SIGKILL)
+        os.kill(wait_serving_again(m.mountpoint, pid)["pid"], signal.SIGTERM)
+    wait_until(lambda: not pid_alive(holder), "the holder to end", 30)
+    wait_until(lambda: not _processes_using(m.cache_dir), "every process to end", 30)
+    assert not os.path.ismount(m.mountpoint)
+
+
+@needs_shim
+def test_without_resend_the_mount_behaves_as_before(data, mounter: Mounter, monkeypatch):
+    """The old-kernel path (forced with SHARDFS_NO_RESEND): said once at start; a killed
+    daemon leaves a dead mount, as before the holder existed, and the holder leaves too."""
+    monkeypatch.setenv("SHARDFS_NO_RESEND", "1")
+    m = mounter.mount([data.pattern(f"file://{data.shard_dir}")], None, None, "--workers",
+                      "1")
+    s = stats(m.mountpoint)
+    assert s["connection_kept_by"] is None and s["holder_pid"] is None
+    said = "this mount cannot outlive its daemon: this kernel has no FUSE_NOTIFY_RESEND"
+    assert m.log().count(said) == 1  # (the terminal saw the mount-time lines too)
+    holder = int(m.stdout.rsplit("holder pid ", 1)[1].split(")")[0])
+    os.kill(s["pid"], signal.SIGKILL)
+    wait_until(lambda: not pid_alive(holder), "the holder to leave with its daemon")
+    with pytest.raises(OSError) as err:
+        os.statvfs(m.mountpoint)
+    assert err.value.errno == errno.ENOTCONN

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 READY_PREFIX = "READY "
+STANDBY_LINE = "STANDBY\n"  # a holder's spare daemon, waiting to take over
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 CHILD_CLEANUP_S = 30.0  # the daemon unmounts and releases the cache in well under a second
 
@@ -52,11 +53,15 @@ def _fuse_fd(argv: list[str]) -> tuple[int, ...]:
     return ()
 
 
-def run_daemon(argv: list[str]) -> int:
+def run_daemon(argv: list[str], holder: tuple[str, str] | None = None) -> int:
     """Start `shardfs mount ARGV -f` as a detached child; return once the mount is ready (0),
-    failed (the child's status), or the user interrupted the wait (130)."""
+    failed (the child's status), or the user interrupted the wait (130). `holder`:
+    (mountpoint, log path): the child is a holder process (shardfs/holder/), which starts
+    the daemon and keeps its FUSE connection."""
     read_fd, write_fd = os.pipe()
     cmd = [sys.executable, "-m", "shardfs", *argv, "--foreground", "--ready-fd", str(write_fd)]
+    if holder is not None:
+        cmd = [sys.executable, "-m", "shardfs.holder", str(write_fd), *holder, *argv]
     previous = {s: signal.signal(s, _interrupt) for s in STOP_SIGNALS}
     child: subprocess.Popen | None = None
     try:
@@ -81,6 +86,10 @@ def run_daemon(argv: list[str]) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
     if message.startswith(READY_PREFIX):
-        print(f"shardfs: {message[len(READY_PREFIX):].strip()} (daemon pid {child.pid})")
+        summary, _, pid = message[len(READY_PREFIX):].strip().partition("\tpid=")
+        if pid:  # a holder started the daemon and keeps its connection
+            print(f"shardfs: {summary} (daemon pid {pid}, holder pid {child.pid})")
+        else:
+            print(f"shardfs: {summary} (daemon pid {child.pid})")
         return 0
     return child.wait() or 1

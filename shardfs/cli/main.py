@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import logging
 import os
@@ -140,6 +141,9 @@ def add_takeover_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --fuse-fd: the connection was served by an earlier shardfs "
                    "daemon using the same cache dir (its INIT is answered); take it over "
                    "from that daemon's session record, serving again the requests it left")
+    p.add_argument("--no-holder", action="store_true",
+                   help="do not leave a holder process behind: the mount ends with the daemon")
+    p.add_argument("--standby-fd", type=int, help=argparse.SUPPRESS)  # the holder's spare
 
 
 FUSE_DEVICE = os.makedev(10, 229)  # /dev/fuse
@@ -163,6 +167,56 @@ def check_fuse_fd(args: argparse.Namespace) -> None:
     os.set_inheritable(args.fuse_fd, False)
 
 
+def holder_plan(args: argparse.Namespace) -> tuple[str, str] | None:
+    """(mountpoint, log path) for a holder process to keep the mount's connection, or None:
+    --no-holder, --fuse-fd (whoever passed it keeps it), or settings the daemon will reject
+    with its own message."""
+    if args.no_holder or args.fuse_fd is not None:
+        return None
+    from shardfs.cli.config import ConfigError
+
+    try:
+        settings = mount_settings(args)
+    except (UsageError, ConfigError):
+        return None
+    mountpoint = os.path.abspath(settings["mountpoint"])
+    cache_dir = Path(settings["cache_dir"]) if settings["cache_dir"] \
+        else default_cache_dir(mountpoint)
+    log_path = settings["log_file"] or str(cache_dir.resolve() / "shardfs.log")
+    return mountpoint, os.path.abspath(log_path)
+
+
+def adopt_systemd_descriptor(args: argparse.Namespace) -> None:
+    """Started by systemd with the connection from its fd store (LISTEN_FDS): take over."""
+    if args.fuse_fd is not None:
+        return
+    from shardfs.daemon.handover import descriptor_from_systemd
+
+    fd = descriptor_from_systemd()
+    if fd is not None:
+        args.fuse_fd, args.takeover = fd, True
+        log.info("systemd handed back the FUSE connection (fd %d): taking the mount over", fd)
+
+
+def wait_as_standby(args: argparse.Namespace) -> bool:
+    """The holder's spare daemon: everything is imported; wait until the holder says "go"
+    (the daemon died, or a restart). False: the holder let us go instead."""
+    from shardfs.cli.daemonize import STANDBY_LINE
+
+    if args.standby_fd is None:
+        return True
+    if args.ready_fd is not None:
+        os.write(args.ready_fd, STANDBY_LINE.encode())
+    word = b""
+    while len(word) < 3:
+        chunk = os.read(args.standby_fd, 3 - len(word))
+        if not chunk:
+            return False
+        word += chunk
+    os.close(args.standby_fd)
+    return word == b"go\n"
+
+
 def open_cache_for_takeover(cache) -> None:
     """The daemon being replaced may still hold the cache dir for a moment: wait for it."""
     import time
@@ -178,6 +232,50 @@ def open_cache_for_takeover(cache) -> None:
             if "in use" not in str(exc) or time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+def add_restart_parser(sub) -> None:
+    restart = sub.add_parser("restart", help="replace a mount's daemon (the code installed "
+                             "now) under the live mount, with no read error")
+    restart.add_argument("mountpoint", metavar="MOUNTPOINT", help="a running shardfs mount")
+    restart.add_argument("--timeout", type=float, default=120.0,
+                         help="seconds to wait for the new daemon (default 120)")
+
+
+def run_restart(args: argparse.Namespace) -> int:
+    """Ask the mount's holder for a new daemon; return once it serves."""
+    import json
+    import signal
+    import time
+
+    def stats() -> dict:
+        return json.loads(os.getxattr(args.mountpoint, "user.shardfs.stats"))
+
+    try:
+        before = stats()
+    except OSError as exc:
+        print(f"shardfs: error: {args.mountpoint} is not a running shardfs mount "
+              f"({exc.strerror})", file=sys.stderr)
+        return 1
+    holder = before.get("holder_pid")
+    if not holder:
+        kept = before.get("connection_kept_by")
+        hint = ("it runs under systemd: systemctl restart its unit" if kept == "systemd" else
+                "it was mounted with --no-holder or --fuse-fd, or cannot be taken over "
+                "(see its log)")
+        print(f"shardfs: error: no holder keeps {args.mountpoint}: {hint}", file=sys.stderr)
+        return 1
+    os.kill(holder, signal.SIGUSR1)
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        with contextlib.suppress(OSError, ValueError):
+            now = stats()
+            if now["pid"] != before["pid"]:
+                print(f"shardfs: restarted {args.mountpoint}: daemon pid {before['pid']} -> "
+                      f"{now['pid']} (takeover {now['takeovers']})")
+                return 0
+    print(f"shardfs: error: no new daemon serves {args.mountpoint} after {args.timeout:.0f} s "
+          "(see its log)", file=sys.stderr)
+    return 1
 # -- end of issue 25's block ---------------------------------------------------------------
 
 
@@ -288,6 +386,9 @@ def run_mount_foreground(args: argparse.Namespace) -> int:
         cfg = _mount_config(settings)
         cfg.detached = daemonized
         mount_log.set_level(cfg.log_level)
+        if not wait_as_standby(args):
+            return 0
+        adopt_systemd_descriptor(args)
         check_fuse_fd(args)
         cfg.fuse_fd, cfg.takeover = args.fuse_fd, args.takeover
         if cfg.fuse_fd is None:  # else the descriptor's maker mounted it there
@@ -300,7 +401,7 @@ def run_mount_foreground(args: argparse.Namespace) -> int:
         else:
             cache.open()
         log_file = cfg.log_path
-        if daemonized:
+        if daemonized and args.standby_fd is None:  # a spare's stderr is the log already
             # Mount-time lines go to the waiting terminal and to the log the daemon keeps.
             try:
                 mount_log.add_file(log_file)
@@ -371,11 +472,11 @@ def _say_error(message: str) -> None:
     print(f"shardfs: error: {message}", file=sys.stderr)
 
 
-def run_mount_daemon(argv: list[str]) -> int:
+def run_mount_daemon(argv: list[str], args: argparse.Namespace) -> int:
     """Start the daemon as a detached child; return once the mount is ready (or failed)."""
     from shardfs.cli.daemonize import run_daemon
 
-    return run_daemon(argv)
+    return run_daemon(argv, holder=holder_plan(args))
 
 
 # -- other commands ------------------------------------------------------------------------
@@ -442,6 +543,8 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--no-wait", action="store_true",
                       help="queue the fetches and return without a progress bar")
 
+    add_restart_parser(sub)
+
     demo = sub.add_parser("demo", help="run a small end-to-end demo on loopback")
     demo.add_argument("--workdir", help="keep the demo's files here (default: a temp dir)")
 
@@ -456,7 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-COMMANDS = ("mount", "umount", "index", "pack", "stats", "warm", "demo", "csi", "csi-mounter")
+COMMANDS = ("mount", "umount", "index", "pack", "stats", "warm", "demo", "restart", "csi",
+            "csi-mounter")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -466,7 +570,7 @@ def main(argv: list[str] | None = None) -> None:
         argv = ["mount", *argv]
     args = build_parser().parse_args(argv)
     if args.command == "mount":
-        code = run_mount_foreground(args) if args.foreground else run_mount_daemon(argv)
+        code = run_mount_foreground(args) if args.foreground else run_mount_daemon(argv, args)
     elif args.command == "umount":
         code = run_umount(args)
     elif args.command == "index":
@@ -480,6 +584,8 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "warm":
         from shardfs.daemon.control import run_warm
         code = run_warm(args)
+    elif args.command == "restart":
+        code = run_restart(args)
     elif args.command == "demo":
         from shardfs.cli.demo import run_demo
         code = run_demo(args)

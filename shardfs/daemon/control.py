@@ -172,6 +172,10 @@ def format_stats(s: dict[str, Any]) -> str:
         f"requests        {src['requests']} ({src['retries']} retries, {src['errors']} errors); "
         f"fetch errors {r['fetch_errors']}, EIO {r['eio']}",
     ]
+    if s.get("connection_kept_by"):  # a mount that outlives its daemon (docs/design.md)
+        holder = f" (pid {s['holder_pid']})" if s.get("holder_pid") else ""
+        lines.append(f"takeovers       {s.get('takeovers', 0)}; connection kept by "
+                     f"{s['connection_kept_by']}{holder}")
     if src.get("throttled") or src.get("budget_waits"):
         lines.append(f"throttling      {src['throttled']} slow-down answers; "
                      f"{src['budget_waits']} requests waited "

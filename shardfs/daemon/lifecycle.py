@@ -23,7 +23,8 @@ from shardfs.catalog.catalog import Catalog, open_catalog
 from shardfs.catalog.resolve import resolve_sources
 from shardfs.daemon.announce import announce_address, attach_lookahead, serve_announcements
 from shardfs.daemon.control import control_address, serve_control
-from shardfs.daemon.mountpoint import is_mounted
+from shardfs.daemon.handover import hand_over, holder_pid, keeper
+from shardfs.daemon.mountpoint import is_mounted, unmount
 from shardfs.daemon.notify import sd_notify
 from shardfs.daemon.sessionrecord import (
     SessionRecord,
@@ -48,6 +49,8 @@ from shardfs.util.progress import ProgressLine
 
 log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal closed
+# Exit without unmounting, for a new daemon to take over (systemd's RestartKillSignal=).
+HANDOVER_SIGNAL = signal.SIGUSR1
 STATUS_INTERVAL = 5.0  # seconds between STATUS= updates to systemd and metrics snapshots
 
 
@@ -120,6 +123,8 @@ class SessionState:
 
     takeovers: int = 0  # daemons that took the mount over before and including this one
     can_take_over: bool = False  # a session record was written: a new daemon can adopt it
+    keeper: str | None = None  # who holds a copy of the connection: "holder", "systemd"
+    leave_mounted: bool = False  # SIGUSR1: exit for a new daemon to take over (a restart)
     mounted_at: float = field(default_factory=time.time)
 
 
@@ -182,6 +187,8 @@ class Mounted:
             # daemons that took this mount over from a dead or replaced one (--takeover)
             "takeovers": session.takeovers,
             "takeover_ready": session.can_take_over,
+            "connection_kept_by": session.keeper,
+            "holder_pid": holder_pid() if session.keeper == "holder" else None,
             "sources": self.cfg.specs,
             "cache_dir": str(self.cfg.cache_dir),
             "control_socket": self.cfg.control_socket,
@@ -345,12 +352,25 @@ def run(cfg: MountConfig, cache: ShardCache, on_ready: Callable[[str], None]) ->
                  session)
     finally:
         sd_notify("STOPPING=1")
-        fuse_session.close(unmount=True)  # a --fuse-fd mount is its maker's to unmount
-        if cfg.fuse_fd is None:  # unmounted: there is no session left to take over
+        # A --fuse-fd mount is its maker's to unmount; a handed-over one the next daemon's.
+        fuse_session.close(unmount=not session.leave_mounted)
+        if cfg.fuse_fd is not None and session.keeper and not session.leave_mounted:
+            _unmount_taken_over(cfg.mountpoint)
+        if cfg.fuse_fd is None and not session.leave_mounted:  # nothing left to take over
             remove_record(cfg.cache_dir)
         if zygote is not None:
             zygote.stop()
         log.info("unmounted %s", cfg.mountpoint)
+
+
+def _unmount_taken_over(mountpoint: str) -> None:
+    """A stop of a daemon that took the mount over (under the holder or systemd): libfuse did
+    not mount it here, so it does not unmount it either; do it, lazily (nothing may wait on a
+    connection nobody serves)."""
+    if is_mounted(mountpoint):
+        result = unmount(mountpoint, lazy=True)
+        if result.returncode != 0:
+            log.warning("cannot unmount %s: %s", mountpoint, result.stderr.strip())
 
 
 def _take_over(ops: ShardFS, cfg: MountConfig, record: SessionRecord) -> bool:
@@ -448,9 +468,7 @@ def _record_session(mounted: Mounted) -> None:
     and the mount behaves as before (said once)."""
     cfg = mounted.cfg
     request = shim.init_request()
-    if not request:
-        log.info("this mount cannot be taken over by a new daemon (the pyfuse3 shim is not "
-                 "in effect): if the daemon dies, the mount is lost")
+    if not request:  # no shim: hand_over() says so where a keeper was waiting for it
         remove_record(cfg.cache_dir)
         return
     record = SessionRecord(mountpoint=cfg.mountpoint, init_request=request,
@@ -469,7 +487,7 @@ def _record_session(mounted: Mounted) -> None:
 async def _serve_mounted(mounted: Mounted, zygote: Zygote | None,
                          on_ready: Callable[[str], None]) -> None:
     cfg, catalog = mounted.cfg, mounted.catalog
-    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+    with trio.open_signal_receiver(*STOP_SIGNALS, HANDOVER_SIGNAL) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(mounted.reader.run)
             if mounted.pusher is not None:
@@ -503,6 +521,14 @@ async def _serve_mounted(mounted: Mounted, zygote: Zygote | None,
                 await nursery.start(workers_main)
             await _probe_ready(cfg.mountpoint)
             _record_session(mounted)
+            if not cfg.takeover:  # a takeover's keeper has the connection already
+                mounted.session.keeper = hand_over(
+                    shim.session_fd() if mounted.session.can_take_over else -1,
+                    recorded=mounted.session.can_take_over)
+            else:
+                mounted.session.keeper = keeper()
+                if mounted.session.keeper == "systemd":  # stored again: the same connection
+                    hand_over(shim.session_fd(), recorded=mounted.session.can_take_over)
             nursery.start_soon(_report_status, mounted)
             interval = _watchdog_interval()
             if interval:
@@ -519,6 +545,14 @@ async def _serve_mounted(mounted: Mounted, zygote: Zygote | None,
                             "tree, ...): %s", catalog.skipped)
             on_ready(summary)
             async for signum in signals:
+                if signum == HANDOVER_SIGNAL:
+                    if mounted.session.keeper is None:
+                        log.warning("received SIGUSR1, but nothing keeps the connection for "
+                                    "a new daemon: ignored (SIGTERM unmounts)")
+                        continue
+                    mounted.session.leave_mounted = True
+                    log.info("received SIGUSR1: exiting, leaving the mount to the next daemon")
+                    break
                 log.info("received %s: unmounting", signal.Signals(signum).name)
                 break
             nursery.cancel_scope.cancel()

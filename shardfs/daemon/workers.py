@@ -132,10 +132,14 @@ class Zygote:
                             poll.register(pidfd, select.POLLIN)
                         os.write(pid_w, struct.pack("i", pid))
         finally:
-            for pid in children:  # the daemon is gone or done: so are its workers
+            # The daemon is gone or done: so are its workers. Killed, not asked: a worker must
+            # not answer the reads it holds with an error. Only once they are dead are their
+            # requests queued again (a new daemon may take the mount over) and their clones
+            # let go.
+            for pid in children:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGTERM)
-            held.close()
+                    os.kill(pid, signal.SIGKILL)
+            held.release_all()
 
     def _fork_worker(self, cmd_r: int, pid_w: int, held: HeldClones) -> tuple[int, int]:
         """Fork a worker serving on a new clone of the connection; (pid, its pidfd or -1).
@@ -222,6 +226,13 @@ class HeldClones:
         os.close(clone)
         os.close(pidfd)
         return pid
+
+    def release_all(self) -> None:
+        """Every worker has been killed: wait until each has exited, then queue their
+        unanswered requests again and let go of the clones."""
+        for pidfd in list(self._by_pidfd):
+            select.select([pidfd], [], [], 5.0)
+            self.exited(pidfd)
 
     def close(self) -> None:
         for pidfd, (_, clone) in self._by_pidfd.items():

@@ -15,6 +15,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import trio
 
@@ -27,6 +28,16 @@ from shardfs.util.rpc import Caller, ChannelClosed
 
 log = logging.getLogger(__name__)
 NOTE_INTERVAL = COLLECT_INTERVAL  # seconds between batches of read notes (more when idle)
+
+
+def daemon_gone() -> NoReturn:
+    """The daemon died (or is being replaced): end this worker at once, answering nothing.
+    Its zygote then has the kernel queue its unanswered requests again for whoever serves
+    the connection next (a new daemon taking the mount over), so no read fails."""
+    log.warning("the shardfs daemon went away: FUSE worker %d exits, its requests are "
+                "queued again", os.getpid())
+    logging.shutdown()
+    os._exit(0)
 
 
 class RemoteReader:
@@ -110,8 +121,8 @@ class RemoteReader:
             try:
                 answer = await self.caller.call("read", shard, member_off, member_size, off,
                                                 size, want_bytes)
-            except ChannelClosed as exc:
-                raise ReadError(f"the shardfs daemon went away: {exc}") from None
+            except ChannelClosed:
+                daemon_gone()
             if answer[0] == "data":
                 return answer[1]
             if answer[0] == "eio":

@@ -17,10 +17,12 @@ connection back in the queue for the live workers, and closes its copy (docs/des
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
 import os
+import select
 import signal
 import struct
 from dataclasses import dataclass
@@ -32,9 +34,9 @@ from shardfs.fuse import session as fuse_session
 from shardfs.fuse import shim
 from shardfs.fuse.fastread import FastReads
 from shardfs.fuse.ops import ShardFS
-from shardfs.fuse.remote import RemoteReader
+from shardfs.fuse.remote import RemoteReader, daemon_gone
 from shardfs.read.states import ShardStates
-from shardfs.util.rpc import Caller, Channel
+from shardfs.util.rpc import Caller, Channel, ChannelClosed
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,14 @@ def resend_unanswered(fd: int) -> None:
     os.write(fd, struct.pack("=IiQ", 16, FUSE_NOTIFY_RESEND, 0))
 
 
+def fuse_session_alive() -> bool:
+    """Whether the connection is still there: the kernel flags a /dev/fuse descriptor with
+    POLLERR once its connection has ended (unmounted or aborted)."""
+    poller = select.poll()
+    poller.register(shim.session_fd(), select.POLLIN)
+    return not any(event & select.POLLERR for _, event in poller.poll(0))
+
+
 async def _serve(setup: WorkerSetup) -> None:
     sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
     await sock.connect("\0" + setup.daemon_address)
@@ -101,7 +111,10 @@ async def _serve(setup: WorkerSetup) -> None:
     ops.stats_json = stats_json
     async with trio.open_nursery() as nursery:
         async def until_daemon_gone() -> None:
-            await caller.dispatch()  # ends when the daemon closes the connection
+            with contextlib.suppress(ChannelClosed):
+                await caller.dispatch()  # ends when the daemon closes the connection
+            if fuse_session_alive():
+                daemon_gone()  # answer nothing: a new daemon may take the mount over
             nursery.cancel_scope.cancel()
 
         nursery.start_soon(until_daemon_gone)
