@@ -31,9 +31,11 @@ import hashlib, json, os, sys, time
 root, want_path, stop = sys.argv[1:4]
 want = json.load(open(want_path))
 ok = errors = wrong = rounds = 0
+longest = 0.0
 messages = []
 while not os.path.exists(stop):
     for rel, digest in want.items():
+        t0 = time.monotonic()
         try:
             fd = os.open(os.path.join(root, rel), os.O_RDONLY)
             try:
@@ -47,13 +49,14 @@ while not os.path.exists(stop):
             errors += 1
             messages.append(f'{rel}: {exc}')
             continue
+        longest = max(longest, time.monotonic() - t0)
         if hashlib.sha256(data).hexdigest() == digest:
             ok += 1
         else:
             wrong += 1
     rounds += 1
 print(json.dumps({'ok': ok, 'errors': errors, 'wrong': wrong, 'rounds': rounds,
-                  'messages': messages[:5]}))
+                  'longest_read_s': round(longest, 3), 'messages': messages[:5]}))
 """
 
 
@@ -125,6 +128,7 @@ def test_plugin_and_mounter_containers_die_without_a_read_error(
             time.sleep(1.0)
         finally:
             results = readers.finish()
+        print("readers:", results)  # longest_read_s: the gap a reader waited (pytest -s)
         assert "serves the mount" in old_daemon_log
         total_ok = sum(r["ok"] for r in results)
         assert all(r["errors"] == 0 and r["wrong"] == 0 for r in results), results
@@ -210,6 +214,7 @@ def test_a_dead_daemon_is_replaced_by_the_mounter(dataset: Dataset, nginx,
             time.sleep(1.0)
         finally:
             results = readers.finish()
+        print("readers:", results)
         assert all(r["errors"] == 0 and r["wrong"] == 0 for r in results), results
         assert "ended (signal 9) while the volume is published" in node.mounter.text()
         assert daemon_pids(node.paths.cache_root / key) not in ([], [pid])
