@@ -136,9 +136,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"shardfs: error: {exc}", file=sys.stderr, flush=True)
         return 1
-    volumes = Volumes(Path(args.state_dir), cache_root, cache_size)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    server = MounterServer(path, volumes)
+    try:
+        volumes = Volumes(Path(args.state_dir), cache_root, cache_size)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        server = MounterServer(path, volumes)
+    except OSError as exc:
+        print(f"shardfs: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     log.info("shardfs csi-mounter on %s, cache root %s (budget %d bytes), state %s", path,
              cache_root, cache_size, args.state_dir)
     stop = threading.Event()

@@ -112,11 +112,15 @@ class Volumes:
             os.close(fd)
             raise ServeError(str(exc), "INVALID_ARGUMENT") from None
         with self.lock:
-            volume = self.volumes.get(key)
-            if volume is not None and volume.daemon is not None and volume.daemon.alive():
+            stale = self.volumes.get(key)
+            if stale is not None and stale.daemon is not None and stale.daemon.alive():
                 os.close(fd)  # the same volume again (a retried publish): already served
                 return
-            volume = Volume(key, spec, dict(secrets), node_path, fd=fd)
+        if stale is not None:  # a mount the plugin replaced (its daemon gave up, or none)
+            with stale.lock:
+                self._forget(stale)
+        volume = Volume(key, spec, dict(secrets), node_path, fd=fd)
+        with self.lock:
             self.volumes[key] = volume
         with volume.lock:
             try:

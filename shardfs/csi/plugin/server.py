@@ -120,7 +120,15 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(os.path.dirname(endpoint), exist_ok=True)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="csi"))
     server.add_generic_rpc_handlers(_handlers(Plugin(args.node_id, node)))
-    server.add_insecure_port(f"unix://{endpoint}")
+    try:
+        bound = server.add_insecure_port(f"unix://{endpoint}")
+    except RuntimeError:  # newer grpcio raise instead of returning 0
+        bound = 0
+    if bound == 0:
+        print(f"shardfs: error: cannot listen on {endpoint} (a socket path must be shorter "
+              "than 108 bytes, in a writable directory)", file=sys.stderr)
+        node.link.stop()
+        return 1
     server.start()
     log.info("shardfs csi %s: %s on %s, node %s, mounter %s, state %s", __version__,
              DRIVER_NAME, endpoint, args.node_id, args.mounter, args.state_dir)
