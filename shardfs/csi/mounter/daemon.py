@@ -58,9 +58,18 @@ class StartFailed(Exception):
     """The daemon ended (or never got ready); the message is its `shardfs: error:` line."""
 
 
+# The mounter's own supervisor's variables (systemd, a shardfs holder): the daemon must not
+# report to them or hand them its connection; the mounter is its keeper.
+_NOT_INHERITED = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID",
+                  "LISTEN_FDNAMES", "FDSTORE", "SHARDFS_FDSTORE", "SHARDFS_HOLDER_FD",
+                  "SHARDFS_HOLDER_PID")
+
+
 def daemon_env(secrets: Mapping[str, str]) -> dict[str, str]:
-    """The mounter's environment without any secret of ours, plus this volume's secrets."""
-    env = {k: v for k, v in os.environ.items() if k not in SECRET_KEYS}
+    """The mounter's environment without any secret of ours or its supervisor's variables,
+    plus this volume's secrets."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in SECRET_KEYS and k not in _NOT_INHERITED}
     if any(k.startswith("AWS_") for k in secrets):
         env.pop("AWS_PROFILE", None)  # a profile would make the SDK chain skip the keys
     env.update(secrets)
