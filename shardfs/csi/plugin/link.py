@@ -10,11 +10,9 @@ gone and the plugin connects again until a new one answers.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -139,17 +137,3 @@ class MounterLink:
                          ", ".join(reply["took_over"]))
             return
 
-
-def close_quietly(fd: int | None) -> None:
-    if fd is not None:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
