@@ -178,6 +178,13 @@ def test_every_error_code(dataset: Dataset, nginx, tmp_path: Path) -> None:
             assert node_mount_count(node) == 0 and mounter_records(node) == []
         # Unpublishing what was never published is fine (idempotent).
         kubelet.unpublish("pod-e", "v", "v")
+        # No mounter: UNAVAILABLE (kubelet retries), and nothing left mounted.
+        node.mounter.kill()
+        with pytest.raises(grpc.RpcError) as exc:
+            kubelet.publish("pod-e", "v", "v", {"source": source})
+        assert code_of(exc) == grpc.StatusCode.UNAVAILABLE, exc.value
+        assert "mounter" in exc.value.details()
+        assert node_mount_count(node) == 0
         assert "Traceback" not in node.logs(), node.logs()
 
 

@@ -180,6 +180,29 @@ def test_plugin_restart_after_both_died(dataset: Dataset, nginx, tmp_path: Path)
         assert node_mount_count(node) == 0
 
 
+def test_a_restarted_plugin_releases_a_volume_no_pod_uses(dataset: Dataset, nginx,
+                                                          tmp_path: Path) -> None:
+    """The plugin died between mounting a volume and recording its publish: the next plugin
+    finds the node mount with no pod on it and releases it (unmount, daemon gone)."""
+    serve_dataset(dataset, nginx.root)
+    attrs = {"source": brace(dataset, f"{nginx.url}/data"), "workers": "1"}
+    with csi_node(tmp_path) as (node, kubelet):
+        target = kubelet.publish("pod-a", "data", "ds", attrs)
+        (key,) = mounter_records(node)
+        node.plugin.kill()
+        kernel.unmount(str(target))
+        state_file = node.paths.plugin_state / "state.json"
+        state = json.loads(state_file.read_text())
+        state["volumes"][key]["publishes"] = {}
+        state_file.write_text(json.dumps(state))
+        node.start_plugin()
+        kubelet.wait_ready()
+        wait_for(lambda: node_mount_count(node) == 0 and mounter_records(node) == [], 30,
+                 "the unused volume's release", node.logs)
+        wait_for(lambda: daemon_pids(node.paths.cache_root / key) == [], 30,
+                 "its daemon to end", node.logs)
+
+
 def daemon_pids(cache_dir: Path) -> list[int]:
     """Host pids of shardfs daemons serving from `cache_dir`."""
     out = []
