@@ -243,3 +243,44 @@ def test_a_dead_daemon_is_replaced_by_the_mounter(dataset: Dataset, nginx,
         assert daemon_pids(node.paths.cache_root / key) not in ([], [pid])
         kubelet.unpublish("pod-a", "data", "ds")
         assert node_mount_count(node) == 0
+
+
+def test_a_daemon_that_keeps_dying_is_given_up(dataset: Dataset, nginx,
+                                               tmp_path: Path) -> None:
+    """After DEATHS_LIMIT deaths in DEATHS_WINDOW_S the mounter stops replacing the daemon and
+    both processes let go of the connection: readers get an error, not an endless wait;
+    unpublish cleans up and a new publish mounts afresh."""
+    from shardfs.csi.mounter.volumes import DEATHS_LIMIT
+
+    serve_dataset(dataset, nginx.root)
+    attrs = {"source": brace(dataset, f"{nginx.url}/data"), "workers": "1"}
+    with csi_node(tmp_path) as (node, kubelet):
+        target = kubelet.publish("pod-a", "data", "ds", attrs)
+        (key,) = mounter_records(node)
+        cache = node.paths.cache_root / key
+        for death in range(DEATHS_LIMIT):
+            wait_for(lambda: len(daemon_pids(cache)) == 1, 60, "a daemon", node.logs)
+            (pid,) = daemon_pids(cache)
+            os.kill(pid, 9)
+            if death < DEATHS_LIMIT - 1:
+                wait_for(lambda n=death: node.mounter.text().count("took over the mount")
+                         == n + 1, 60, "the successor", node.logs)
+        wait_for(lambda: "the mount is given up" in node.mounter.text(), 30, "the give-up",
+                 node.logs)
+
+        def failing() -> bool:
+            try:
+                os.statvfs(target)
+            except OSError as exc:
+                assert exc.errno in (errno.ENOTCONN, errno.ECONNABORTED), exc
+                return True
+            return False
+
+        wait_for(failing, 30, "readers to get an error", node.logs)
+        assert daemon_pids(cache) == []
+        kubelet.unpublish("pod-a", "data", "ds")
+        assert node_mount_count(node) == 0 and mounter_records(node) == []
+        again = kubelet.publish("pod-b", "data", "ds", attrs)
+        assert sorted(p.name for p in again.iterdir()) == sorted(
+            p.name for p in dataset.root.iterdir())
+        kubelet.unpublish("pod-b", "data", "ds")

@@ -8,7 +8,8 @@ the plugin hands over its socket. Requests (one per connection, `wire` messages)
 - `release` {key} -> {ok}: the plugin unmounted the volume; end its daemon, close the fd
 - `sync` {volumes, offered} + one {key} + fd message per offered descriptor -> one {key} + fd
   message per descriptor the plugin lacks, then {done, took_over, failed}; the connection then
-  stays open until this process ends (the plugin's watch).
+  stays open until this process ends (the plugin's watch), and carries {op: given_up, key}
+  when a volume's daemon keeps dying.
 """
 
 from __future__ import annotations
@@ -37,7 +38,16 @@ class MounterServer:
         self.volumes = volumes
         self.sock = wire.listen(path)
         os.chmod(path, 0o600)  # the plugin is root; nobody else may hand us descriptors
-        self._watchers: list[socket.socket] = []
+        self._watchers: set[socket.socket] = set()  # the plugin's watch connections
+        self._watchers_lock = threading.Lock()
+        volumes.on_give_up = self._tell_given_up
+
+    def _tell_given_up(self, key: str) -> None:
+        with self._watchers_lock:
+            watchers = list(self._watchers)
+        for conn in watchers:
+            with contextlib.suppress(OSError):
+                wire.send(conn, {"op": "given_up", "key": key})
 
     def serve_forever(self) -> None:
         while True:
@@ -112,8 +122,14 @@ class MounterServer:
                  "%d taken over, %d failed", len(known), len(back), len(took_over),
                  len(failed))
         # The plugin's watch: the connection lives as long as we do.
-        with contextlib.suppress(OSError, wire.WireError):
-            wire.recv(conn)
+        with self._watchers_lock:
+            self._watchers.add(conn)
+        try:
+            with contextlib.suppress(OSError, wire.WireError):
+                wire.recv(conn)
+        finally:
+            with self._watchers_lock:
+                self._watchers.discard(conn)
 
 
 def _close_all(fds: list[int]) -> None:

@@ -22,6 +22,7 @@ import shutil
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,7 @@ class Volumes:
         self.lock = threading.Lock()
         self.volumes: dict[str, Volume] = {}
         self.takeovers = 0
+        self.on_give_up: Callable[[str], None] | None = None  # tells the plugin
         state_dir.mkdir(parents=True, exist_ok=True)
         self.records.mkdir(exist_ok=True)
         os.chmod(self.records, 0o700)
@@ -187,15 +189,28 @@ class Volumes:
             how = f"signal {-code}" if code < 0 else f"status {code}"
             if len(volume.deaths) == DEATHS_LIMIT and now - volume.deaths[0] < DEATHS_WINDOW_S:
                 log.error("volume %s: the daemon died %d times in %.0f s (last: %s); not "
-                          "starting it again (unpublish the volume to clear it)", volume.key,
+                          "starting it again: the mount is given up", volume.key,
                           DEATHS_LIMIT, now - volume.deaths[0], how)
+                self._give_up(volume)
                 return
             log.warning("volume %s: the daemon %d ended (%s) while the volume is published; "
                         "starting a new one on the same mount", volume.key, daemon.pid, how)
             try:
                 self._start(volume, takeover=True)
             except ServeError as exc:
-                log.error("volume %s: the new daemon failed: %s", volume.key, exc)
+                log.error("volume %s: the new daemon failed: %s; the mount is given up",
+                          volume.key, exc)
+                self._give_up(volume)
+
+    def _give_up(self, volume: Volume) -> None:
+        """Nobody will serve this mount: close our descriptor and tell the plugin, which
+        closes its own; with no descriptor left the kernel ends the connection, so readers
+        get an error (ENOTCONN) instead of waiting forever. Unpublish cleans up as usual."""
+        if volume.fd is not None:
+            os.close(volume.fd)
+            volume.fd = None
+        if self.on_give_up is not None:
+            self.on_give_up(volume.key)
 
     # -- release -------------------------------------------------------------------------
     def release(self, key: str) -> None:

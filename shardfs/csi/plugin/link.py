@@ -58,10 +58,12 @@ class Descriptors:
 
 class MounterLink:
     def __init__(self, address: str, descriptors: Descriptors,
-                 known: Callable[[], dict[str, dict[str, Any]]]) -> None:
+                 known: Callable[[], dict[str, dict[str, Any]]],
+                 given_up: Callable[[str], None]) -> None:
         self.path = wire.socket_path(address)
         self.descriptors = descriptors
         self._known = known  # key -> spec of every volume the plugin has
+        self._given_up = given_up  # the mounter will not serve this volume any more
         self.synced = threading.Event()  # the first sync with a mounter is done
         self.syncs = 0
         self._stop = threading.Event()
@@ -106,7 +108,12 @@ class MounterLink:
                     self.syncs += 1
                     self.synced.set()
                     sock.settimeout(None)
-                    wire.recv(sock)  # returns (or raises) only when the mounter goes away
+                    while True:  # until the mounter goes away (WireError)
+                        message, fds = wire.recv(sock)
+                        for fd in fds:
+                            os.close(fd)
+                        if message.get("op") == "given_up":
+                            self._given_up(str(message.get("key")))
                 except (wire.WireError, OSError) as exc:
                     if not self._stop.is_set():
                         log.warning("lost the mounter (%s); reconnecting", exc)

@@ -53,13 +53,28 @@ class Node:
     def __init__(self, state_dir: Path, mounter: str) -> None:
         self.state = PluginState(state_dir)
         self.descriptors = Descriptors()
-        self.link = MounterLink(mounter, self.descriptors, self._known)
+        self.link = MounterLink(mounter, self.descriptors, self._known, self._given_up)
         self._key_locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
         self._recover()
 
     def _known(self) -> dict[str, dict]:
         with self.state.lock:
             return {k: v.spec.to_json() for k, v in self.state.volumes.items()}
+
+    def _given_up(self, key: str) -> None:
+        """The mounter gave the volume up (its daemon kept dying): drop our descriptor, so
+        that the connection ends and readers get an error rather than wait forever, and
+        detach the node mount; pods' binds go with their unpublish, a new publish mounts
+        afresh."""
+        log.error("volume %s: the mounter gave it up (its daemon kept dying); ending the "
+                  "mount", key)
+        with self._key_locks[key]:
+            self.descriptors.drop(key)
+            with self.state.lock:
+                volume = self.state.volumes.get(key)
+            if volume is not None:
+                with contextlib.suppress(OSError):
+                    kernel.unmount(volume.node_path)
 
     # -- restart -------------------------------------------------------------------------
     def _recover(self) -> None:
@@ -162,10 +177,11 @@ class Node:
         if volume is not None and kernel.mount_at(volume.node_path) is not None:
             return volume
         node_path = self.state.node_path(key)
-        volume = Volume(key, spec, node_path)
-        with self.state.lock:  # recorded before it exists: a restart finds what to clean
-            self.state.volumes[key] = volume
-            self.state.save()
+        if volume is None:  # (else a given-up volume, mounted again with its publishes)
+            volume = Volume(key, spec, node_path)
+            with self.state.lock:  # recorded before it exists: a restart finds what to clean
+                self.state.volumes[key] = volume
+                self.state.save()
         try:
             os.makedirs(node_path, exist_ok=True)
             try:
