@@ -8,6 +8,7 @@ import ctypes.util
 import errno
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 MS_RDONLY = 1
@@ -128,20 +129,25 @@ def mount_at(path: str) -> MountEntry | None:
     return found
 
 
-def answers(path: str, timeout: float = 5.0) -> bool | None:
-    """True: the mount at `path` answers statvfs. False: it fails (a dead connection gives
-    ENOTCONN). None: no answer within `timeout` (the connection lives, nobody serves it
-    right now); the thread asking is left to finish when an answer comes."""
-    result: list[bool] = []
+def answers(paths: list[str], timeout: float = 5.0) -> dict[str, bool | None]:
+    """For each FUSE mount: True if it answers statvfs, False if that fails (a dead
+    connection gives ENOTCONN), None if no answer comes within `timeout` (the connection
+    lives, nobody serves it right now; the asking thread is left to finish when an answer
+    comes). All are asked at once."""
+    results: dict[str, bool] = {}
 
-    def ask() -> None:
+    def ask(path: str) -> None:
         try:
             os.statvfs(path)
-            result.append(True)
+            results[path] = True
         except OSError:
-            result.append(False)
+            results[path] = False
 
-    thread = threading.Thread(target=ask, daemon=True, name="statvfs")
-    thread.start()
-    thread.join(timeout)
-    return result[0] if result else None
+    threads = [threading.Thread(target=ask, args=(p,), daemon=True, name="statvfs")
+               for p in paths]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return {p: results.get(p) for p in paths}

@@ -84,6 +84,9 @@ class Node:
         whose bind is gone, and release volumes no pod uses."""
         changed = False
         with self.state.lock:
+            mounted = [v.node_path for v in self.state.volumes.values()
+                       if kernel.mount_at(v.node_path) is not None]
+            alive = kernel.answers(mounted, timeout=2.0)
             for key, volume in list(self.state.volumes.items()):
                 if kernel.mount_at(volume.node_path) is None:
                     log.warning("volume %s: its node mount %s is gone (node restarted?); "
@@ -94,7 +97,7 @@ class Node:
                     del self.state.volumes[key]
                     changed = True
                     continue
-                if kernel.answers(volume.node_path, timeout=2.0) is False:
+                if alive.get(volume.node_path) is False:
                     # Its connection ended (every holder died): a dead mount, not a waiting one.
                     log.warning("volume %s: its mount %s is dead (both the plugin and the "
                                 "mounter ended?); unmounting it and its pods' binds", key,
@@ -199,7 +202,7 @@ class Node:
             if not reply.get("ok"):
                 raise NodeError(reply.get("code") or "INTERNAL",
                                 reply.get("error") or "the mounter could not serve the volume")
-            if kernel.answers(node_path, timeout=30.0) is not True:
+            if kernel.answers([node_path], timeout=30.0)[node_path] is not True:
                 raise NodeError("INTERNAL", f"the mount at {node_path} does not answer")
         except BaseException:
             self._forget(volume)
