@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from shardfs.csi.plugin import kernel
-from tests.conftest import Dataset, brace
+from tests.conftest import Dataset, brace, needs_shim
 from tests.csi_node import csi_node, mounter_records, needs_root, node_mount_count
 from tests.test_csi import checksums, serve_dataset
 
@@ -90,6 +90,7 @@ def wait_for(predicate, timeout: float, what: str, logs) -> None:
         time.sleep(0.1)
 
 
+@needs_shim  # a takeover needs the shim (the recorded INIT)
 def test_plugin_and_mounter_containers_die_without_a_read_error(
         dataset: Dataset, nginx, tmp_path: Path) -> None:
     serve_dataset(dataset, nginx.root)
@@ -217,6 +218,7 @@ def daemon_pids(cache_dir: Path) -> list[int]:
     return out
 
 
+@needs_shim  # a takeover needs the shim (the recorded INIT)
 def test_a_dead_daemon_is_replaced_by_the_mounter(dataset: Dataset, nginx,
                                                   tmp_path: Path) -> None:
     serve_dataset(dataset, nginx.root)
@@ -245,6 +247,7 @@ def test_a_dead_daemon_is_replaced_by_the_mounter(dataset: Dataset, nginx,
         assert node_mount_count(node) == 0
 
 
+@needs_shim  # a takeover needs the shim (the recorded INIT)
 def test_a_daemon_that_keeps_dying_is_given_up(dataset: Dataset, nginx,
                                                tmp_path: Path) -> None:
     """After DEATHS_LIMIT deaths in DEATHS_WINDOW_S the mounter stops replacing the daemon and
