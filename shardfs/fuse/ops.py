@@ -27,6 +27,7 @@ from shardfs.catalog.dirmap import encode_pages
 from shardfs.catalog.shardindex import KIND_DIR, KIND_FILE, KIND_LINK
 from shardfs.catalog.tree import Tree
 from shardfs.fuse.fastread import FastReads
+from shardfs.read.packed import PackedReads
 from shardfs.read.reader import ReadError
 from shardfs.read.sparse import read_sparse
 
@@ -70,6 +71,7 @@ class ShardFS(pyfuse3.Operations):
         # Directory inode -> its file->shard xattr pages. Readers go one directory at a time
         # (listxattr, then each page), so a few entries suffice and memory stays flat.
         self._pages: LRUCache = LRUCache(maxsize=8)
+        self.packed = PackedReads()  # compressed members, decoded (zip deflate etc.)
 
     # -- metadata --------------------------------------------------------------------------
     def _attr(self, ino: int) -> pyfuse3.EntryAttributes:
@@ -185,6 +187,9 @@ class ShardFS(pyfuse3.Operations):
             if tree.sparse and i in tree.sparse:  # holes read as zeros (rare: a dict lookup)
                 return await read_sparse(self.reader, tree.file_ref(fh), tree.sparse[i], off,
                                          size)
+            if tree.packed and i in tree.packed:  # compressed: decoded whole (a dict lookup)
+                return await self.packed.read(self.reader, tree.file_ref(fh), tree.packed[i],
+                                              off, size)
             shard = tree.shard[i]
             data = await self.reader.read(shard, tree.offset[i], tree.size[i], off, size)
             if self.fast is not None:
