@@ -63,15 +63,15 @@ async def read_spans(source: Source, info: ShardInfo, spans: list[tuple[int, int
     that cover neighbouring spans together, several at once."""
     spans = [(min(s, info.size), min(e, info.size)) for s, e in spans]
     order = sorted(range(len(spans)), key=lambda i: spans[i])
-    groups: list[tuple[int, int, list[int]]] = []
+    groups: list[list] = []  # [start, end, span positions]
     for i in order:
         start, end = spans[i]
-        if groups and start - groups[-1][1] <= GAP and \
-                max(end, groups[-1][1]) - groups[-1][0] <= MAX_SPAN:
-            g = groups[-1]
-            groups[-1] = (g[0], max(g[1], end), g[2] + [i])
+        g = groups[-1] if groups else None
+        if g is not None and start - g[1] <= GAP and max(end, g[1]) - g[0] <= MAX_SPAN:
+            g[1] = max(g[1], end)
+            g[2].append(i)
         else:
-            groups.append((start, end, [i]))
+            groups.append([start, end, [i]])
     out: list[bytes] = [b""] * len(spans)
     limiter = trio.CapacityLimiter(PARALLEL)
 

@@ -160,6 +160,7 @@ def parse_directory(data: bytes, where: Directory) -> list[Entry]:
     if len(data) != where.size:
         raise ZipError("central directory cut short")
     entries: list[Entry] = []
+    dos_times: dict[int, int] = {}  # DOS date and time -> seconds (most entries share a few)
     pos = 0
     while pos < len(data):
         if data[pos : pos + 4] != CENTRAL:
@@ -176,11 +177,15 @@ def parse_directory(data: bytes, where: Directory) -> list[Entry]:
             raise ZipError("central directory entry cut short")
         raw = data[start : start + name_len]
         extra = data[start + name_len : start + name_len + extra_len]
-        usize, csize, header, disk = _zip64(extra, usize, csize, header, disk)
+        if extra and 0xFFFFFFFF in (usize, csize, header):
+            usize, csize, header, disk = _zip64(extra, usize, csize, header, disk)
         if disk not in (0, 0xFFFF):
             raise ZipError("multi-disk (split) zip archives are not supported")
         host = made >> 8
-        name = _decode_name(raw, flags, extra, host)
+        if not extra and raw.isascii() and (host == _HOST_UNIX or b"\\" not in raw):
+            name = raw  # the common case, without the checks of _decode_name
+        else:
+            name = _decode_name(raw, flags, extra, host)
         unix_mode = external >> 16 if host == _HOST_UNIX else 0
         is_dir = name.endswith(b"/") or bool(external & 0x10) or \
             unix_mode & _S_IFMT == _S_IFDIR
@@ -190,7 +195,7 @@ def parse_directory(data: bytes, where: Directory) -> list[Entry]:
         entries.append(Entry(
             path=path, is_dir=is_dir, method=method, flags=flags, crc=crc, csize=csize,
             usize=usize, header=header + where.shift, name_len=name_len, extra_len=extra_len,
-            mtime=_mtime(extra, dtime, ddate), mode=mode,
+            mtime=_mtime(extra, dtime, ddate, dos_times), mode=mode,
             symlink=unix_mode & _S_IFMT == _S_IFLNK, leading_slash=leading,
             root=is_dir and not name.strip(b"./")))
         pos = end
@@ -258,12 +263,21 @@ def _decode_name(raw: bytes, flags: int, extra: bytes, host: int) -> bytes:
     return raw
 
 
-def _mtime(extra: bytes, dtime: int, ddate: int) -> int:
+def _mtime(extra: bytes, dtime: int, ddate: int, cache: dict[int, int]) -> int:
     """The Info-ZIP extended timestamp (UTC) if present, else the DOS time (local time,
     taken as UTC: the zip does not say which zone)."""
-    for tag, body in _extra_fields(extra):
-        if tag == 0x5455 and len(body) >= 5 and body[0] & 1:
-            return struct.unpack_from("<l", body, 1)[0]
+    if extra:
+        for tag, body in _extra_fields(extra):
+            if tag == 0x5455 and len(body) >= 5 and body[0] & 1:
+                return struct.unpack_from("<l", body, 1)[0]
+    key = ddate << 16 | dtime
+    seconds = cache.get(key)
+    if seconds is None:
+        seconds = cache[key] = _dos_time(dtime, ddate)
+    return seconds
+
+
+def _dos_time(dtime: int, ddate: int) -> int:
     year, month, day = 1980 + (ddate >> 9), (ddate >> 5) & 0xF, ddate & 0x1F
     hour, minute, second = dtime >> 11, (dtime >> 5) & 0x3F, (dtime & 0x1F) * 2
     try:
