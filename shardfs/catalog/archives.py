@@ -58,11 +58,21 @@ async def _read(source: Source, info: ShardInfo, start: int, end: int,
 
 
 async def read_spans(source: Source, info: ShardInfo, spans: list[tuple[int, int]],
-                     on_bytes: Callable[[int], None]) -> list[bytes]:
+                     on_bytes: Callable[[int], None],
+                     known: tuple[int, bytes] = (0, b"")) -> list[bytes]:
     """The bytes of each [start, end) span (clipped to the shard), read by ranged requests
-    that cover neighbouring spans together, several at once."""
+    that cover neighbouring spans together, several at once; spans within `known` (bytes
+    read already, from an offset) are taken from it."""
     spans = [(min(s, info.size), min(e, info.size)) for s, e in spans]
-    order = sorted(range(len(spans)), key=lambda i: spans[i])
+    out: list[bytes] = [b""] * len(spans)
+    have_at, have = known
+    order = []
+    for i, (start, end) in enumerate(spans):
+        if have_at <= start and end <= have_at + len(have):
+            out[i] = have[start - have_at : end - have_at]
+        else:
+            order.append(i)
+    order.sort(key=lambda i: spans[i])
     groups: list[list] = []  # [start, end, span positions]
     for i in order:
         start, end = spans[i]
@@ -72,7 +82,6 @@ async def read_spans(source: Source, info: ShardInfo, spans: list[tuple[int, int
             g[2].append(i)
         else:
             groups.append([start, end, [i]])
-    out: list[bytes] = [b""] * len(spans)
     limiter = trio.CapacityLimiter(PARALLEL)
 
     async def one(start: int, end: int, members: list[int]) -> None:
@@ -114,7 +123,7 @@ async def index_zip(source: Source, info: ShardInfo,
     wanted = [i for i, e in enumerate(entries) if not e.is_dir and e.path is not None]
     heads = await read_spans(source, info, [
         (entries[i].header, entries[i].header + zipfmt.head_span(entries[i])) for i in wanted
-    ], on_bytes)
+    ], on_bytes, (tail_start, tail))
     starts: list[int | None] = [None] * len(entries)
     for i, head in zip(wanted, heads, strict=True):
         starts[i] = zipfmt.data_start(entries[i], head)
