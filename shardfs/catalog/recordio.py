@@ -93,7 +93,7 @@ def parse_idx(text: bytes) -> list[tuple[bytes, int]]:
 class Record:
     key: bytes
     chunks: list[Chunk]
-    head: bytes  # the first bytes of the record's payload (up to HEAD)
+    head: bytes  # the first bytes of the record's first chunk (up to HEAD)
 
 
 def payload_size(chunks: list[Chunk]) -> int:
@@ -248,11 +248,8 @@ class RecordScanner:
                 raise RecordIOError(f"record chunk out of order at byte {at}")
             self._chunks.append(c)
             self._skip = c.next - self._pos
-            if self._chunks[0] is c:
-                self._want = min(HEAD, c.length)
-            elif len(self._head) < HEAD:  # the header reached past a split: rare
-                self._head += MAGIC_BYTES
-                self._want = min(HEAD - len(self._head), c.length)
+            # The head comes from the first chunk only, as when records are read by the .idx.
+            self._want = min(HEAD, c.length) if self._chunks[0] is c else 0
             if not self._skip and c.cflag in (0, 3):
                 self._end_record()
 
