@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from shardfs.catalog import recordio
-from tests.conftest import Mounter
+from tests.conftest import SHARDFS, Mount, Mounter
 from tests.recordiokit import MAGIC, RecWriter, encode, pack_image
 from tests.test_zip_mount import image_folder, loose_files
 
@@ -208,3 +208,30 @@ w.close()
         expected[f"{k % 3}/{k}.jpg"] = img
     m = mounter.mount([str(tmp_path / "mx.rec")])
     check_mount(m.mountpoint, expected)
+
+
+def test_zip_and_rec_under_an_s3_prefix(tmp_path: Path, mounter: Mounter):
+    from shardfs.devtools.datagen import make_imagefolder
+    from tests.moto_fixture import MotoServer
+    from tests.test_zip_mount import deflated_zip
+
+    tree = tmp_path / "tree"
+    make_imagefolder(tree, classes=2, per_class=6, mean_kb=6, seed=8, split=None)
+    deflated_zip(tree, tmp_path / "a.zip")
+    expected = {**loose_files(tree), **make_rec(tmp_path / "r")}
+    with MotoServer(tmp_path / "moto") as moto:
+        s3 = moto.client("s3")
+        s3.create_bucket(Bucket="data")
+        for name in ("a.zip", "r.rec", "r.idx"):
+            s3.upload_file(str(tmp_path / name), "data", f"mixed/{name}")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        env.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                   AWS_DEFAULT_REGION="us-east-1")
+        mnt, cache = mounter.paths()
+        result = subprocess.run([*SHARDFS, "mount", "s3://data/mixed/", str(mnt),
+                                 "--cache-dir", str(cache), "--s3-endpoint", moto.url],
+                                capture_output=True, text=True, env=env, timeout=120)
+        assert result.returncode == 0, result.stderr
+        m = mounter.adopt(Mount.from_result(result, mnt, cache))
+        assert loose_files(m.mountpoint) == expected
+        m.unmount()

@@ -137,6 +137,12 @@ def test_deflated_zip_beside_a_tar_over_file_and_http(tree: Path, tmp_path: Path
                            strict=True))
         assert got == expected
         assert image_folder(m.mountpoint) == image_folder(tree)
+        with zipfile.ZipFile(nginx.root / "a.zip") as z:
+            info = next(i for i in z.infolist() if i.compress_type == zipfile.ZIP_DEFLATED)
+        member = m.mountpoint / info.filename
+        assert os.getxattr(member, "user.shardfs.codec") == b"deflate"
+        assert int(os.getxattr(member, "user.shardfs.stored")) == info.compress_size
+        assert int(os.getxattr(member, "user.shardfs.size")) == info.file_size
         m.unmount()
 
 

@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 TIMEOUT = 365 * 24 * 3600.0
 XATTR_PREFIX = b"user.shardfs."
 FILE_XATTRS = (b"user.shardfs.shard", b"user.shardfs.offset", b"user.shardfs.size")
+# Compressed members only (zip deflate etc.): the codec, and the bytes stored at `offset`.
+PACKED_XATTRS = (b"user.shardfs.codec", b"user.shardfs.stored")
 STATS_XATTR = b"user.shardfs.stats"  # on the root: JSON counters, read by `shardfs stats`
 _S_IFREG_RO = stat.S_IFREG | 0o444  # read-only mount: files are readable, never writable
 
@@ -219,7 +221,8 @@ class ShardFS(pyfuse3.Operations):
     def _xattr_names(self, inode: int) -> list[bytes]:
         kind = self.tree.kind[inode - 1]
         if kind == KIND_FILE:
-            return list(FILE_XATTRS)
+            packed = self.tree.packed and inode - 1 in self.tree.packed
+            return list(FILE_XATTRS + PACKED_XATTRS) if packed else list(FILE_XATTRS)
         names = []
         if inode == pyfuse3.ROOT_INODE and self.stats_json is not None:
             names.append(STATS_XATTR)
@@ -235,6 +238,9 @@ class ShardFS(pyfuse3.Operations):
             if name == FILE_XATTRS[0]:
                 return self.shard_urls[ref.shard].encode("utf-8", "surrogateescape")
             return str(ref.offset if name == FILE_XATTRS[1] else ref.size).encode()
+        if kind == KIND_FILE and name in PACKED_XATTRS and inode - 1 in tree.packed:
+            codec, stored, _ = tree.packed[inode - 1]
+            return codec.encode() if name == PACKED_XATTRS[0] else str(stored).encode()
         if kind == KIND_DIR and name.startswith(PAGE_PREFIX):
             page = name[len(PAGE_PREFIX):]
             pages = self._dir_pages(inode)
