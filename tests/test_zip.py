@@ -287,3 +287,49 @@ def test_published_index_rejects_bad_codec_fields(tmp_path: Path):
         header["body_sha256"] = hashlib.sha256(bad).hexdigest()
         with pytest.raises(IndexFormatError):
             decode_index(json.dumps(header).encode() + b"\n" + bad)
+
+
+def _index_bytes(data: bytes) -> list:
+    """zip.py's steps on bytes in memory (what archives.index_zip does with ranged reads)."""
+    tail_start = max(0, len(data) - zipfmt.TAIL)
+    where = zipfmt.locate_directory(data[tail_start:], tail_start, len(data))
+    if where.zip64_at is not None:
+        where = zipfmt.zip64_directory(data[where.zip64_at : where.zip64_at + 56],
+                                       where.zip64_at, len(data))
+    entries = zipfmt.parse_directory(data[where.start : where.start + where.size], where)
+    starts = [zipfmt.data_start(e, data[e.header : e.header + zipfmt.head_span(e)])
+              for e in entries]
+    return zipfmt.members(entries, starts, where).members
+
+
+def test_mutated_zips_fail_cleanly_or_stay_inside_the_file(tmp_path: Path):
+    import random
+
+    path = write_zip(tmp_path / "m.zip", sample_files(9, 12))
+    original = path.read_bytes()
+    r = random.Random(0)
+    outcomes = {"error": 0, "ok": 0}
+    for _ in range(250):
+        data = bytearray(original)
+        # Mutations aimed at the directory and end records, where every offset and size lives.
+        for _ in range(r.randint(1, 4)):
+            at = r.randrange(len(data) - 300, len(data)) if r.random() < 0.8 else \
+                r.randrange(len(data))
+            data[at] = r.randrange(256)
+        try:
+            members = _index_bytes(bytes(data))
+        except zipfmt.ZipError:
+            outcomes["error"] += 1
+            continue
+        outcomes["ok"] += 1
+        for m in members:
+            stored = m.packed[1] if m.packed else m.size
+            assert m.offset >= 0 and m.offset + stored <= len(data)
+            if m.kind == "f" and m.size <= 1 << 20:
+                raw = bytes(data[m.offset : m.offset + stored])
+                try:
+                    out = decode(m.packed, raw, m.size) if m.packed else raw
+                except DecodeError:
+                    continue
+                assert len(out) == m.size
+    assert outcomes["error"] and outcomes["ok"]
