@@ -333,3 +333,29 @@ def test_mutated_zips_fail_cleanly_or_stay_inside_the_file(tmp_path: Path):
                     continue
                 assert len(out) == m.size
     assert outcomes["error"] and outcomes["ok"]
+
+
+def test_pack_format_zip_is_reproducible_and_indexed_alike(tmp_path: Path):
+    from shardfs.catalog.shardindex import decode_index
+    from shardfs.pack import pack
+
+    src = tmp_path / "src"
+    files = sample_files(10, 30)
+    files["non-ascii/\u00e9.jpg"] = b"\xff\xd8" * 10
+    for name, data in files.items():
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_bytes(data)
+    one = pack(src, tmp_path / "one", shard_size=64 << 10, fmt="zip")
+    two = pack(src, tmp_path / "two", shard_size=64 << 10, fmt="zip")
+    assert len(one.shards) > 2 and one.pattern.endswith(".zip")
+    got: dict[str, bytes] = {}
+    for a, b in zip(one.shards, two.shards, strict=True):
+        assert a.path.read_bytes() == b.path.read_bytes()
+        published = decode_index(Path(str(a.path) + ".shardfs.idx").read_bytes())
+        ranged = index_file(a.path)
+        assert published.paths == ranged.paths and published.offsets == ranged.offsets
+        assert python_extraction(a.path) == read_members(a.path, ranged)
+        got.update(read_members(a.path, ranged))
+        if shutil.which("unzip"):
+            subprocess.run(["unzip", "-tq", str(a.path)], check=True, capture_output=True)
+    assert got == files
