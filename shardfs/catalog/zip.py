@@ -332,7 +332,7 @@ def members(entries: list[Entry], starts: list[int | None], where: Directory) ->
         if start + entry.csize > where.start:
             out.skipped["data-outside-file"] += 1
             continue
-        if entry.method != 0 and entry.usize > MAX_PACKED:
+        if entry.method != 0 and max(entry.usize, entry.csize) > MAX_PACKED:
             out.skipped["compressed-member-too-large"] += 1
             continue
         files.append((entry.header, start + entry.csize, i))

@@ -151,6 +151,9 @@ class PackedReads:
         self._failed.pop(key, None)
         try:
             stored = packed[1]
+            if max(stored, ref.size) > MAX_PACKED:  # a published index may say anything
+                raise ReadError(f"compressed member of {max(stored, ref.size)} bytes is over "
+                                f"the {MAX_PACKED} limit")
             raw = bytes(await reader.read(ref.shard, ref.offset, stored, 0, stored))
             try:
                 if len(raw) < _THREAD_BELOW:
