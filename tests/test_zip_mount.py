@@ -243,3 +243,30 @@ def test_zip64_whole_4gib_member_through_a_mount(tmp_path: Path, mounter: Mounte
             assert block == zero[: len(block)]
             total += len(block)
     assert total == (4 << 30) + 4096
+
+
+def test_zips_of_four_writers_in_one_tree_over_http_and_file(tree: Path, tmp_path: Path,
+                                                              nginx, mounter: Mounter):
+    """Info-ZIP, bsdtar, 7-Zip and Python's zipfile (streamed: data descriptors), one class
+    each, mounted together: the same files and ImageFolder as the loose tree."""
+    from tests.zipkit import write_streamed_zip
+
+    seven = shutil.which("7zz") or shutil.which("7z")
+    if not (shutil.which("zip") and shutil.which("bsdtar") and seven):
+        pytest.skip("needs zip, bsdtar and 7-Zip (Debian: zip, libarchive-tools, 7zip)")
+    classes = sorted(p.name for p in tree.iterdir())
+    commands = ([["zip", "-qr"], ["bsdtar", "--format", "zip", "-cf"],
+                 [seven, "a", "-tzip", "-bd", "-bso0"]])
+    names = []
+    for i, (name, cmd) in enumerate(zip(classes[:3], commands, strict=True)):
+        out = nginx.root / f"part{i}.zip"
+        subprocess.run([*cmd, str(out), name], cwd=tree, check=True)
+        names.append(out.name)
+    files = {k: v for k, v in loose_files(tree).items() if k.startswith(classes[3] + "/")}
+    write_streamed_zip(nginx.root / "part3.zip", files)
+    names.append("part3.zip")
+    for sources in ([f"{nginx.url}/part{{0..3}}.zip"], [str(nginx.root / n) for n in names]):
+        m = mounter.mount(sources)
+        assert_tree_equal(m.mountpoint, loose_files(tree))
+        assert image_folder(m.mountpoint) == image_folder(tree)
+        m.unmount()
