@@ -270,3 +270,39 @@ def test_zips_of_four_writers_in_one_tree_over_http_and_file(tree: Path, tmp_pat
         assert_tree_equal(m.mountpoint, loose_files(tree))
         assert image_folder(m.mountpoint) == image_folder(tree)
         m.unmount()
+
+
+def test_large_compressed_members_stream(tmp_path: Path, mounter: Mounter):
+    """Members over read/packed.py's WHOLE_LIMIT are decoded as a stream: sequential and
+    backward reads, a CRC checked at the end, a bomb that declares 4 GiB."""
+    from shardfs.read.packed import WHOLE_LIMIT
+
+    r = random.Random(2)
+    big = b"".join(r.randbytes(1000) * 40 for _ in range(WHOLE_LIMIT // 40_000 + 200))
+    assert len(big) > WHOLE_LIMIT
+    path = tmp_path / "large.zip"
+    with zipfile.ZipFile(path, "w") as z:
+        for name, method in (("big.deflate", zipfile.ZIP_DEFLATED),
+                             ("big.lzma", zipfile.ZIP_LZMA),
+                             ("badcrc", zipfile.ZIP_DEFLATED), ("bomb", zipfile.ZIP_DEFLATED)):
+            z.writestr(name, big if name != "bomb" else bytes(1 << 20), compress_type=method)
+    entries = central_entries(path)
+    with zipfile.ZipFile(path) as z:
+        crc = z.getinfo("badcrc").CRC
+    set_central(path, entries[2], "crc", crc ^ 0xFF)
+    set_central(path, entries[3], "usize", 0xFFFFFFF0)  # declares 4 GiB, has 1 MiB
+    m = mounter.mount([path.as_uri()], None, None, "--workers", "1")
+    for name in ("big.deflate", "big.lzma"):
+        assert (m.mountpoint / name).read_bytes() == big, name
+    with open(m.mountpoint / "big.deflate", "rb", buffering=0) as f:  # back, then forward
+        for at in (len(big) - 5000, 1000, WHOLE_LIMIT + 123):
+            f.seek(at)
+            assert f.read(70_000) == big[at : at + 70_000]
+    with pytest.raises(OSError) as err:
+        (m.mountpoint / "badcrc").read_bytes()
+    assert err.value.errno == errno.EIO
+    with open(m.mountpoint / "bomb", "rb") as f, pytest.raises(OSError) as err:
+        f.read(2 << 20)
+    assert err.value.errno == errno.EIO
+    log = m.log()
+    assert "CRC-32 mismatch" in log and "deflate data ends after 1048576 bytes" in log

@@ -19,9 +19,8 @@ range, decoded whole on read (shardfs/read/packed.py) and checked against the CR
 come from the central directory, so data descriptors need no reading.
 
 Skipped (counted): encrypted entries, unsupported methods, symlinks (their target is in
-the data), compressed members larger than MAX_PACKED, entries whose data lies outside the
-file or overlaps the central directory or another entry (a "quoted overlap" zip bomb), bad
-local headers, unsafe names.
+the data), entries whose data lies outside the file or overlaps the central directory or
+another entry (a "quoted overlap" zip bomb), bad local headers, unsafe names.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ _LOCAL = struct.Struct("<4s5H3L2H")
 LOCAL_SIZE = _LOCAL.size  # 30
 TAIL = 65535 + _EOCD.size + _LOCATOR.size  # bytes from the end that hold both records
 MAX_DIRECTORY = 1 << 30  # a central directory larger than this is refused (not a dataset)
-MAX_PACKED = 256 << 20  # compressed members are decoded whole in memory: at most this size
+MAX_PACKED = 256 << 20  # split RecordIO records are joined whole in memory: at most this size
 _MAX_HEAD_SLACK = 1024  # local extra bytes read beyond the central directory's extra length
 
 # Compression methods -> codec names (read/packed.py decodes them).
@@ -331,9 +330,6 @@ def members(entries: list[Entry], starts: list[int | None], where: Directory) ->
             continue
         if start + entry.csize > where.start:
             out.skipped["data-outside-file"] += 1
-            continue
-        if entry.method != 0 and max(entry.usize, entry.csize) > MAX_PACKED:
-            out.skipped["compressed-member-too-large"] += 1
             continue
         files.append((entry.header, start + entry.csize, i))
     # A member whose local header lies inside another's data overlaps it: the "quoted
