@@ -477,30 +477,61 @@ class ShardfsZip(Shardfs):
             return "the metadata scenario has a tar only"
         return None
 
-    def setup(self, ctx: Ctx, scenario: str, fresh: bool = True) -> None:
+    @staticmethod
+    def stored_zips(ctx: Ctx) -> int:
+        """Pack the dataset as stored zips once per cached dataset (outside any timing);
+        their number."""
         from shardfs.pack import pack
 
         shards = ctx.data.www / "zipshards"
         marker = shards / ".done"
-        if not marker.exists():  # packed once per cached dataset, outside any timing
+        if not marker.exists():
             shutil.rmtree(shards, ignore_errors=True)
             params = ctx.data.params
             result = pack(ctx.data.loose, shards, prefix="train",
                           shard_size=int(params.shard_mb * 2**20), shuffle=True,
                           seed=params.seed, fmt="zip")
             marker.write_text(str(len(result.shards)))
-        n = int(marker.read_text())
-        source = f"{ctx.images_url}/zipshards/train-{{{0:06d}..{n - 1:06d}}}.zip"
-        self._source = source
+        return int(marker.read_text())
+
+    def setup(self, ctx: Ctx, scenario: str, fresh: bool = True) -> None:
+        n = self.stored_zips(ctx)
+        self._source = f"{ctx.images_url}/zipshards/train-{{{0:06d}..{n - 1:06d}}}.zip"
         super().setup(ctx, scenario, fresh)
 
     def _shard_source(self, ctx: Ctx) -> str:
         return self._source
 
 
+class ShardfsZipDeflate(ShardfsZip):
+    name = "shardfs-zip-deflate"
+    label = "shardfs, deflated zip shards"
+    how = ("as shardfs-zip, every member deflated (zipfile, level 6; no published index: the "
+           "mount indexes the zips by ranged reads during set-up): "
+           "`shardfs mount 'URL/zipdeflate/train-{000000..N}.zip' ...`")
+
+    def setup(self, ctx: Ctx, scenario: str, fresh: bool = True) -> None:
+        import zipfile
+
+        n = self.stored_zips(ctx)
+        stored, deflated = ctx.data.www / "zipshards", ctx.data.www / "zipdeflate"
+        marker = deflated / ".done"
+        if not marker.exists():
+            shutil.rmtree(deflated, ignore_errors=True)
+            deflated.mkdir()
+            for src in sorted(stored.glob("*.zip")):
+                with zipfile.ZipFile(src) as zin, zipfile.ZipFile(
+                        deflated / src.name, "w", zipfile.ZIP_DEFLATED) as zout:
+                    for info in zin.infolist():
+                        zout.writestr(info.filename, zin.read(info))
+            marker.write_text(str(n))
+        self._source = f"{ctx.images_url}/zipdeflate/train-{{{0:06d}..{n - 1:06d}}}.zip"
+        Shardfs.setup(self, ctx, scenario, fresh)
+
+
 def all_contenders() -> list[Contender]:
     return [LocalDisk(), RcloneHttp(), Ratarmount(), Wids(), WebDatasetStream(), Shardfs(),
-            ShardfsSampler(), ShardfsLookahead(), ShardfsZip()]
+            ShardfsSampler(), ShardfsLookahead(), ShardfsZip(), ShardfsZipDeflate()]
 
 
 CONTENDER_NAMES = [c.name for c in all_contenders()]
