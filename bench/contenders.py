@@ -389,7 +389,7 @@ class Shardfs(Contender):
             source = f"{ctx.meta_url}/meta/train.tar"
             size = max(ctx.fits_cache_bytes, 1 << 30)
         else:
-            source = ctx.data.shard_pattern(ctx.images_url)
+            source = self._shard_source(ctx)
             size = ctx.over_cache_bytes if scenario == "over" else ctx.fits_cache_bytes
         self.cache_size = size
         cmd = [sys.executable, "-m", "shardfs", "mount", source, str(mnt), "--cache-dir",
@@ -412,6 +412,9 @@ class Shardfs(Contender):
             # pays for reading it from the mount and later epochs do not, on every run alike.
             s["map_cache"] = str(ctx.work / f"shardmap-{self.scenario}")
         return s
+
+    def _shard_source(self, ctx: Ctx) -> str:
+        return ctx.data.shard_pattern(ctx.images_url)
 
     def stats(self) -> dict | None:
         if self.mnt is None:
@@ -462,12 +465,79 @@ class ShardfsLookahead(ShardfsSampler):
     needs = "Lookahead"
 
 
+class ShardfsZip(Shardfs):
+    name = "shardfs-zip"
+    label = "shardfs, zip shards"
+    how = ("as shardfs, over the same files packed as stored zips (`shardfs pack --format zip`, "
+           "same shuffle seed and shard size; published .shardfs.idx files): "
+           "`shardfs mount 'URL/zipshards/train-{000000..N}.zip' ...`")
+
+    def not_applicable(self, scenario: str, ctx: Ctx) -> str | None:
+        if scenario == "meta":
+            return "the metadata scenario has a tar only"
+        return None
+
+    @staticmethod
+    def stored_zips(ctx: Ctx) -> int:
+        """Pack the dataset as stored zips once per cached dataset (outside any timing);
+        their number."""
+        from shardfs.pack import pack
+
+        shards = ctx.data.www / "zipshards"
+        marker = shards / ".done"
+        if not marker.exists():
+            shutil.rmtree(shards, ignore_errors=True)
+            params = ctx.data.params
+            result = pack(ctx.data.loose, shards, prefix="train",
+                          shard_size=int(params.shard_mb * 2**20), shuffle=True,
+                          seed=params.seed, fmt="zip")
+            marker.write_text(str(len(result.shards)))
+        return int(marker.read_text())
+
+    def setup(self, ctx: Ctx, scenario: str, fresh: bool = True) -> None:
+        n = self.stored_zips(ctx)
+        self._source = f"{ctx.images_url}/zipshards/train-{{{0:06d}..{n - 1:06d}}}.zip"
+        super().setup(ctx, scenario, fresh)
+
+    def _shard_source(self, ctx: Ctx) -> str:
+        return self._source
+
+
+class ShardfsZipDeflate(ShardfsZip):
+    name = "shardfs-zip-deflate"
+    label = "shardfs, deflated zip shards"
+    how = ("as shardfs-zip, every member deflated (zipfile, level 6; no published index: the "
+           "mount indexes the zips by ranged reads during set-up): "
+           "`shardfs mount 'URL/zipdeflate/train-{000000..N}.zip' ...`")
+
+    def setup(self, ctx: Ctx, scenario: str, fresh: bool = True) -> None:
+        import zipfile
+
+        n = self.stored_zips(ctx)
+        stored, deflated = ctx.data.www / "zipshards", ctx.data.www / "zipdeflate"
+        marker = deflated / ".done"
+        if not marker.exists():
+            shutil.rmtree(deflated, ignore_errors=True)
+            deflated.mkdir()
+            for src in sorted(stored.glob("*.zip")):
+                with zipfile.ZipFile(src) as zin, zipfile.ZipFile(
+                        deflated / src.name, "w", zipfile.ZIP_DEFLATED) as zout:
+                    for info in zin.infolist():
+                        zout.writestr(info.filename, zin.read(info))
+            marker.write_text(str(n))
+        self._source = f"{ctx.images_url}/zipdeflate/train-{{{0:06d}..{n - 1:06d}}}.zip"
+        Shardfs.setup(self, ctx, scenario, fresh)
+
+
 def all_contenders() -> list[Contender]:
     return [LocalDisk(), RcloneHttp(), Ratarmount(), Wids(), WebDatasetStream(), Shardfs(),
-            ShardfsSampler(), ShardfsLookahead()]
+            ShardfsSampler(), ShardfsLookahead(), ShardfsZip(), ShardfsZipDeflate()]
 
 
 CONTENDER_NAMES = [c.name for c in all_contenders()]
+# Run only when named with --contenders (the format comparison is not part of the docs' page).
+OPT_IN = ("shardfs-zip", "shardfs-zip-deflate")
+DEFAULT_CONTENDERS = [name for name in CONTENDER_NAMES if name not in OPT_IN]
 
 
 @dataclass

@@ -21,7 +21,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench import procs
-from bench.contenders import CONTENDER_NAMES, Contender, Ctx, all_contenders
+from bench.contenders import (
+    CONTENDER_NAMES,
+    DEFAULT_CONTENDERS,
+    Contender,
+    Ctx,
+    all_contenders,
+)
 from bench.data import DataParams, prepare_dataset, prepare_meta
 from bench.server import BandwidthCap, Traffic, listing_nginx
 from shardfs.devtools.nginx import Nginx
@@ -366,8 +372,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", default="800mbit", help="loopback cap for tc tbf (default 800mbit)")
     p.add_argument("--burst", default="1mb")
     p.add_argument("--no-tc", action="store_true", help="no bandwidth cap")
-    p.add_argument("--contenders", default=",".join(CONTENDER_NAMES),
-                   help="comma-separated subset of: " + ", ".join(CONTENDER_NAMES))
+    p.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS),
+                   help="comma-separated subset of: " + ", ".join(CONTENDER_NAMES)
+                   + " (default: all but " + ", ".join(n for n in CONTENDER_NAMES
+                                                       if n not in DEFAULT_CONTENDERS) + ")")
     p.add_argument("--scenarios", default=",".join(SCENARIOS),
                    help="comma-separated subset of: " + ", ".join(SCENARIOS))
     p.add_argument("--epochs", type=int, default=None,

@@ -7,6 +7,9 @@ files are stored (no directory members: WebDataset convention); a sample's files
 path up to the first dot of the basename) are consecutive and never split across shards.
 Headers are normalized (fixed mtime, uid/gid 0, empty user/group names, mode 0644) so that
 packing the same tree twice gives byte-identical shards.
+
+`--format zip` writes zip shards instead (packzip.py): stored members, same grouping, same
+reproducibility, an index beside each shard as for tar.
 """
 
 from __future__ import annotations
@@ -17,14 +20,17 @@ import os
 import random
 import re
 import stat
+import struct
 import sys
 import tarfile
 import tempfile
+import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from shardfs import packzip
 from shardfs.catalog.shardindex import INDEX_SUFFIX, ShardIndex, encode_index
 from shardfs.catalog.tar import Member
 from shardfs.util.progress import ProgressLine
@@ -36,6 +42,7 @@ FIXED_MTIME = 1577836800  # 2020-01-01T00:00:00Z: stored unless keep_mtime, for 
 FILE_MODE = 0o644
 SHARD_MODE = 0o644  # mkstemp creates 0600; shards are meant to be served
 CHUNK = 1 << 20
+FORMATS = ("tar", "zip")
 
 Progress = Callable[[int, int], None]
 
@@ -84,7 +91,8 @@ class _SourceFile:
 class _Sample:
     key: str
     files: list[_SourceFile]
-    tar_bytes: int  # headers + padded data, as it will be laid out in the shard
+    tar_bytes: int  # headers + padded data, as it will be laid out in the shard (tar), or
+    # local header + data + central directory entry (zip)
 
 
 def split_key(name: str) -> tuple[str, str]:
@@ -98,9 +106,20 @@ def _padded(n: int, unit: int = BLOCK) -> int:
     return -(-n // unit) * unit
 
 
-def _shard_file_size(member_bytes: int) -> int:
-    """Final shard size: members + two zero end blocks, padded to a whole record."""
+def _shard_file_size(member_bytes: int, fmt: str = "tar") -> int:
+    """Final shard size: members + two zero end blocks, padded to a whole record (tar);
+    members and their central entries + the end records, ZIP64 ones included (zip)."""
+    if fmt == "zip":
+        return member_bytes + 98
     return _padded(member_bytes + 2 * BLOCK, RECORD)
+
+
+def _cost(f: _SourceFile, fmt: str) -> int:
+    if fmt == "zip":
+        name = f.name.encode()
+        return (packzip.local_header_size(name, f.size) + f.size
+                + packzip.central_entry_size(name, f.size, 1 << 32))
+    return len(_header(f)) + _padded(f.size)
 
 
 def _header(f: _SourceFile) -> bytes:
@@ -147,7 +166,7 @@ def _walk(src: Path, keep_mtime: bool) -> tuple[list[_SourceFile], list[str]]:
     return files, sorted(skipped)
 
 
-def _group(files: Iterable[_SourceFile]) -> list[_Sample]:
+def _group(files: Iterable[_SourceFile], fmt: str = "tar") -> list[_Sample]:
     """Samples sorted by key, files within a sample sorted by name (a dict, not runs: paths
     like 'a/x.d/y.jpg' sort between 'a/x.a' and 'a/x.z' yet belong to another sample)."""
     by_key: dict[str, list[_SourceFile]] = {}
@@ -156,20 +175,20 @@ def _group(files: Iterable[_SourceFile]) -> list[_Sample]:
     samples = []
     for key in sorted(by_key):
         members = sorted(by_key[key], key=lambda f: f.name)
-        cost = sum(len(_header(f)) + _padded(f.size) for f in members)
+        cost = sum(_cost(f, fmt) for f in members)
         samples.append(_Sample(key, members, cost))
     return samples
 
 
 def _plan(samples: list[_Sample], shard_size: int,
-          samples_per_shard: int | None) -> list[list[_Sample]]:
+          samples_per_shard: int | None, fmt: str = "tar") -> list[list[_Sample]]:
     """Cut the sample sequence into shards; a lone oversize sample gets a shard of its own."""
     shards: list[list[_Sample]] = []
     current: list[_Sample] = []
     used = 0
     for sample in samples:
         full = samples_per_shard is not None and len(current) >= samples_per_shard
-        if current and (full or _shard_file_size(used + sample.tar_bytes) > shard_size):
+        if current and (full or _shard_file_size(used + sample.tar_bytes, fmt) > shard_size):
             shards.append(current)
             current, used = [], 0
         current.append(sample)
@@ -189,14 +208,16 @@ class _HashingWriter:
         self.fileobj = fileobj
         self.offset = 0
         self.digest = hashlib.sha256()
+        self.crc = 0  # CRC-32 of what was written since it was last reset (zip members)
 
     def write(self, data: bytes | memoryview) -> None:
         self.fileobj.write(data)
         self.digest.update(data)
+        self.crc = zlib.crc32(data, self.crc)
         self.offset += len(data)
 
 
-def _copy_data(f: _SourceFile, out: _HashingWriter) -> None:
+def _copy_data(f: _SourceFile, out: _HashingWriter, pad: bool = True) -> None:
     """Copy exactly f.size bytes; the header is already written, so any change is an error."""
     try:
         # O_NOFOLLOW/O_NONBLOCK: never follow a symlink or hang on a FIFO swapped in since the walk.
@@ -219,29 +240,72 @@ def _copy_data(f: _SourceFile, out: _HashingWriter) -> None:
                 raise PackError(f"{f.path} grew while packing (expected {f.size} bytes)")
         except OSError as err:
             raise PackError(f"cannot read {f.path}: {err.strerror}") from err
-    out.write(bytes(_padded(f.size) - f.size))
+    if pad:
+        out.write(bytes(_padded(f.size) - f.size))
 
 
-def _write_shard(path: Path, samples: list[_Sample], on_file: Callable[[], None]) -> ShardRecord:
+def _write_zip(raw: BinaryIO, fd: int, samples: list[_Sample],
+               on_file: Callable[[], None]) -> tuple[int, str, list[tuple[str, int, int, int]]]:
+    """The zip layout (packzip.py): local headers and data, then each member's CRC-32
+    written into its local header, then the central directory. Returns (size, sha256,
+    members); the digest is taken from the finished file (the CRCs go in afterwards)."""
+    out = _HashingWriter(raw)
+    members: list[tuple[str, int, int, int]] = []
+    central = []
+    crcs: list[tuple[int, int]] = []  # (local header offset, CRC-32)
+    for sample in samples:
+        for f in sample.files:
+            name = f.name.encode()
+            header = out.offset
+            out.write(packzip.local_header(name, f.size, f.mtime))
+            members.append((f.name, out.offset, f.size, f.mtime))
+            out.crc = 0
+            _copy_data(f, out, pad=False)
+            central.append(packzip.central_entry(name, f.size, f.mtime, out.crc, header))
+            crcs.append((header, out.crc))
+            on_file()
+    raw.flush()
+    for header, crc in crcs:
+        os.pwrite(fd, struct.pack("<L", crc), header + packzip.CRC_AT)
+    cd_start = out.offset
+    for entry in central:
+        out.write(entry)
+    out.write(packzip.end_records(len(central), cd_start, out.offset - cd_start))
+    raw.flush()
+    digest = hashlib.sha256()
+    with open(fd, "rb", buffering=0, closefd=False) as back:
+        back.seek(0)
+        while chunk := back.read(CHUNK):
+            digest.update(chunk)
+    return out.offset, digest.hexdigest(), members
+
+
+def _write_shard(path: Path, samples: list[_Sample], on_file: Callable[[], None],
+                 fmt: str = "tar") -> ShardRecord:
     """Write one shard to a temp file in the same directory, then rename it into place."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     members: list[tuple[str, int, int, int]] = []
     try:
-        with open(fd, "wb", buffering=CHUNK) as raw:
-            out = _HashingWriter(raw)
-            for sample in samples:
-                for f in sample.files:
-                    out.write(_header(f))
-                    members.append((f.name, out.offset, f.size, f.mtime))
-                    _copy_data(f, out)
-                    on_file()
-            out.write(bytes(_shard_file_size(out.offset) - out.offset))
+        if fmt == "zip":
+            with open(fd, "w+b", buffering=CHUNK) as raw:
+                size, sha256, members = _write_zip(raw, fd, samples, on_file)
+        else:
+            with open(fd, "wb", buffering=CHUNK) as raw:
+                out = _HashingWriter(raw)
+                for sample in samples:
+                    for f in sample.files:
+                        out.write(_header(f))
+                        members.append((f.name, out.offset, f.size, f.mtime))
+                        _copy_data(f, out)
+                        on_file()
+                out.write(bytes(_shard_file_size(out.offset) - out.offset))
+            size, sha256 = out.offset, out.digest.hexdigest()
         os.chmod(tmp, SHARD_MODE)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
-    record = ShardRecord(path, out.offset, out.digest.hexdigest(), len(samples), members)
+    record = ShardRecord(path, size, sha256, len(samples), members)
     _write_index(record)
     return record
 
@@ -261,17 +325,17 @@ def _write_index(record: ShardRecord) -> None:
     os.replace(tmp, path)
 
 
-def _shard_name(prefix: str, index: int) -> str:
-    return f"{prefix}-{index:06d}.tar"
+def _shard_name(prefix: str, index: int, fmt: str = "tar") -> str:
+    return f"{prefix}-{index:06d}.{fmt}"
 
 
-def _prepare_out(out: Path, prefix: str, force: bool) -> None:
+def _prepare_out(out: Path, prefix: str, force: bool, fmt: str = "tar") -> None:
     """Create out; refuse to mix with (or, with force, remove) earlier shards of this prefix."""
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise PackError(f"cannot create output directory {out}: {err.strerror}") from err
-    pattern = re.compile(rf"{re.escape(prefix)}-\d{{6,}}\.tar")
+    pattern = re.compile(rf"{re.escape(prefix)}-\d{{6,}}\.{fmt}")
     existing = sorted(n for n in os.listdir(out) if pattern.fullmatch(n))
     if existing and not force:
         more = f" and {len(existing) - 1} more" if len(existing) > 1 else ""
@@ -282,10 +346,10 @@ def _prepare_out(out: Path, prefix: str, force: bool) -> None:
         index_path(out / name).unlink(missing_ok=True)
 
 
-def _pattern(out: Path, prefix: str, count: int) -> str:
+def _pattern(out: Path, prefix: str, count: int, fmt: str = "tar") -> str:
     if count == 1:
-        return str(out / _shard_name(prefix, 0))
-    return str(out / f"{prefix}-{{{0:06d}..{count - 1:06d}}}.tar")
+        return str(out / _shard_name(prefix, 0, fmt))
+    return str(out / f"{prefix}-{{{0:06d}..{count - 1:06d}}}.{fmt}")
 
 
 def _check_args(src: Path, out: Path, prefix: str, shard_size: int,
@@ -306,8 +370,9 @@ def _check_args(src: Path, out: Path, prefix: str, shard_size: int,
 def pack(src: Path, out: Path, *, prefix: str = "shard", shard_size: int = 256 * 2**20,
          samples_per_shard: int | None = None, shuffle: bool = False, seed: int = 0,
          force: bool = False, progress: Progress | None = None,
-         keep_mtime: bool = False) -> PackResult:
-    """Pack the regular files under `src` into `out/{prefix}-NNNNNN.tar` shards.
+         keep_mtime: bool = False, fmt: str = "tar") -> PackResult:
+    """Pack the regular files under `src` into `out/{prefix}-NNNNNN.tar` shards (`.zip`
+    with fmt="zip": stored members).
 
     A new shard starts when the next sample would push the shard file past `shard_size` bytes
     or when `samples_per_shard` is reached. `shuffle` orders samples with random.Random(seed).
@@ -316,14 +381,16 @@ def pack(src: Path, out: Path, *, prefix: str = "shard", shard_size: int = 256 *
     """
     src, out = Path(src), Path(out)
     _check_args(src, out, prefix, shard_size, samples_per_shard)
+    if fmt not in FORMATS:
+        raise PackError(f"unknown shard format {fmt!r} (one of {', '.join(FORMATS)})")
     files, skipped = _walk(src, keep_mtime)
     if not files:
         raise PackError(f"no regular files under {src}")
-    samples = _group(files)
+    samples = _group(files, fmt)
     if shuffle:
         random.Random(seed).shuffle(samples)
-    plan = _plan(samples, shard_size, samples_per_shard)
-    _prepare_out(out, prefix, force)
+    plan = _plan(samples, shard_size, samples_per_shard, fmt)
+    _prepare_out(out, prefix, force, fmt)
 
     total, done = len(files), 0
     step = max(1, total // 200)
@@ -339,13 +406,14 @@ def pack(src: Path, out: Path, *, prefix: str = "shard", shard_size: int = 256 *
     records: list[ShardRecord] = []
     try:
         for index, shard_samples in enumerate(plan):
-            records.append(_write_shard(out / _shard_name(prefix, index), shard_samples, on_file))
+            records.append(_write_shard(out / _shard_name(prefix, index, fmt), shard_samples,
+                                        on_file, fmt))
     except BaseException:
         for record in records:
             record.path.unlink(missing_ok=True)
             index_path(record.path).unlink(missing_ok=True)
         raise
-    return PackResult(records, _pattern(out, prefix, len(records)), skipped)
+    return PackResult(records, _pattern(out, prefix, len(records), fmt), skipped)
 
 
 # --- command line ------------------------------------------------------------------------------
@@ -386,6 +454,9 @@ def configure_pack_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="shuffle seed (default: %(default)s)")
     p.add_argument("--force", action="store_true",
                    help="replace existing PREFIX-*.tar shards in OUT_DIR")
+    p.add_argument("--format", choices=FORMATS, default="tar", dest="shard_format",
+                   help="shard format: tar (WebDataset) or zip (stored members); "
+                        "default: %(default)s")
     p.add_argument("--keep-mtime", action="store_true",
                    help="store the files' mtimes (default: a fixed date, for reproducible shards)")
 
@@ -397,7 +468,8 @@ def run_pack(args: argparse.Namespace) -> int:
         result = pack(Path(args.src), Path(args.out), prefix=args.prefix,
                       shard_size=args.shard_size, samples_per_shard=args.samples_per_shard,
                       shuffle=args.shuffle, seed=args.seed, force=args.force, progress=line,
-                      keep_mtime=getattr(args, "keep_mtime", False))
+                      keep_mtime=getattr(args, "keep_mtime", False),
+                      fmt=getattr(args, "shard_format", "tar"))
     except PackError as err:
         line.close()
         print(f"shardfs pack: error: {err}", file=sys.stderr)

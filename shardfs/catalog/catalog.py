@@ -25,6 +25,7 @@ from urllib.parse import unquote, urlsplit
 
 import trio
 
+from shardfs.catalog.archives import ArchiveError, index_archive, shard_format
 from shardfs.catalog.codecs import CodecError, Decompressor, codec_for, decompressor
 from shardfs.catalog.shardindex import (
     INDEX_SUFFIX,
@@ -256,6 +257,12 @@ class _Indexer:
             return None
 
     async def _scan(self, info: ShardInfo, key: str) -> ShardIndex:
+        kind = shard_format(info.url)
+        if kind != "tar":  # zip, RecordIO: ranged reads, wherever the shard is
+            try:
+                return await index_archive(kind, self.sources, info, self._count)
+            except ArchiveError as exc:
+                raise CatalogError(f"{info.url}: not a usable {kind} shard: {exc}") from None
         path = local_path(info.url)
         try:
             if path is not None:

@@ -41,7 +41,8 @@ from shardfs.sources import NotFound, SourceError, Sources, to_url
 from shardfs.sources.file import file_path
 from shardfs.sources.s3 import split_bucket_url
 
-SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.zst", ".tar.lz4")
+SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.zst", ".tar.lz4", ".zip", ".rec")
+RECORDIO_INDEX_SUFFIX = ".idx"  # `x.idx` beside `x.rec`: read with it, not a shard
 MANIFEST_SUFFIXES = (".txt", ".json")
 WIDS_KIND = "wids-shard-index-v1"
 BUCKET_SCHEMES = ("s3", "ais", "gs")
@@ -67,6 +68,10 @@ async def resolve_sources(specs: list[str], sources: Sources) -> list[str]:
                 continue
             raise ResolveError(f"{spec}: {url} is a shardfs index file, not a shard; name the "
                                f"shard ({shard}) and its index is used from next to it")
+        rec = url[: -len(RECORDIO_INDEX_SUFFIX)] + ".rec" \
+            if _name_path(url).endswith(RECORDIO_INDEX_SUFFIX) else None
+        if rec is not None and rec in listed:
+            continue  # `mount data/*` names train.idx beside train.rec: it goes with it
         urls.extend(await _resolve_name(spec, url, "{" in spec, sources))
     if not urls:
         raise ResolveError("no shards: the SOURCE arguments name nothing")

@@ -14,6 +14,12 @@ size. Shards without sparse members keep writing /1, byte for byte as before; a 
 knows only /1 refuses a /2 index (and scans the shard) rather than misreading it. A /1 index
 that counted skipped "sparse" members was written before sparse members were served: it is
 refused as stale so that the shard is scanned again.
+
+A shard with compressed members (zip deflate etc., split RecordIO records: see zip.py,
+recordio.py) gets format "shardfs-index/3": such a member's line has a 7th field
+`@CODEC,STORED,CRC32` (stored size and CRC in decimal), OFFSET is where its stored bytes
+begin and SIZE is its decoded size. /3 may also hold sparse maps (7th fields that start with
+a digit). Shards without such members keep writing /1 or /2 as before.
 """
 
 from __future__ import annotations
@@ -29,6 +35,11 @@ from shardfs.catalog.tar import Member, _symlink_inside, normalize_path
 
 INDEX_FORMAT = "shardfs-index/1"
 INDEX_FORMAT_SPARSE = "shardfs-index/2"  # written only for shards with sparse members
+INDEX_FORMAT_PACKED = "shardfs-index/3"  # written only for shards with compressed members
+_FORMATS = (INDEX_FORMAT, INDEX_FORMAT_SPARSE, INDEX_FORMAT_PACKED)
+# Codecs of compressed members (read/packed.py decodes each).
+PACKED_CODECS = frozenset(("deflate", "deflate64", "bzip2", "lzma", "zstd", "xz", "recordio"))
+Packed = tuple[str, int, int]  # (codec, stored size, CRC-32; 0 where the codec has none)
 INDEX_SUFFIX = ".shardfs.idx"
 
 KIND_FILE, KIND_DIR, KIND_LINK = ord("f"), ord("d"), ord("l")
@@ -53,6 +64,7 @@ class ShardIndex:
     modes: array = field(default_factory=lambda: array("H"))
     links: dict[int, bytes] = field(default_factory=dict)  # member position -> symlink target
     sparse: dict[int, Runs] = field(default_factory=dict)  # member position -> sparse map
+    packed: dict[int, Packed] = field(default_factory=dict)  # member position -> codec etc.
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
     notes: dict[str, int] = field(default_factory=dict)  # members fixed up (tar.py), by kind
 
@@ -64,6 +76,8 @@ class ShardIndex:
             self.links[len(self.paths)] = member.linkname
         elif member.sparse is not None:
             self.sparse[len(self.paths)] = member.sparse
+        elif member.packed is not None:
+            self.packed[len(self.paths)] = member.packed
         self.paths.append(member.path)
         self.kinds.append(ord(member.kind))
         self.offsets.append(member.offset)
@@ -82,12 +96,14 @@ class ShardIndex:
 
     def stored_size(self, pos: int) -> int:
         """Bytes member `pos` takes in the shard (less than its size if it is sparse)."""
+        if self.packed and pos in self.packed:
+            return self.packed[pos][1]
         runs = self.sparse.get(pos) if self.sparse else None
         return self.sizes[pos] if runs is None else stored_size(runs)
 
     def data_end(self) -> int:
         """Largest data end offset: a shard smaller than this cannot hold these members."""
-        if self.sparse:
+        if self.sparse or self.packed:
             return max((self.offsets[i] + self.stored_size(i) for i in range(len(self.paths))),
                        default=0)
         return max((o + s for o, s in zip(self.offsets, self.sizes, strict=True)), default=0)
@@ -131,10 +147,15 @@ def encode_index(index: ShardIndex) -> bytes:
             line += b"\t" + _escape(index.links[i])
         elif index.sparse and i in index.sparse:
             line += b"\t" + encode_map(index.sparse[i])
+        elif index.packed and i in index.packed:
+            codec, stored, crc = index.packed[i]
+            line += b"\t@%s,%d,%d" % (codec.encode(), stored, crc)
         lines.append(line)
     body = b"\n".join(lines)
+    fmt = INDEX_FORMAT_PACKED if index.packed else \
+        INDEX_FORMAT_SPARSE if index.sparse else INDEX_FORMAT
     header = {
-        "format": INDEX_FORMAT_SPARSE if index.sparse else INDEX_FORMAT,
+        "format": fmt,
         "size": index.size,
         "sha256": index.sha256,
         "compression": index.compression,
@@ -155,10 +176,10 @@ def decode_index(data: bytes, *, expect_size: int | None = None) -> ShardIndex:
         header = json.loads(head)
     except ValueError as exc:
         raise IndexFormatError(f"index header is not JSON: {exc}") from None
-    if not isinstance(header, dict) or header.get("format") not in (INDEX_FORMAT,
-                                                                     INDEX_FORMAT_SPARSE):
-        raise IndexFormatError(f"not a {INDEX_FORMAT} or {INDEX_FORMAT_SPARSE} index")
-    has_sparse = header["format"] == INDEX_FORMAT_SPARSE
+    if not isinstance(header, dict) or header.get("format") not in _FORMATS:
+        raise IndexFormatError(f"not a {' / '.join(_FORMATS)} index")
+    has_sparse = header["format"] in (INDEX_FORMAT_SPARSE, INDEX_FORMAT_PACKED)
+    has_packed = header["format"] == INDEX_FORMAT_PACKED
     if hashlib.sha256(body).hexdigest() != header.get("body_sha256"):
         raise IndexFormatError("index body checksum mismatch (damaged or truncated index)")
     size = header.get("size")
@@ -200,7 +221,11 @@ def decode_index(data: bytes, *, expect_size: int | None = None) -> ShardIndex:
                 index.sizes.append(int(fields[2]))
                 index.mtimes.append(int(fields[3]))
                 index.modes.append(int(fields[4]))
-                if len(fields) == 7 and kind == KIND_FILE:
+                if len(fields) == 7 and kind == KIND_FILE and fields[6][:1] == b"@":
+                    if not has_packed:
+                        raise IndexFormatError(f"index line {pos + 2}: codec in a /1-/2 index")
+                    index.packed[pos] = _decode_packed(fields[6], pos)
+                elif len(fields) == 7 and kind == KIND_FILE:
                     try:
                         index.sparse[pos] = decode_map(fields[6], index.sizes[pos])
                     except ValueError as exc:
@@ -219,3 +244,13 @@ def decode_index(data: bytes, *, expect_size: int | None = None) -> ShardIndex:
     if index.data_end() > index.data_size:
         raise IndexFormatError("index names data past the end of the shard")
     return index
+
+
+def _decode_packed(raw: bytes, pos: int) -> Packed:
+    codec, stored, crc = raw[1:].split(b",")
+    name = codec.decode("ascii", "replace")
+    if name not in PACKED_CODECS:
+        raise IndexFormatError(f"index line {pos + 2}: unknown codec {name!r}")
+    if int(stored) < 0 or not 0 <= int(crc) < 1 << 32:
+        raise IndexFormatError(f"index line {pos + 2}: bad stored size or CRC")
+    return name, int(stored), int(crc)

@@ -114,6 +114,9 @@ class Member:
     mode: int  # permission bits only (0o7777 mask)
     linkname: bytes = b""  # symlink target, as stored (relative, stays inside the tree)
     sparse: Sequence[int] | None = None  # sparse map (see sparse.py); size is then logical
+    # A compressed member (zip.py, recordio.py): (codec, stored size, CRC-32); `offset` is
+    # where its stored bytes begin, `size` the decoded size (read/packed.py decodes it).
+    packed: tuple[str, int, int] | None = None
 
 
 def normalize_path(raw: bytes) -> bytes | None:

@@ -18,14 +18,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardfs.catalog.shardindex import KIND_DIR, KIND_FILE, KIND_LINK, ShardIndex
+from shardfs.catalog.shardindex import KIND_DIR, KIND_FILE, KIND_LINK, Packed, ShardIndex
 from shardfs.catalog.sparse import SparseMap, decode_map, encode_map
 
 log = logging.getLogger(__name__)
 
 ROOT = 1
 # /2: sparse members (a tree cached by /1 may lack them: its key differs, so it is rebuilt).
-TREE_FORMAT = "shardfs-tree/2"
+# /3: compressed members (zip, split RecordIO records): the `packed` side table.
+TREE_FORMAT = "shardfs-tree/3"
 _SEP = b"\0"  # sorts below every name byte, so sorted keys give a component-wise order
 
 
@@ -62,6 +63,9 @@ class Tree:
     # Entry position -> sparse map, for the (rare) sparse files only; `size` is then the
     # logical size and the data runs are stored back to back from `offset`.
     sparse: dict[int, SparseMap] = field(default_factory=dict)
+    # Entry position -> (codec, stored size, CRC-32) for compressed members (zip deflate,
+    # split RecordIO records): `size` is the decoded size, the stored bytes start at `offset`.
+    packed: dict[int, Packed] = field(default_factory=dict)
     report: BuildReport = field(default_factory=BuildReport)
 
     def __len__(self) -> int:
@@ -110,7 +114,10 @@ class Tree:
         return FileRef(self.shard[i], self.offset[i], self.size[i])
 
     def stored_size(self, ino: int) -> int:
-        """Bytes a file takes in its shard: its size, or its data runs' if it is sparse."""
+        """Bytes a file takes in its shard: its size, or its data runs' if it is sparse, or
+        its stored (compressed) size."""
+        if self.packed and ino - 1 in self.packed:
+            return self.packed[ino - 1][1]
         smap = self.sparse.get(ino - 1) if self.sparse else None
         return self.size[ino - 1] if smap is None else smap.stored
 
@@ -162,11 +169,13 @@ class Tree:
         return self.kind.count(KIND_FILE)
 
     def files_by_shard(self, shards: int) -> tuple[array, array]:
-        """The plain (not sparse) files grouped by shard, each group in offset order: shard
-        k's entry positions are `order[start[k]:start[k + 1]]`. Flat arrays (4 bytes per
-        file), like the rest of the tree."""
+        """The plain (not sparse, not compressed) files grouped by shard, each group in offset
+        order: shard k's entry positions are `order[start[k]:start[k + 1]]`. Flat arrays
+        (4 bytes per file), like the rest of the tree."""
         kind, shard, offset, sparse = self.kind, self.shard, self.offset, self.sparse
-        files = [i for i in range(len(kind)) if kind[i] == KIND_FILE and i not in sparse]
+        packed = self.packed
+        files = [i for i in range(len(kind))
+                 if kind[i] == KIND_FILE and i not in sparse and i not in packed]
         files.sort(key=lambda i: (shard[i], offset[i]))
         start = array("I", bytes(4 * (shards + 1)))
         for i in files:
@@ -188,6 +197,7 @@ class Tree:
             "arrays": {n: [getattr(self, n).typecode, len(getattr(self, n))] for n in self._ARRAYS},
             "links": {str(k): v.hex() for k, v in self.links.items()},
             "sparse": {str(k): encode_map(v.runs).decode() for k, v in self.sparse.items()},
+            "packed": {str(k): list(v) for k, v in self.packed.items()},
             "report": [self.report.members, self.report.shadowed, self.report.conflicts,
                        self.report.dangling_links],
         }
@@ -234,7 +244,9 @@ class Tree:
         links = {int(k): bytes.fromhex(v) for k, v in header["links"].items()}
         sparse = {int(k): SparseMap.of(decode_map(v.encode(), arrays["size"][int(k)]))
                   for k, v in header["sparse"].items()}
-        return cls(names=names, kind=kind, links=links, sparse=sparse,
+        packed = {int(k): (str(v[0]), int(v[1]), int(v[2]))
+                  for k, v in header["packed"].items()}
+        return cls(names=names, kind=kind, links=links, sparse=sparse, packed=packed,
                    report=BuildReport(*header["report"]), **arrays)
 
 
@@ -258,6 +270,7 @@ def build_tree(shards: Sequence[ShardIndex], *, default_mtime: int = 0) -> Tree:
     kind = bytearray()
     links: dict[int, bytes] = {}
     sparse: dict[int, SparseMap] = {}
+    packed: dict[int, Packed] = {}
 
     def add(name: bytes, par: int, k: int, s: int, o: int, z: int, t: int, m: int) -> int:
         names.extend(name)
@@ -309,13 +322,15 @@ def build_tree(shards: Sequence[ShardIndex], *, default_mtime: int = 0) -> Tree:
                 links[e] = index.links.get(p, b"")
             elif index.sparse and p in index.sparse:
                 sparse[e] = SparseMap.of(index.sparse[p])
+            elif index.packed and p in index.packed:
+                packed[e] = index.packed[p]
     del keys, order, where, pos
 
     children, child_start, child_count = _group_children(parent, kind)
     tree = Tree(names=bytes(names), name_end=name_end, parent=parent, kind=kind,
                 shard=shard_col, offset=offset, size=size, mtime=mtime, mode=mode,
                 children=children, child_start=child_start, child_count=child_count,
-                links=links, sparse=sparse, report=report)
+                links=links, sparse=sparse, packed=packed, report=report)
     report.dangling_links = _count_dangling(tree)
     return tree
 

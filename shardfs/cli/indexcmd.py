@@ -9,6 +9,7 @@ from urllib.parse import unquote, urlsplit
 
 import trio
 
+from shardfs.catalog.archives import ArchiveError, index_archive, shard_format
 from shardfs.catalog.catalog import CatalogError, scan_stream, stat_all
 from shardfs.catalog.resolve import resolve_sources
 from shardfs.catalog.shardindex import INDEX_SUFFIX, encode_index
@@ -45,10 +46,15 @@ async def _write_all(specs: list[str], out: Path, parallel: int) -> int:
         async def one(info: ShardInfo, name: str) -> None:
             nonlocal done
             async with limiter:
+                kind = shard_format(info.url)
                 try:
-                    index = await scan_stream(sources.for_url(info.url), info, None, count)
-                except TarError as exc:
-                    raise CatalogError(f"{info.url}: not a usable tar shard: {exc}") from None
+                    if kind == "tar":
+                        index = await scan_stream(sources.for_url(info.url), info, None, count)
+                    else:
+                        index = await index_archive(kind, sources, info, count)
+                except (TarError, ArchiveError) as exc:
+                    raise CatalogError(f"{info.url}: not a usable {kind} shard: {exc}") \
+                        from None
             await trio.Path(out / name).write_bytes(encode_index(index))
             done += 1
             progress.update("index", done, len(infos))

@@ -93,7 +93,8 @@ def resolver(tree: Tree) -> Callable[[str], tuple[int, int, int] | None]:
         if ino is None or tree.kind[ino - 1] != KIND_FILE:
             return None
         ref = tree.file_ref(ino)
-        return ref.shard, ref.offset, ref.size
+        # The bytes it takes in its shard (compressed or sparse members: fewer than its size)
+        return ref.shard, ref.offset, tree.stored_size(ino)
 
     return resolve
 

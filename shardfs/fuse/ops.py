@@ -27,6 +27,7 @@ from shardfs.catalog.dirmap import encode_pages
 from shardfs.catalog.shardindex import KIND_DIR, KIND_FILE, KIND_LINK
 from shardfs.catalog.tree import Tree
 from shardfs.fuse.fastread import FastReads
+from shardfs.read.packed import PackedReads
 from shardfs.read.reader import ReadError
 from shardfs.read.sparse import read_sparse
 
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 TIMEOUT = 365 * 24 * 3600.0
 XATTR_PREFIX = b"user.shardfs."
 FILE_XATTRS = (b"user.shardfs.shard", b"user.shardfs.offset", b"user.shardfs.size")
+# Compressed members only (zip deflate etc.): the codec, and the bytes stored at `offset`.
+PACKED_XATTRS = (b"user.shardfs.codec", b"user.shardfs.stored")
 STATS_XATTR = b"user.shardfs.stats"  # on the root: JSON counters, read by `shardfs stats`
 _S_IFREG_RO = stat.S_IFREG | 0o444  # read-only mount: files are readable, never writable
 
@@ -70,6 +73,7 @@ class ShardFS(pyfuse3.Operations):
         # Directory inode -> its file->shard xattr pages. Readers go one directory at a time
         # (listxattr, then each page), so a few entries suffice and memory stays flat.
         self._pages: LRUCache = LRUCache(maxsize=8)
+        self.packed = PackedReads()  # compressed members, decoded (zip deflate etc.)
 
     # -- metadata --------------------------------------------------------------------------
     def _attr(self, ino: int) -> pyfuse3.EntryAttributes:
@@ -185,6 +189,9 @@ class ShardFS(pyfuse3.Operations):
             if tree.sparse and i in tree.sparse:  # holes read as zeros (rare: a dict lookup)
                 return await read_sparse(self.reader, tree.file_ref(fh), tree.sparse[i], off,
                                          size)
+            if tree.packed and i in tree.packed:  # compressed: decoded whole (a dict lookup)
+                return await self.packed.read(self.reader, tree.file_ref(fh), tree.packed[i],
+                                              off, size)
             shard = tree.shard[i]
             data = await self.reader.read(shard, tree.offset[i], tree.size[i], off, size)
             if self.fast is not None:
@@ -214,7 +221,8 @@ class ShardFS(pyfuse3.Operations):
     def _xattr_names(self, inode: int) -> list[bytes]:
         kind = self.tree.kind[inode - 1]
         if kind == KIND_FILE:
-            return list(FILE_XATTRS)
+            packed = self.tree.packed and inode - 1 in self.tree.packed
+            return list(FILE_XATTRS + PACKED_XATTRS) if packed else list(FILE_XATTRS)
         names = []
         if inode == pyfuse3.ROOT_INODE and self.stats_json is not None:
             names.append(STATS_XATTR)
@@ -230,6 +238,9 @@ class ShardFS(pyfuse3.Operations):
             if name == FILE_XATTRS[0]:
                 return self.shard_urls[ref.shard].encode("utf-8", "surrogateescape")
             return str(ref.offset if name == FILE_XATTRS[1] else ref.size).encode()
+        if kind == KIND_FILE and name in PACKED_XATTRS and inode - 1 in tree.packed:
+            codec, stored, _ = tree.packed[inode - 1]
+            return codec.encode() if name == PACKED_XATTRS[0] else str(stored).encode()
         if kind == KIND_DIR and name.startswith(PAGE_PREFIX):
             page = name[len(PAGE_PREFIX):]
             pages = self._dir_pages(inode)

@@ -145,7 +145,8 @@ def serve_metadata(tree: Any, *, uid: int, gid: int, timeout: float,
             return False
     link_entry = array("I", sorted(tree.links))
     link_size = array("Q", (len(tree.links[i]) for i in link_entry))
-    sparse_entry = array("I", sorted(tree.sparse))
+    # Files C must leave to Python: sparse ones and compressed ones (read/packed.py).
+    sparse_entry = array("I", sorted({*tree.sparse, *tree.packed}))
     names = bytes(tree.names)
     kind = bytearray(tree.kind)
     t = MetaTree(names=_address(names), name_end=_address(tree.name_end), kind=_address(kind),
