@@ -385,10 +385,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run a small end-to-end demo on loopback")
     demo.add_argument("--workdir", help="keep the demo's files here (default: a temp dir)")
+    _add_observe_commands(sub)
     return parser
 
 
-COMMANDS = ("mount", "umount", "index", "pack", "stats", "warm", "demo")
+# -- top, doctor: seeing what a mount does (shardfs/cli/top.py, shardfs/cli/doctor.py) ------
+OBSERVE_COMMANDS = ("top", "doctor")
+
+
+def _add_observe_commands(sub: argparse._SubParsersAction) -> None:
+    from shardfs.cli.doctor import configure_doctor_parser
+    from shardfs.cli.top import configure_top_parser
+
+    configure_top_parser(sub.add_parser(
+        "top", help="live view of mounts: files/s, MiB/s, fetches, waits, cache, CPU"))
+    configure_doctor_parser(sub.add_parser(
+        "doctor", help="check this machine, a mount or SOURCEs: what blocks or slows mounting"))
+
+
+def _run_observe_command(args: argparse.Namespace) -> int:
+    if args.command == "top":
+        from shardfs.cli.top import run_top
+        return run_top(args)
+    from shardfs.cli.doctor import run_doctor
+    return run_doctor(args)
+
+
+COMMANDS = ("mount", "umount", "index", "pack", "stats", "warm", "demo", *OBSERVE_COMMANDS)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -415,6 +438,8 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "demo":
         from shardfs.cli.demo import run_demo
         code = run_demo(args)
+    elif args.command in OBSERVE_COMMANDS:
+        code = _run_observe_command(args)
     else:  # pragma: no cover - argparse enforces the choices
         code = 2
     sys.exit(code)
