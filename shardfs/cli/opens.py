@@ -58,21 +58,21 @@ class OpenCounter:
         self._thread.start()
 
     def close(self) -> None:
+        """Stop counting. The thread closes the descriptor itself when it ends: it may be
+        stuck in a request to a daemon that hangs, and waiting for it would hang us too."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(2)
-        if self._fd >= 0 and (self._thread is None or not self._thread.is_alive()):
-            os.close(self._fd)
-            self._fd = -1
 
     # -- the watcher thread ----------------------------------------------------------------
     def _run(self) -> None:
-        if self._watch_tree():
-            self.watching = True
-        while not self._stop.is_set():
-            ready, _, _ = select.select([self._fd], [], [], 0.2)
-            if ready:
-                self._drain()
+        try:
+            if self._watch_tree():
+                self.watching = True
+            while not self._stop.is_set():
+                ready, _, _ = select.select([self._fd], [], [], 0.2)
+                if ready:
+                    self._drain()
+        finally:
+            os.close(self._fd)
 
     def _watch_tree(self) -> bool:
         """A watch on every directory (found through the listing: no per-file requests)."""

@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any, TextIO
@@ -145,6 +146,7 @@ class Top:
         self.explicit = [os.path.abspath(m) for m in args.mountpoints]
         self.count_opens = not args.no_page_cache
         self.watches: dict[str, MountWatch] = {}
+        self.timeout = min(2.0, max(0.2, args.interval))  # seconds to wait for the daemons
 
     def refresh(self) -> list[MountWatch]:
         wanted = self.explicit or shardfs_mounts()
@@ -156,9 +158,13 @@ class Top:
                 if old is not None:
                     old.close()
                 self.watches[path] = MountWatch(path, count_opens=self.count_opens)
-        for w in self.watches.values():
-            w.refresh()
-        return list(self.watches.values())
+        watches = list(self.watches.values())
+        for w in watches:  # all at once: a mount that hangs costs one wait, not one each
+            w.begin()
+        deadline = time.monotonic() + self.timeout
+        for w in watches:
+            w.finish(deadline)
+        return watches
 
     def close(self) -> None:
         for w in self.watches.values():
@@ -181,6 +187,7 @@ def run_top(args: argparse.Namespace) -> int:
             print(f"shardfs: error: {m} is not a directory", file=sys.stderr)
             return 1
     top = Top(args)
+    signal.signal(signal.SIGTERM, _stop)  # like Ctrl-C: the terminal is given back
     try:
         if args.json or args.plain or not _interactive(sys.stdout):
             return _stream(top, args)
@@ -194,9 +201,14 @@ def run_top(args: argparse.Namespace) -> int:
         top.close()
 
 
+def _stop(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def _stream(top: Top, args: argparse.Namespace) -> int:
     n = 0
     while True:
+        next_at = time.monotonic() + args.interval
         watches = top.refresh()
         if args.json:
             print(json.dumps({"time": round(time.time(), 3),
@@ -209,7 +221,7 @@ def _stream(top: Top, args: argparse.Namespace) -> int:
         n += 1
         if args.count is not None and n >= args.count:
             return 0
-        time.sleep(args.interval)
+        time.sleep(max(0.0, next_at - time.monotonic()))
 
 
 def _screen(top: Top, args: argparse.Namespace) -> int:

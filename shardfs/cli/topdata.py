@@ -10,10 +10,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from shardfs.cli.opens import OpenCounter
@@ -22,23 +21,38 @@ from shardfs.daemon.mountpoint import FSTYPE, mounted_fstype
 
 HISTORY = 60  # refreshes kept for the sparklines
 MiB = float(1 << 20)
-_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="stats")
 
 
 class Gone(Exception):
     """The mount is not there any more (unmounted, or its daemon died)."""
 
 
-def read_snapshot(mountpoint: str, timeout: float) -> dict[str, Any]:
-    """The daemon's snapshot. Gone: not a shardfs mount now; TimeoutError: no answer in time
-    (a daemon that hangs must not hang the view: the read runs in a thread)."""
+class SnapshotRead:
+    """One read of a mount's snapshot, in a daemon thread of its own: a daemon that hangs
+    must not hang the view, nor its exit (a hung FUSE request cannot be interrupted)."""
+
+    def __init__(self, mountpoint: str) -> None:
+        self.mountpoint = mountpoint
+        self.done = threading.Event()
+        self.result: dict[str, Any] | None = None
+        self.error: Exception | None = None
+        threading.Thread(target=self._run, name="stats", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self.result = read_snapshot(self.mountpoint)
+        except (Gone, ValueError) as exc:
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+def read_snapshot(mountpoint: str) -> dict[str, Any]:
+    """The daemon's snapshot; Gone when it is not a running shardfs mount now."""
     if mounted_fstype(mountpoint) != FSTYPE:
         raise Gone("not mounted")
-    future = _pool.submit(os.getxattr, mountpoint, STATS_XATTR)
     try:
-        raw = future.result(timeout)
-    except FutureTimeout:
-        raise TimeoutError(f"no answer in {timeout:.0f} s") from None
+        raw = os.getxattr(mountpoint, STATS_XATTR)
     except OSError as exc:
         if exc.errno == errno.ENOTCONN:
             raise Gone("the daemon is gone (transport endpoint not connected)") from None
@@ -58,41 +72,51 @@ def _get(d: dict[str, Any] | None, *path: str) -> float:
 class MountWatch:
     """One mount's snapshots over time and the rates `top` shows."""
 
-    def __init__(self, mountpoint: str, *, count_opens: bool = True,
-                 timeout: float = 2.0) -> None:
+    def __init__(self, mountpoint: str, *, count_opens: bool = True) -> None:
         self.mountpoint = mountpoint
-        self.timeout = timeout
+        self.count_opens = count_opens
         self.state = "starting"  # starting | ok | gone | stalled
         self.reason = ""
         self.last: dict[str, Any] | None = None
         self._prev: tuple[float, dict[str, Any], int, int] | None = None
+        self._pending: SnapshotRead | None = None
         self.rates: dict[str, Any] = {}
         self.history: dict[str, deque[float]] = {k: deque(maxlen=HISTORY)
                                                  for k in ("files", "read", "fetched")}
-        self.opens = OpenCounter(mountpoint) if count_opens else None
-        if self.opens is not None:
-            self.opens.start()
+        self.opens: OpenCounter | None = None  # started once the mount has answered
 
     def close(self) -> None:
         if self.opens is not None:
             self.opens.close()
             self.opens = None
 
-    def refresh(self) -> None:
-        if self.state == "gone":
+    def begin(self) -> None:
+        """Ask for a snapshot (unless the last request is still unanswered)."""
+        if self.state != "gone" and self._pending is None:
+            self._pending = SnapshotRead(self.mountpoint)
+
+    def finish(self, deadline: float) -> None:
+        """Take the answer, waiting until `deadline` (time.monotonic()) at most."""
+        pending = self._pending
+        if pending is None:
             return
-        try:
-            snap = read_snapshot(self.mountpoint, self.timeout)
-        except Gone as exc:
-            self.state, self.reason = "gone", str(exc)
+        if not pending.done.wait(max(0.0, deadline - time.monotonic())):
+            self.state, self.reason = "stalled", "no answer to the stats request"
+            return
+        self._pending = None
+        if isinstance(pending.error, Gone):
+            self.state, self.reason = "gone", str(pending.error)
             self.close()
             return
-        except TimeoutError as exc:
-            self.state, self.reason = "stalled", str(exc)
+        if pending.result is None:  # not JSON: a broken answer
+            self.state, self.reason = "stalled", f"unreadable stats: {pending.error}"
             return
-        except ValueError as exc:  # not JSON: an older daemon or a broken answer
-            self.state, self.reason = "stalled", f"unreadable stats: {exc}"
-            return
+        self._take(pending.result)
+
+    def _take(self, snap: dict[str, Any]) -> None:
+        if self.opens is None and self.count_opens:
+            self.opens = OpenCounter(self.mountpoint)
+            self.opens.start()
         now = time.monotonic()
         files = self.opens.files if self.opens is not None else 0
         nbytes = self.opens.bytes if self.opens is not None else 0
