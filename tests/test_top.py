@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ import pytest
 
 from shardfs.devtools.nginx import free_port
 from tests.conftest import SHARDFS, Dataset, Mount, Mounter, brace
+from tests.faultproxy import FaultProxy
 from tests.test_mount import publish
 
 REPO = Path(__file__).resolve().parents[1]
@@ -164,6 +166,38 @@ def test_top_plain_lines_in_a_pipe_and_all_mounts(dataset: Dataset, mounter: Mou
     bad = subprocess.run([*SHARDFS, "top", str(m.mountpoint / "nope")], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 1 and "not a directory" in bad.stderr
+
+
+def test_top_shows_a_read_waiting_on_a_stalled_fetch(dataset: Dataset, nginx,
+                                                      mounter: Mounter):
+    """The daemon's new figures, for real: a read waits on GETs the proxy stalls; top sees it
+    waiting, its wait growing; once released, nothing waits, and the CPU times are there."""
+    publish(dataset, nginx.root)
+    with FaultProxy(nginx.port) as proxy:
+        m = mounter.mount([brace(dataset, f"{proxy.url}/data")], None, None, "--no-warm",
+                          "--push-pages", "off")
+        proxy.stall(60, after_bytes=0)  # every GET: the whole shard's and any member's
+        rel = next(iter(dataset.files()))
+        reader = threading.Thread(target=(m.mountpoint / rel).read_bytes, daemon=True)
+        reader.start()
+        try:
+            _wait_for(lambda: m.stats()["reads_in_flight"] == 1, 30, "the read to wait")
+            result = subprocess.run([*SHARDFS, "top", "--json", "--count", "3", "--interval",
+                                     "0.5", str(m.mountpoint)], capture_output=True, text=True,
+                                    timeout=60, cwd=REPO)
+        finally:
+            proxy.release_stalls()
+            reader.join(60)
+        assert result.returncode == 0, result.stderr
+        waits = [json.loads(line)["mounts"][0] for line in result.stdout.splitlines()][1:]
+        assert [w["reads_waiting"] for w in waits] == [1, 1], waits
+        assert 0 < waits[0]["oldest_wait_s"] < waits[1]["oldest_wait_s"], waits
+        assert waits[0]["shard_fetches"] + waits[0]["member_fetches"] >= 1, waits
+        assert not reader.is_alive()
+        done = m.stats()
+    assert done["reads_in_flight"] == 0 and done["oldest_read_s"] == 0.0, done
+    assert done["cpu_s"]["daemon"] > 0 and done["cpu_s"]["workers"] > 0, done["cpu_s"]
+    assert done["shim"] is True or os.environ.get("SHARDFS_NO_SHIM")
 
 
 def _metric_names(expr: str) -> set[str]:

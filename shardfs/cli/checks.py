@@ -18,7 +18,7 @@ from pathlib import Path
 from shardfs.util.sizes import format_size
 
 FUSE_MAJOR, FUSE_MINOR = 10, 229
-DISK_SAMPLE = 32 << 20  # bytes written (and fdatasync'ed) to time the cache disk
+DISK_SAMPLE = 16 << 20  # bytes written (and fdatasync'ed) to time the cache disk
 SLOW_DISK_BPS = 100 << 20  # below this the cache disk is slower than a 1 Gb/s link
 
 
