@@ -155,19 +155,6 @@ def test_top_during_epochs_quits_on_q_streams_json_and_shows_a_gone_mount(
     assert status.read_text().startswith("EXIT=0")
 
 
-def test_top_plain_lines_in_a_pipe_and_all_mounts(dataset: Dataset, mounter: Mounter):
-    m = mounter.mount([brace(dataset, str(dataset.shard_dir))], None, None)
-    result = subprocess.run([*SHARDFS, "top", "--count", "2", "--interval", "0.3"],
-                            capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert result.returncode == 0, result.stderr
-    ours = [line for line in result.stdout.splitlines() if f" {m.mountpoint} " in line]
-    assert len(ours) == 2, result.stdout
-    assert "state=measuring" in ours[0] and "files/s=" in ours[1] and "hit=" in ours[1], ours
-    bad = subprocess.run([*SHARDFS, "top", str(m.mountpoint / "nope")], capture_output=True,
-                         text=True, timeout=60)
-    assert bad.returncode == 1 and "not a directory" in bad.stderr
-
-
 def test_top_shows_a_read_waiting_on_a_stalled_fetch(dataset: Dataset, nginx,
                                                       mounter: Mounter):
     """The daemon's new figures, for real: a read waits on GETs the proxy stalls; top sees it
@@ -204,17 +191,32 @@ def _metric_names(expr: str) -> set[str]:
     return set(re.findall(r"\bshardfs_[a-z0-9_]+\b", expr))
 
 
-def test_grafana_dashboard_queries_only_exported_metrics(dataset: Dataset, mounter: Mounter):
+def _plain_lines_of_all_mounts(m: Mount) -> None:
+    """In a pipe, with no MOUNTPOINT: plain lines, ours among every mount of the machine."""
+    result = subprocess.run([*SHARDFS, "top", "--count", "2", "--interval", "0.3"],
+                            capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    ours = [line for line in result.stdout.splitlines() if f" {m.mountpoint} " in line]
+    assert len(ours) == 2, result.stdout
+    assert "state=measuring" in ours[0] and "files/s=" in ours[1] and "hit=" in ours[1], ours
+    bad = subprocess.run([*SHARDFS, "top", str(m.mountpoint / "nope")], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 1 and "not a directory" in bad.stderr
+
+
+def test_grafana_dashboard_queries_and_plain_top(dataset: Dataset, mounter: Mounter):
     pytest.importorskip("prometheus_client")
     board = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
     assert len(exprs) >= 10, "the dashboard should cover what `shardfs top` shows"
+    exprs += [v["definition"] for v in board["templating"]["list"] if "definition" in v]
     wanted = set().union(*map(_metric_names, exprs))
     port = free_port()
     m: Mount = mounter.mount([brace(dataset, str(dataset.shard_dir))], None, None,
                              "--metrics-listen", f"127.0.0.1:{port}")
     for rel in list(dataset.files())[:20]:
         (m.mountpoint / rel).read_bytes()
+    _plain_lines_of_all_mounts(m)
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
     exported = {line.split()[0].split("{")[0] for line in body.decode().splitlines()
                 if line.startswith("shardfs_")}

@@ -29,6 +29,7 @@ from shardfs.cli.checks import (
     check_shim,
     disk_against_store,
 )
+from shardfs.cli.main import default_cache_size
 from shardfs.daemon.control import ControlError, read_stats
 from shardfs.daemon.mountpoint import FSTYPE, mounted_fstype
 from shardfs.sources import SourceSettings
@@ -77,8 +78,7 @@ def diagnose(args: argparse.Namespace) -> list[Check]:
     checks: list[Check] = []
     snapshot: dict = {}
     specs = list(args.targets)
-    if len(specs) == 1 and os.path.isdir(specs[0]) and \
-            mounted_fstype(specs[0]) in (FSTYPE, "fuse"):
+    if len(specs) == 1 and "://" not in specs[0] and mounted_fstype(specs[0]) == FSTYPE:
         try:
             snapshot = read_stats(os.path.abspath(specs[0]))
         except ControlError as exc:
@@ -95,7 +95,7 @@ def diagnose(args: argparse.Namespace) -> list[Check]:
         checks.append(check_mount_shim(snapshot))
     cache_dir = Path(args.cache_dir or snapshot.get("cache_dir") or _default_cache_base())
     cache_size = parse_size(args.cache_size) if args.cache_size else \
-        snapshot.get("cache_budget_bytes")
+        snapshot.get("cache_budget_bytes") or default_cache_size(cache_dir)
     checks.extend(check_cache_dir(cache_dir, cache_size))
     dataset_bytes = snapshot.get("dataset_bytes")
     if specs:

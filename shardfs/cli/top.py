@@ -77,7 +77,8 @@ def uptime(seconds: float) -> str:
 def block(w: MountWatch, width: int) -> list[str]:
     """The lines of one mount in the full-screen view."""
     if w.state != "ok" or w.last is None:
-        what = {"gone": "GONE", "stalled": "NOT ANSWERING", "starting": "starting"}[w.state]
+        what = {"gone": "GONE", "stalled": "NOT ANSWERING", "starting": "starting",
+                "denied": "NO ACCESS"}[w.state]
         return [f"{w.mountpoint}  {what}" + (f": {w.reason}" if w.reason else "")]
     s, r = w.last, w.rates
     head = (f"{w.mountpoint}  pid {s.get('pid')}  up {uptime(s.get('uptime_s', 0))}  "
@@ -113,7 +114,7 @@ def block(w: MountWatch, width: int) -> list[str]:
             line = lines[i][:width - spark_w - 2]
             lines[i] = line.ljust(width - spark_w - 1) + \
                 sparkline(list(w.history[key]), spark_w)
-    note = w.opens.error if w.opens is not None else None
+    note = w.page_cache_note()
     if note:
         lines.append(f"  note     {note}")
     return lines

@@ -41,7 +41,7 @@ class SnapshotRead:
     def _run(self) -> None:
         try:
             self.result = read_snapshot(self.mountpoint)
-        except (Gone, ValueError) as exc:
+        except (Gone, ValueError, PermissionError) as exc:
             self.error = exc
         finally:
             self.done.set()
@@ -56,6 +56,9 @@ def read_snapshot(mountpoint: str) -> dict[str, Any]:
     except OSError as exc:
         if exc.errno == errno.ENOTCONN:
             raise Gone("the daemon is gone (transport endpoint not connected)") from None
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            raise PermissionError("no access: another user's mount, without allow_other") \
+                from None
         raise Gone(exc.strerror or str(exc)) from None
     return json.loads(raw)
 
@@ -75,7 +78,7 @@ class MountWatch:
     def __init__(self, mountpoint: str, *, count_opens: bool = True) -> None:
         self.mountpoint = mountpoint
         self.count_opens = count_opens
-        self.state = "starting"  # starting | ok | gone | stalled
+        self.state = "starting"  # starting | ok | gone | stalled | denied
         self.reason = ""
         self.last: dict[str, Any] | None = None
         self._prev: tuple[float, dict[str, Any], int, int] | None = None
@@ -107,6 +110,9 @@ class MountWatch:
         if isinstance(pending.error, Gone):
             self.state, self.reason = "gone", str(pending.error)
             self.close()
+            return
+        if isinstance(pending.error, PermissionError):
+            self.state, self.reason = "denied", str(pending.error)
             return
         if pending.result is None:  # not JSON: a broken answer
             self.state, self.reason = "stalled", f"unreadable stats: {pending.error}"
@@ -181,6 +187,18 @@ class MountWatch:
         if self.last is not None and self.state == "ok":
             out["pid"] = self.last.get("pid")
             out.update(self.rates)
-        if self.opens is not None and self.opens.error:
-            out["page_cache_note"] = self.opens.error
+        note = self.page_cache_note()
+        if note:
+            out["page_cache_note"] = note
         return out
+
+    def page_cache_note(self) -> str | None:
+        """Why the page-cache figures are missing or low, if they are."""
+        if self.opens is None:
+            return None
+        if self.opens.error:
+            return self.opens.error
+        if self.opens.overflows:
+            return (f"the inotify queue overflowed {self.opens.overflows} times: files/s and "
+                    "page-cache MiB/s are low (raise fs.inotify.max_queued_events)")
+        return None
