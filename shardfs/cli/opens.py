@@ -27,6 +27,7 @@ IN_ONLYDIR = 0x01000000
 IN_NONBLOCK = os.O_NONBLOCK
 IN_CLOEXEC = os.O_CLOEXEC
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then the name, NUL padded)
+BATCH_S = 0.05  # seconds between reads of the event queue while files are read
 MAX_DIRS = 50_000  # a tree with more directories is not watched (inotify watches are per user)
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -70,6 +71,9 @@ class OpenCounter:
             while not self._stop.is_set():
                 ready, _, _ = select.select([self._fd], [], [], 0.2)
                 if ready:
+                    # Let events gather: woken per event, this thread cost ~80 us of CPU per
+                    # file read; the kernel queues 16384 (0.3 s at 50k files/s).
+                    self._stop.wait(BATCH_S)
                     self._drain()
         finally:
             os.close(self._fd)
