@@ -63,10 +63,13 @@ def test_healthy_sources_and_a_small_cache(dataset: Dataset, nginx, tmp_path: Pa
     # The same in words: the last line says so.
     text = doctor(source, "--cache-dir", str(tmp_path / "cache"), "--cache-size", "64M")
     assert text.returncode == 0 and "OK, nothing blocks" in last_line(text), text.stdout
-    # A cache smaller than the largest shard: slow, named in the last line.
+    # A cache smaller than the largest shard, in a mount's config file: slow, named in the
+    # last line.
     largest = max(s.size for s in dataset.shards.shards)
-    small = doctor(source, "--cache-dir", str(tmp_path / "cache"), "--cache-size",
-                   str(largest // 2))
+    config = tmp_path / "mount.yaml"
+    config.write_text(f"sources: ['{source}']\ncache_dir: {tmp_path / 'cache'}\n"
+                      f"cache_size: {largest // 2}\n")
+    small = doctor("--config", str(config))
     assert small.returncode == 1, small.stdout
     assert "cache size slows reads" in last_line(small), small.stdout
     assert "smaller than the largest shard" in last_line(small)

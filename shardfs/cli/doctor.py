@@ -42,6 +42,8 @@ def configure_doctor_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("targets", nargs="*", metavar="MOUNTPOINT | SOURCE",
                    help="a running shardfs mount, or shards as for mount (URLs, paths, brace "
                    "patterns, manifests); none: check this machine only")
+    p.add_argument("--config", metavar="FILE", help="a mount's YAML settings: its sources, "
+                   "cache, endpoints and credentials are checked (flags override it)")
     p.add_argument("--cache-dir", help="the cache dir to check (default: the mount's, or "
                    "~/.cache/shardfs)")
     p.add_argument("--cache-size", help="the cache size to check shard sizes against "
@@ -59,13 +61,17 @@ def configure_doctor_parser(p: argparse.ArgumentParser) -> None:
                    help="bucket in the path or the host name, as for mount")
 
 
-def _settings(args: argparse.Namespace, from_mount: dict) -> SourceSettings:
+def _settings(args: argparse.Namespace, from_mount: dict, config: dict) -> SourceSettings:
     settings = SourceSettings(timeout=args.timeout, deadline=args.timeout)
     for key in ("s3_endpoint", "s3_region", "s3_profile", "s3_addressing", "ais_endpoint",
                 "hf_endpoint", "gs_endpoint"):
-        value = getattr(args, key) or from_mount.get(key)
+        value = getattr(args, key) or from_mount.get(key) or config.get(key)
         if value is not None:
             setattr(settings, key, value)
+    if config.get("credentials"):
+        from shardfs.cli.config import resolve_credentials
+
+        settings.s3_credentials = resolve_credentials(config["credentials"])
     return settings
 
 
@@ -74,10 +80,10 @@ def _default_cache_base() -> Path:
     return Path(base) / "shardfs"
 
 
-def diagnose(args: argparse.Namespace) -> list[Check]:
+def diagnose(args: argparse.Namespace, config: dict) -> list[Check]:
     checks: list[Check] = []
     snapshot: dict = {}
-    specs = list(args.targets)
+    specs = list(args.targets) or list(config.get("sources") or [])
     if len(specs) == 1 and "://" not in specs[0] and mounted_fstype(specs[0]) == FSTYPE:
         try:
             snapshot = read_stats(os.path.abspath(specs[0]))
@@ -88,14 +94,16 @@ def diagnose(args: argparse.Namespace) -> list[Check]:
         else:
             specs = list(snapshot.get("sources", []))
     checks.append(check_dev_fuse())
-    checks.append(check_fusermount(args.allow_other))
+    checks.append(check_fusermount(args.allow_other or bool(config.get("allow_other"))))
     checks.append(check_kernel())
     checks.append(check_shim())
     if snapshot:
         checks.append(check_mount_shim(snapshot))
-    cache_dir = Path(args.cache_dir or snapshot.get("cache_dir") or _default_cache_base())
+    cache_dir = Path(args.cache_dir or snapshot.get("cache_dir") or config.get("cache_dir")
+                     or _default_cache_base())
     cache_size = parse_size(args.cache_size) if args.cache_size else \
-        snapshot.get("cache_budget_bytes") or default_cache_size(cache_dir)
+        snapshot.get("cache_budget_bytes") or config.get("cache_size") or \
+        default_cache_size(cache_dir)
     checks.extend(check_cache_dir(cache_dir, cache_size))
     dataset_bytes = snapshot.get("dataset_bytes")
     if specs:
@@ -103,7 +111,8 @@ def diagnose(args: argparse.Namespace) -> list[Check]:
 
         absolute = [s if "://" in s else os.path.abspath(s) for s in specs]
         report = trio.run(check_sources, absolute,
-                          _settings(args, snapshot.get("source_settings") or {}), cache_size)
+                          _settings(args, snapshot.get("source_settings") or {}, config),
+                          cache_size)
         checks.extend(report.checks)
         store = next((c for c in report.checks if c.name == "store speed"), None)
         disk = next((c for c in checks if c.name == "cache disk"), None)
@@ -126,6 +135,8 @@ def summary(checks: list[Check]) -> str:
 
 
 def run_doctor(args: argparse.Namespace) -> int:
+    from shardfs.cli.config import ConfigError, load_file
+
     try:
         if args.cache_size:
             parse_size(args.cache_size)
@@ -133,7 +144,10 @@ def run_doctor(args: argparse.Namespace) -> int:
         print(f"shardfs: error: --cache-size: {exc}", file=sys.stderr)
         return 1
     try:
-        checks = diagnose(args)
+        checks = diagnose(args, load_file(args.config) if args.config else {})
+    except ConfigError as exc:
+        print(f"shardfs: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("shardfs: interrupted", file=sys.stderr)
         return 130

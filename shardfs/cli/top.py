@@ -19,7 +19,7 @@ import time
 from typing import Any, TextIO
 
 from shardfs.cli.topdata import MountWatch
-from shardfs.daemon.mountpoint import shardfs_mounts
+from shardfs.daemon.mountpoint import FSTYPE, mounted_fstype, shardfs_mounts
 
 SPARK = "▁▂▃▄▅▆▇█"
 MIN_WIDTH = 72  # narrower terminals get plain lines
@@ -152,8 +152,8 @@ class Top:
     def refresh(self) -> list[MountWatch]:
         wanted = self.explicit or shardfs_mounts()
         for path in wanted:
-            if path not in self.watches or (not self.explicit
-                                            and self.watches[path].state == "gone"):
+            if path not in self.watches or (self.watches[path].state == "gone"
+                                            and mounted_fstype(path) == FSTYPE):
                 # A mount that came (back) at this path is watched afresh.
                 old = self.watches.get(path)
                 if old is not None:
@@ -176,7 +176,10 @@ def _interactive(out: TextIO) -> bool:
     term = os.environ.get("TERM", "")
     if not out.isatty() or term in ("", "dumb"):
         return False
-    return os.get_terminal_size(out.fileno()).columns >= MIN_WIDTH
+    try:
+        return os.get_terminal_size(out.fileno()).columns >= MIN_WIDTH
+    except OSError:
+        return False
 
 
 def run_top(args: argparse.Namespace) -> int:
@@ -229,7 +232,8 @@ def _screen(top: Top, args: argparse.Namespace) -> int:
     import curses
 
     def main(screen: Any) -> int:
-        curses.curs_set(0)
+        with contextlib.suppress(curses.error):  # a terminal that cannot hide it
+            curses.curs_set(0)
         screen.timeout(100)  # ms: keys are read between refreshes
         n = 0
         next_at = 0.0
