@@ -556,11 +556,34 @@ def build_parser() -> argparse.ArgumentParser:
                                  help="Kubernetes: serve the CSI plugin's mounts (unprivileged)")
     from shardfs.csi.mounter.args import add_arguments as add_mounter_arguments
     add_mounter_arguments(csi_mounter)
+    _add_observe_commands(sub)
     return parser
 
 
+# -- top, doctor: seeing what a mount does (shardfs/cli/top.py, shardfs/cli/doctor.py) ------
+OBSERVE_COMMANDS = ("top", "doctor")
+
+
+def _add_observe_commands(sub: argparse._SubParsersAction) -> None:
+    from shardfs.cli.doctor import configure_doctor_parser
+    from shardfs.cli.top import configure_top_parser
+
+    configure_top_parser(sub.add_parser(
+        "top", help="live view of mounts: files/s, MiB/s, fetches, waits, cache, CPU"))
+    configure_doctor_parser(sub.add_parser(
+        "doctor", help="check this machine, a mount or SOURCEs: what blocks or slows mounting"))
+
+
+def _run_observe_command(args: argparse.Namespace) -> int:
+    if args.command == "top":
+        from shardfs.cli.top import run_top
+        return run_top(args)
+    from shardfs.cli.doctor import run_doctor
+    return run_doctor(args)
+
+
 COMMANDS = ("mount", "umount", "index", "pack", "stats", "warm", "demo", "restart", "csi",
-            "csi-mounter")
+            "csi-mounter", *OBSERVE_COMMANDS)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -595,6 +618,8 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "csi-mounter":
         from shardfs.csi.mounter.server import run as run_csi_mounter
         code = run_csi_mounter(args)
+    elif args.command in OBSERVE_COMMANDS:
+        code = _run_observe_command(args)
     else:  # pragma: no cover - argparse enforces the choices
         code = 2
     sys.exit(code)

@@ -176,6 +176,12 @@ def format_stats(s: dict[str, Any]) -> str:
         holder = f" (pid {s['holder_pid']})" if s.get("holder_pid") else ""
         lines.append(f"takeovers       {s.get('takeovers', 0)}; connection kept by "
                      f"{s['connection_kept_by']}{holder}")
+    if "reads_in_flight" in s:  # what `shardfs top` follows live
+        cpu = s.get("cpu_s") or {}
+        lines.append(f"now             {s['reads_in_flight']} reads waiting (oldest "
+                     f"{s['oldest_read_s']:.2f} s); fetching {_fmt_bytes(s['fetch_bps'])}/s "
+                     f"(best {_fmt_bytes(s['link_peak_bps'])}/s); CPU daemon "
+                     f"{cpu.get('daemon', 0):.1f} s, workers {cpu.get('workers', 0):.1f} s")
     if src.get("throttled") or src.get("budget_waits"):
         lines.append(f"throttling      {src['throttled']} slow-down answers; "
                      f"{src['budget_waits']} requests waited "

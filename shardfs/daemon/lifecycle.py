@@ -45,6 +45,7 @@ from shardfs.read.lookahead import Lookahead, LookaheadPolicy
 from shardfs.read.reader import Reader, ReadPolicy
 from shardfs.read.states import ShardStates
 from shardfs.sources import ShardInfo, Sources, SourceSettings
+from shardfs.util.proc import cpu_seconds
 from shardfs.util.progress import ProgressLine
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,34 @@ class Throughput:
         return (served - b0) / (now - t0) if now > t0 else 0.0
 
 
+class LinkRate:
+    """Bytes fetched per second over the last few samples, and the best such rate seen: the
+    link's capacity as far as this mount has measured it (`shardfs top` shows one against
+    the other)."""
+
+    WINDOW_S = 2.5  # a rate over less time is noise (one shard's burst)
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[float, int]] = deque(maxlen=4)
+        self.peak = 0.0
+
+    def sample(self, fetched: int) -> None:
+        self._samples.append((time.monotonic(), fetched))
+        rate = self.rate()
+        if rate is not None:
+            self.peak = max(self.peak, rate)
+
+    def rate(self) -> float | None:
+        if len(self._samples) < 2:
+            return None
+        (t0, b0), (t1, b1) = self._samples[0], self._samples[-1]
+        return (b1 - b0) / (t1 - t0) if t1 - t0 >= self.WINDOW_S else None
+
+
+def _cpu_of(pids: list[int]) -> float:
+    return sum(cpu_seconds(pid) or 0.0 for pid in pids)
+
+
 @dataclass(slots=True)
 class SessionState:
     """This daemon's FUSE session as far as takeovers go."""
@@ -139,6 +168,8 @@ class Mounted:
     sources: Sources
     started: float = field(default_factory=time.monotonic)
     throughput: Throughput = field(default_factory=Throughput)
+    link: LinkRate = field(default_factory=LinkRate)
+    shim: bool = False  # the pyfuse3 shim is in effect (no OPEN, metadata and reads in C)
     latest: dict[str, Any] = field(default_factory=dict)  # read by the metrics thread
     workers: WorkerPool | None = None
     ops: ShardFS | None = None  # when the daemon answers FUSE requests itself
@@ -171,9 +202,10 @@ class Mounted:
         self.collect_fast_reads()
         session = self.session
         rs, catalog, cache = self.reader.stats, self.catalog, self.cache
-        fetched = rs.shard_bytes + rs.member_bytes + catalog.indexed_bytes
-        if self.lookahead is not None:
-            fetched += self.lookahead.stats.bytes_fetched
+        fetched = self.bytes_fetched()
+        in_flight, oldest = self.reader.in_flight()
+        settings = self.cfg.settings
+        times = os.times()
         return {
             "mountpoint": self.cfg.mountpoint,
             "pid": os.getpid(),
@@ -223,7 +255,28 @@ class Mounted:
             "lookahead_socket": self.cfg.lookahead_socket if self.lookahead else None,
             "lookahead": self.lookahead.snapshot() if self.lookahead else None,
             "pages_pushed": self.pusher.snapshot() if self.pusher else None,
+            # For `shardfs top` and `shardfs doctor` (docs/tuning.md, "My training is slow").
+            "shim": self.shim,
+            "reads_in_flight": in_flight,  # reads the daemon is answering now (waiting)
+            "oldest_read_s": 0.0 if oldest is None else round(oldest, 3),
+            "member_fetches_in_flight": self.reader.member_fetches_in_flight,
+            "fetch_bps": round(self.link.rate() or 0),
+            "link_peak_bps": round(self.link.peak),
+            "cpu_s": {"daemon": round(times.user + times.system, 2),
+                      "workers": round(_cpu_of(self.workers.pids), 2)
+                      if self.workers is not None else 0.0},
+            # Where the sources are (never credentials): what `shardfs doctor MOUNTPOINT` uses.
+            "source_settings": {k: getattr(settings, k) for k in (
+                "timeout", "deadline", "s3_endpoint", "s3_region", "s3_profile",
+                "s3_addressing", "ais_endpoint", "hf_endpoint", "gs_endpoint")},
         }
+
+    def bytes_fetched(self) -> int:
+        rs = self.reader.stats
+        fetched = rs.shard_bytes + rs.member_bytes + self.catalog.indexed_bytes
+        if self.lookahead is not None:
+            fetched += self.lookahead.stats.bytes_fetched
+        return fetched
 
     async def snapshot_json(self) -> bytes:
         if self.workers is not None:
@@ -423,7 +476,8 @@ async def _serve(cfg: MountConfig, cache: ShardCache, catalog: Catalog, ops: Sha
     sources = Sources(cfg.settings, after=indexing_sources)
     try:
         reader = Reader(catalog, cache, sources, cfg.policy, states=states)
-        mounted = Mounted(cfg, catalog, cache, reader, sources, session=session)
+        mounted = Mounted(cfg, catalog, cache, reader, sources, session=session,
+                          shim=ops.no_open)
         mounted.lookahead = attach_lookahead(reader, cfg.lookahead)
         if cfg.push_pages and worth_pushing(ops.no_open, reader.dataset_bytes, cache.budget):
             mounted.pusher = PagePusher(catalog.tree, cache, catalog.keys, cfg.mountpoint)
@@ -442,6 +496,7 @@ async def _report_status(mounted: Mounted) -> None:
     """STATUS= for systemd, throughput samples and the snapshot the metrics thread reads."""
     while True:
         mounted.throughput.sample(mounted.reader.stats.bytes_served)
+        mounted.link.sample(mounted.bytes_fetched())
         mounted.latest = mounted.snapshot()
         sd_notify(f"STATUS={mounted.status_line()}")
         await trio.sleep(STATUS_INTERVAL if os.environ.get("NOTIFY_SOCKET") else 1.0)

@@ -40,6 +40,21 @@ def mounted_fstype(path: str) -> str | None:
     return found
 
 
+def shardfs_mounts() -> list[str]:
+    """Every shardfs mountpoint this process can see, in mount order."""
+    found: list[str] = []
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                sep = fields.index("-")
+                if fields[sep + 1] == FSTYPE and _unescape(fields[4]) not in found:
+                    found.append(_unescape(fields[4]))
+    except OSError:
+        pass
+    return found
+
+
 def shardfs_root(path: str) -> str | None:
     """The shardfs mountpoint that `path` lives under, or None."""
     path = os.path.realpath(path)
