@@ -12,6 +12,8 @@ import errno
 import hashlib
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import tarfile
@@ -386,3 +388,64 @@ def test_mountpoint_with_only_a_hidden_file_is_refused(dataset: Dataset, mounter
     assert result.returncode != 0 and "not empty" in result.stderr, result.stderr
     assert "'.hidden'" in result.stderr and not os.path.ismount(mnt)
     assert (mnt / ".hidden").read_text() == "mine"
+
+
+# -- the Lookahead buffer bound, at mount level and without torch --------------------------------
+
+
+def announce(sock: socket.socket, paths: list[str]) -> dict:
+    """One announcement line on the lookahead socket, and the daemon's reply."""
+    sock.sendall(json.dumps({"paths": paths}).encode() + b"\n")
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = sock.recv(65536)
+        assert chunk, "the daemon closed the connection"
+        data += chunk
+    return json.loads(data)
+
+
+def settled(m: Mount, key: str, quiet: float = 1.0, timeout: float = 30.0) -> dict:
+    """The lookahead stats once `key` has stopped changing for `quiet` seconds."""
+    deadline = time.monotonic() + timeout
+    last, since = None, time.monotonic()
+    while True:
+        la = m.stats()["lookahead"]
+        if la[key] != last:
+            last, since = la[key], time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            return la
+        assert time.monotonic() < deadline, f"lookahead {key} never settled: {la}"
+        time.sleep(0.05)
+
+
+def test_lookahead_buffer_bound_holds_through_a_mount(dataset: Dataset, nginx,
+                                                      mounter: Mounter):
+    """README (`--lookahead-buffer`): announced members are fetched ahead only as far as the
+    buffer holds. Every file announced at once, nothing read: the fetching stops at the
+    buffer; then reading them in order gets every byte right, mostly from the buffer."""
+    dest = nginx.root / "data"
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in shard_names(dataset):  # with their index files: nothing scanned at mount
+        for f in (name, f"{name}.shardfs.idx"):
+            shutil.copy(dataset.shard_dir / f, dest / f)
+    buffer = 128 * 1024
+    m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None, "--no-warm",
+                      "--cache-size", "256KiB", "--lookahead-buffer", str(buffer))
+    stats = m.stats()
+    assert stats["dataset_bytes"] > 4 * buffer and stats["lookahead_socket"]
+    files = dataset.files()
+    order = sorted(files, key=lambda rel: hashlib.sha256(rel.encode()).digest())  # shuffled
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(30)
+        sock.connect("\0" + stats["lookahead_socket"][1:])
+        assert announce(sock, order)["accepted"] == len(order)
+        la = settled(m, "bytes_fetched")
+        assert la["buffer_bytes"] == buffer
+        assert 0 < la["bytes_fetched"] <= buffer, la
+        assert la["peak_buffered_bytes"] <= buffer and la["buffered_bytes"] <= buffer, la
+        for rel in order:
+            assert (m.mountpoint / rel).read_bytes() == files[rel], rel
+        la = m.stats()["lookahead"]
+        assert la["hits"] >= 0.5 * len(order), la
+        assert la["peak_buffered_bytes"] <= buffer + 64 * 1024, la  # + reads not yet fetched
+    assert m.stats()["reader"]["eio"] == 0
