@@ -32,7 +32,8 @@ help:
 setup: apt $(STAMP)
 
 # Installs the missing Debian packages as root or with sudo that needs no password; otherwise
-# stops with the line to run. Checked on every run (dpkg-query, well under a second).
+# stops with the line to run. Checked on every run (dpkg-query, well under a second). Waits for
+# another apt/dpkg run to finish (unattended upgrades on a fresh machine) rather than failing.
 apt:
 	@missing=(); \
 	for pkg in $(APT_PACKAGES); do \
@@ -49,7 +50,8 @@ apt:
 	fi; \
 	echo "setup: apt-get install -y $${missing[*]}"; \
 	"$${sudo[@]}" apt-get update -qq && \
-	"$${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$${missing[@]}" >/dev/null
+	"$${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	  -o DPkg::Lock::Timeout=300 "$${missing[@]}" >/dev/null
 
 $(VENV)/bin/python: | apt
 	@echo "setup: creating $(VENV) with $$($(PYTHON) --version)"
