@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -141,8 +142,6 @@ def test_etag_comparison_alone_catches_a_same_size_change():
 
 def first_member(shard: bytes) -> tuple[str, int, int]:
     """(name, data offset, size) of the first regular file of a tar."""
-    import io
-
     with tarfile.open(fileobj=io.BytesIO(shard)) as tar:
         member = next(m for m in tar.getmembers() if m.isfile() and m.size)
         return member.name, member.offset_data, member.size
