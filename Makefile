@@ -3,7 +3,8 @@
 #   make test    set up, then `python -m pytest` (what CI runs, after `make lint`)
 # Each does only what is missing: a second run checks and goes straight to the command.
 
-# Debian packages the daemon, the demo and the tests need (README, "Set up, the long way").
+# Debian packages the daemon, the demo and the tests need. README's `apt-get install -y` line
+# ("Set up, the long way") lists the same, in this order: tests/test_docs.py checks.
 APT_PACKAGES := fuse3 libfuse3-dev linux-libc-dev pkg-config nginx-light libnginx-mod-http-echo attr systemd zstd lz4 python3-venv python3-dev gcc
 # The pyproject.toml extras installed into the venv.
 EXTRAS := torch,test
