@@ -10,8 +10,8 @@ Each behaves like the real API on the points shardfs (through botocore) depends 
 - SSO portal: `GET /federation/credentials?role_name=&account_id=` with
   `x-amz-sso_bearer_token`, answers `roleCredentials` (expiration in ms).
 Credentials come from a `Vendor`: a rotation of key pairs the S3 server knows, each handed out
-with a lifetime. SeaweedFS accepts a session token only from its own STS, so the vendor hands
-out an empty token (the signing of tokens is checked against moto in test_s3.py).
+with a lifetime, and with `session_token` (empty by default: SeaweedFS accepts a session token
+only from its own STS; tests against moto, which checks tokens, hand out a real one).
 
 `S3Gate` sits between shardfs and the S3 server: it refuses a request signed with a key the
 vendor says has expired (400 ExpiredToken) or was revoked (403 InvalidAccessKeyId), as S3
@@ -103,9 +103,11 @@ def iso(t: float) -> str:
 class Vendor:
     """Hands out key pairs in turn, each valid for `lifetime` seconds from issue."""
 
-    def __init__(self, keys: list[tuple[str, str]], lifetime: float = 3600.0) -> None:
+    def __init__(self, keys: list[tuple[str, str]], lifetime: float = 3600.0,
+                 session_token: str = "") -> None:
         self.keys = keys
         self.lifetime = lifetime
+        self.session_token = session_token
         self.issued: list[tuple[str, float]] = []  # (access key, expiry)
         self.revoked: set[str] = set()
         self._lock = threading.Lock()
@@ -150,7 +152,7 @@ def imds_route(vendor: Vendor, role: str = "shardfs-node") -> Route:
         if req.path == base + role:
             key, secret, expiry = vendor.issue()
             return _json({"Code": "Success", "Type": "AWS-HMAC", "AccessKeyId": key,
-                          "SecretAccessKey": secret, "Token": "",
+                          "SecretAccessKey": secret, "Token": vendor.session_token,
                           "LastUpdated": iso(time.time()), "Expiration": iso(expiry)})
         return 404, {}, b""
 
@@ -164,7 +166,8 @@ def container_route(vendor: Vendor, path: str, token: str) -> Route:
         if req.headers.get("authorization") != token:
             return 401, {}, b"bad authorization"
         key, secret, expiry = vendor.issue()
-        return _json({"AccessKeyId": key, "SecretAccessKey": secret, "Token": "",
+        return _json({"AccessKeyId": key, "SecretAccessKey": secret,
+                      "Token": vendor.session_token,
                       "Expiration": iso(expiry), "RoleArn": "arn:aws:iam::1:role/task"})
 
     return route
@@ -182,7 +185,8 @@ def sts_route(vendor: Vendor, tokens_seen: list[str]) -> Route:
             'xmlns="https://sts.amazonaws.com/doc/2011-06-15/">'
             "<AssumeRoleWithWebIdentityResult><Credentials>"
             f"<AccessKeyId>{key}</AccessKeyId><SecretAccessKey>{secret}</SecretAccessKey>"
-            f"<SessionToken></SessionToken><Expiration>{iso(expiry)}</Expiration>"
+            f"<SessionToken>{vendor.session_token}</SessionToken>"
+            f"<Expiration>{iso(expiry)}</Expiration>"
             "</Credentials><SubjectFromWebIdentityToken>system:serviceaccount:ml:trainer"
             "</SubjectFromWebIdentityToken><AssumedRoleUser>"
             f"<Arn>{form.get('RoleArn', '')}/s</Arn><AssumedRoleId>AROA:s</AssumedRoleId>"
@@ -202,7 +206,8 @@ def sso_route(vendor: Vendor, access_token: str) -> Route:
             return _json({"message": "Session token not found or invalid"}, 401)
         key, secret, expiry = vendor.issue()
         return _json({"roleCredentials": {"accessKeyId": key, "secretAccessKey": secret,
-                                          "sessionToken": "", "expiration": int(expiry * 1000)}})
+                                          "sessionToken": vendor.session_token,
+                                          "expiration": int(expiry * 1000)}})
 
     return route
 
