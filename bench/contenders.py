@@ -77,6 +77,7 @@ class Contender:
     label = ""
     how = ""  # one line for the docs: what exactly runs
     fuse = False
+    resumable = False  # a map-style loop whose sampler state resumes an epoch (bench/epoch.py)
 
     def __init__(self) -> None:
         self.root: Path | None = None  # the directory the loop reads (folder contenders)
@@ -375,6 +376,7 @@ class Shardfs(Contender):
            "SIZE --no-warm` (published .shardfs.idx files), unchanged ImageFolder script")
     fuse = True
     sampler = "random"
+    resumable = True
 
     def version(self) -> str | None:
         return _pkg_version("shardfs")
@@ -390,7 +392,8 @@ class Shardfs(Contender):
             size = max(ctx.fits_cache_bytes, 1 << 30)
         else:
             source = self._shard_source(ctx)
-            size = ctx.over_cache_bytes if scenario == "over" else ctx.fits_cache_bytes
+            size = ctx.over_cache_bytes if scenario in ("over", "resume") else \
+                ctx.fits_cache_bytes
         self.cache_size = size
         cmd = [sys.executable, "-m", "shardfs", "mount", source, str(mnt), "--cache-dir",
                str(cache), "--cache-size", str(size), "--no-warm", *ctx.shardfs_args]

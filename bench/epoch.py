@@ -84,6 +84,37 @@ def _count(batch) -> tuple[int, int]:
     return n, 0
 
 
+class _Indexed:
+    """A folder dataset whose samples are (file length, index): batches say which indices the
+    loader read (the resume scenario checks them). `samples` stays for the samplers."""
+
+    def __init__(self, folder) -> None:
+        self.folder = folder
+        self.samples = folder.samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        return nbytes_loader(self.samples[i][0]), i
+
+
+def _sampler(name: str, ds, g, spec: dict):
+    """The sampler a folder epoch uses (None: the loader's own shuffle=True)."""
+    if name == "shard-aware":
+        from shardfs.torch import ShardAwareSampler
+
+        return ShardAwareSampler(ds, shuffle=True, seed=spec.get("seed", 0),
+                                 map_cache=spec.get("map_cache", True))
+    if name == "lookahead":  # the stock order (same generator), announced ahead
+        from torch.utils.data import RandomSampler
+
+        from shardfs.torch import Lookahead
+
+        return Lookahead(RandomSampler(ds, generator=g))
+    return None
+
+
 def build(spec: dict):
     import torch
     from torch.utils.data import DataLoader
@@ -101,20 +132,17 @@ def build(spec: dict):
             ds = datasets.ImageFolder(spec["root"], transform=decode_transform())
         else:
             ds = datasets.ImageFolder(spec["root"], loader=nbytes_loader)
-        sampler_name = spec.get("sampler", "random")
-        if sampler_name == "shard-aware":
-            from shardfs.torch import ShardAwareSampler
+        if spec.get("resume"):  # torchdata's StatefulDataLoader, batches of indices
+            from torchdata.stateful_dataloader import StatefulDataLoader
 
-            sampler = ShardAwareSampler(ds, shuffle=True, seed=spec.get("seed", 0),
-                                        map_cache=spec.get("map_cache", True))
+            ds = _Indexed(ds)
+            sampler = _sampler(spec.get("sampler", "random"), ds, g, spec)
+            if sampler is None:
+                return ds, StatefulDataLoader(ds, shuffle=True, generator=g, **common)
+            return ds, StatefulDataLoader(ds, sampler=sampler, **common)
+        sampler = _sampler(spec.get("sampler", "random"), ds, g, spec)
+        if sampler is not None:
             return ds, DataLoader(ds, sampler=sampler, **common)
-        if sampler_name == "lookahead":  # the stock order (same generator), announced ahead
-            from torch.utils.data import RandomSampler
-
-            from shardfs.torch import Lookahead
-
-            return ds, DataLoader(ds, sampler=Lookahead(RandomSampler(ds, generator=g)),
-                                  **common)
         return ds, DataLoader(ds, shuffle=True, generator=g, **common)
     if kind == "wids":
         import wids
@@ -133,6 +161,20 @@ def build(spec: dict):
               .map(_wds_sample(tf)))
         return ds, DataLoader(ds, **common)
     raise ValueError(f"unknown kind {kind!r}")
+
+
+def _expected_order(spec: dict, ds) -> list[int]:
+    """The uninterrupted epoch's order of a resumed epoch's sampler (a fresh one)."""
+    import torch
+
+    g = torch.Generator()
+    g.manual_seed(spec.get("seed", 0))
+    sampler = _sampler(spec.get("sampler", "random"), ds, g, spec)
+    if sampler is None:
+        from torch.utils.data import RandomSampler
+
+        sampler = RandomSampler(ds, generator=g)
+    return [int(i) for i in getattr(sampler, "sampler", sampler)]
 
 
 def _cpu_s() -> float:
@@ -163,6 +205,12 @@ def run(spec: dict) -> dict:
     timeline: list[tuple[float, int]] = []
     deadline = spec.get("limit_s")
     timed_out = False
+    resume = spec.get("resume")  # {"phase": "first"|"rest", "state": path, "stop_after": n}
+    indices: list[int] = []
+    if resume and resume["phase"] == "rest":
+        import torch
+
+        loader.load_state_dict(torch.load(resume["state"], weights_only=False)["loader"])
     for batch in loader:
         now = time.monotonic()
         if first is None:
@@ -171,6 +219,10 @@ def run(spec: dict) -> dict:
         files += n
         nbytes += b
         timeline.append((round(now - built, 4), files))
+        if resume:
+            indices += batch[1].tolist()
+            if resume["phase"] == "first" and len(timeline) == resume["stop_after"]:
+                break
         if now - last_say >= spec.get("progress_s", 5.0):
             last_say = now
             _say(f"{files} files, {nbytes / 1e6:.1f} MB, {files / (now - built):.0f} files/s")
@@ -178,9 +230,11 @@ def run(spec: dict) -> dict:
             timed_out = True
             break
     end = time.monotonic()
+    resumed = _resume_end(resume, loader, ds, indices, spec) if resume else {}
     del loader  # joins the DataLoader workers, so that their CPU is counted below
     iterate_cpu = _cpu_s() - cpu_built
     return {
+        **resumed,
         "files": files,
         "bytes": nbytes,
         "dataset_len": length,
@@ -193,6 +247,21 @@ def run(spec: dict) -> dict:
         "startup_s": began - T0,  # interpreter + torch import before the clock started
         "timeline": timeline,
     }
+
+
+def _resume_end(resume: dict, loader, ds, indices: list[int], spec: dict) -> dict:
+    """After the first half: the loader's state (and the indices read) saved for the second.
+    After the second: whether the halves make the uninterrupted epoch, each index once."""
+    import torch
+
+    if resume["phase"] == "first":
+        torch.save({"loader": loader.state_dict(), "indices": indices}, resume["state"])
+        return {"resume_indices": len(indices)}
+    before = torch.load(resume["state"], weights_only=False)["indices"]
+    expected = _expected_order(spec, ds)
+    return {"resume_indices": len(indices), "resume_before": len(before),
+            "resume_union_ok": before + indices == expected,
+            "resume_each_once": sorted(before + indices) == list(range(len(ds)))}
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import os
 import platform
@@ -34,16 +35,20 @@ from shardfs.devtools.nginx import Nginx
 
 SCHEMA = "shardfs-bench/1"
 REPO = Path(__file__).resolve().parent.parent
-SCENARIOS = ("main", "small", "over", "meta")
+SCENARIOS = ("main", "small", "over", "meta", "resume")
+DEFAULT_SCENARIOS = ("main", "small", "over", "meta")  # resume: asked for by name
 SCENARIO_TITLES = {
     "main": "dataset fits the cache: cold epoch, warm epoch, decode epoch",
     "small": "small files (~20 KiB mean), dataset fits the cache: cold and warm epochs",
     "over": "dataset ~4x shardfs's --cache-size: two epochs, FUSE mounts remounted between",
     "meta": "metadata only: find + ImageFolder(root) over many tiny members",
+    "resume": "dataset ~4x the cache, torchdata's StatefulDataLoader: half a cold epoch, its "
+              "state saved, then a new process resumes it (same mount)",
 }
 MAIN_EPOCHS = (("cold", False), ("warm", False), ("decode", True))
 SMALL_EPOCHS = (("cold", False), ("warm", False))
 OVER_EPOCHS = (("epoch1", False), ("epoch2", False))
+RESUME_EPOCHS = (("half", False), ("resumed", False))
 RESULT_PREFIX = "RESULT "
 
 QUICK = dict(classes=10, per_class=100, mean_kb=110.0, small_kb=20.0, shard_mb=4.0,
@@ -113,8 +118,13 @@ class Bench:
             self.say(f"  {c.name}: unavailable: {reason}")
             return {"status": "unavailable", "reason": reason}
         reason = c.not_applicable(scenario, ctx)
+        if scenario == "resume" and not c.resumable:
+            reason = "no sampler state: map-style shardfs contenders only"
         if reason:
             return {"status": "n/a", "reason": reason}
+        if scenario == "resume" and importlib.util.find_spec("torchdata") is None:
+            return {"status": "unavailable",
+                    "reason": "torchdata not installed (pip install -e '.[bench]')"}
         assert self.nginx is not None
         rec: dict = {"status": "ok", "epochs": {}}
         self.active = c
@@ -131,7 +141,8 @@ class Bench:
             if scenario == "meta":
                 self.meta_epoch(c, ctx, rec)
             else:
-                epochs = {"main": MAIN_EPOCHS, "small": SMALL_EPOCHS}.get(scenario, OVER_EPOCHS)
+                epochs = {"main": MAIN_EPOCHS, "small": SMALL_EPOCHS,
+                          "resume": RESUME_EPOCHS}.get(scenario, OVER_EPOCHS)
                 if self.args.epochs:
                     epochs = epochs[: self.args.epochs]
                 for i, (name, decode) in enumerate(epochs):
@@ -182,7 +193,10 @@ class Bench:
         worker_pids = (before or {}).get("workers") or []
         wcpu0 = {pid: procs.cpu_seconds(pid) for pid in worker_pids}
         sent0 = self.cap.sent_bytes() if self.cap is not None else None
-        e = self.epoch(c.spec(ctx, decode), self.args.epoch_limit)
+        spec = c.spec(ctx, decode)
+        if name in ("half", "resumed"):  # the resume scenario: see resume_spec
+            spec["resume"] = self.resume_spec(c, ctx, name)
+        e = self.epoch(spec, self.args.epoch_limit)
         sent1 = self.cap.sent_bytes() if self.cap is not None else None
         cpu1 = procs.cpu_seconds(c.pid)
         wcpu1 = {pid: procs.cpu_seconds(pid) for pid in worker_pids}
@@ -214,6 +228,13 @@ class Bench:
                  f"{e['nginx_bytes'] / 1e6:.1f} MB from nginx"
                  + (f", {e['link_bytes'] / 1e6:.1f} MB on the link" if e["link_bytes"] else ""))
         return e
+
+    def resume_spec(self, c: Contender, ctx: Ctx, name: str) -> dict:
+        """Stop after half the epoch's batches and save the loader's state; then resume it in
+        a new process (a restarted job)."""
+        batches = -(-ctx.data.files // self.args.batch_size)
+        return {"phase": "first" if name == "half" else "rest",
+                "state": str(ctx.work / f"resume-{c.name}.pt"), "stop_after": batches // 2}
 
     def meta_epoch(self, c: Contender, ctx: Ctx, rec: dict) -> None:
         assert self.nginx is not None
@@ -376,8 +397,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated subset of: " + ", ".join(CONTENDER_NAMES)
                    + " (default: all but " + ", ".join(n for n in CONTENDER_NAMES
                                                        if n not in DEFAULT_CONTENDERS) + ")")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS),
-                   help="comma-separated subset of: " + ", ".join(SCENARIOS))
+    p.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS),
+                   help="comma-separated subset of: " + ", ".join(SCENARIOS)
+                   + f" (default: {','.join(DEFAULT_SCENARIOS)})")
     p.add_argument("--epochs", type=int, default=None,
                    help="run only the first N epochs of each scenario (smoke tests)")
     p.add_argument("--epoch-limit", type=float, default=None,

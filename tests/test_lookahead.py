@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import subprocess
+import time
 import warnings
 from pathlib import Path
 
@@ -311,3 +312,40 @@ def test_daemon_gone_mid_epoch_keeps_the_order_with_a_warning(dataset, nginx, mo
         got += list(it)
     assert got == expected
     assert any("reading on without lookahead" in str(w.message) for w in caught)
+
+
+def test_dataset_fits_the_cache_only_the_epochs_head_is_fetched_ahead(dataset, nginx,
+                                                                      mounter: Mounter):
+    """Whole-shard caching serves an epoch when the dataset fits; Lookahead fetches only the
+    epoch's first entries by ranged GETs, so the first batch need not wait for a whole-shard
+    frontier, and the bytes stay the dataset's plus those few members."""
+    publish_with_index(dataset, nginx.root)
+    m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None, "--no-warm")
+    stats = m.stats()
+    assert stats["dataset_bytes"] <= stats["cache_budget_bytes"]
+    ds = folder(m)
+    sampler = Lookahead(RandomSampler(ds, generator=gen(2)))
+    it = iter(sampler)
+    first = next(it)
+    # The head was announced and is being fetched before any read of it.
+    deadline = time.monotonic() + 30
+    while m.stats()["lookahead"]["requests"] < 16 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    order = [first, *it]
+    assert order == list(RandomSampler(ds, generator=gen(2)))
+    for i in order:
+        read_bytes(ds.samples[i][0])
+    deadline = time.monotonic() + 30  # the last whole-shard fetches commit after their reads
+    while m.stats()["shards_fetching"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = m.stats()
+    la = after["lookahead"]
+    head = min(32, len(ds))
+    assert 16 <= la["requests"] <= head, la  # one GET per head entry, nothing behind it
+    assert la["hits"] >= 16, la  # the head's reads were served from those GETs
+    assert la["skipped"] >= len(ds) - head
+    assert after["shards_cached"] == len(dataset.shards.shards)  # the rest: whole shards
+    member = max(p.stat().st_size for p in (dataset.root / "train").rglob("*") if p.is_file())
+    assert after["bytes_fetched"] <= stats["dataset_bytes"] + head * (member + 1024), (
+        after["bytes_fetched"], stats["dataset_bytes"])
+    assert after["reader"]["eio"] == 0

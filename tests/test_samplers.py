@@ -17,7 +17,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, Subset  # noqa: E402
 
-import shardfs.torch as st_mod  # noqa: E402
+import shardfs.torch.shardmap as st_mod  # noqa: E402
 from shardfs.torch import (  # noqa: E402
     DistributedShardSampler,
     ShardAwareSampler,

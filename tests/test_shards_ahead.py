@@ -166,18 +166,18 @@ def test_the_sample_paths_are_built_once_per_sampler(dataset, nginx, mounter: Mo
                                                      monkeypatch):
     """The shard map, the mount's stats and the announcements all need the dataset's paths;
     for ImageNet each build of the list costs ~0.2 s before the first batch."""
-    import shardfs.torch as shardfs_torch
+    import shardfs.torch.samplers as shardfs_samplers
 
     m = mount(dataset, nginx, mounter)
     ds = folder(m)
     builds = []
-    real = shardfs_torch.sample_paths
+    real = shardfs_samplers.sample_paths
 
     def counted(d):
         builds.append(d)
         return real(d)
 
-    monkeypatch.setattr(shardfs_torch, "sample_paths", counted)
+    monkeypatch.setattr(shardfs_samplers, "sample_paths", counted)
     sampler = ShardAwareSampler(ds, window=1, seed=3, map_cache=False)
     order = list(sampler)
     assert sorted(order) == list(range(len(ds)))

@@ -67,10 +67,14 @@ def attach_lookahead(reader: Reader, policy: LookaheadPolicy) -> Lookahead | Non
 
     def covered(shard: int) -> bool:
         """The reader serves this shard without member reads: leave it to whole-shard caching."""
-        return (reader.dataset_bytes <= cache.budget or reader.codecs[shard] is not None
-                or shard in reader.fetches or cache.has(catalog.keys[shard]))
+        return (reader.codecs[shard] is not None or shard in reader.fetches
+                or cache.has(catalog.keys[shard]))
 
-    lookahead = Lookahead(catalog.shards, reader.sources, policy, covered=covered)
+    def fits() -> bool:
+        """Whole-shard caching serves the epoch (Lookahead fetches only its first entries)."""
+        return reader.dataset_bytes <= cache.budget
+
+    lookahead = Lookahead(catalog.shards, reader.sources, policy, covered=covered, fits=fits)
     reader.lookahead = lookahead
     # Make the HTTP client (~50 ms of CPU) now rather than in the way of the first GETs.
     http = next((s.url for s in catalog.shards if s.url.startswith(("http:", "https:"))), None)

@@ -26,8 +26,10 @@ worker at a time:
   reads have moved `stale_lag` entries past it, when the buffer is full while the stream's
   reads have missed `miss_limit` times in a row (its announcements do not match what it reads),
   on `reset` (a new epoch) and when the connection closes.
-- Shards the reader serves without help (the dataset fits the cache, the shard is cached or
-  being fetched whole, compressed shards) are skipped: whole-shard caching stays as it is.
+- Shards the reader serves without help (the shard is cached or being fetched whole,
+  compressed shards) are skipped: whole-shard caching stays as it is. When the whole dataset
+  fits the cache, only the first `fits_head` entries of each epoch are fetched here (so the
+  first batch does not wait for whole-shard frontiers); the rest is left to whole shards.
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ class LookaheadPolicy:
     max_pending: int = 65536  # entries one connection may have announced and not yet read
     stale_lag: int = 4096  # unread entries this far behind the stream's reads are dropped
     miss_limit: int = 1024  # unmatched reads (buffer full, no hit) before a stream is reset
+    # When the dataset fits the cache, whole-shard fetches serve an epoch; only its first
+    # entries are fetched here (one GET each), so the first batch does not wait for those
+    # fetches' frontiers to reach its files (a few duplicate bytes: the shards come whole too).
+    fits_head: int = 32
 
 
 @dataclass(slots=True)
@@ -149,11 +155,13 @@ class Stream:
 class Lookahead:
     def __init__(self, shards: Sequence[ShardInfo], sources: Sources,
                  policy: LookaheadPolicy | None = None, *,
-                 covered: Callable[[int], bool] = lambda shard: False) -> None:
+                 covered: Callable[[int], bool] = lambda shard: False,
+                 fits: Callable[[], bool] = lambda: False) -> None:
         self.shards = shards
         self.sources = sources
         self.policy = policy or LookaheadPolicy()
         self.covered = covered  # shards the reader serves without us
+        self.fits = fits  # the dataset fits the cache: whole shards serve all but the head
         self.stats = LookaheadStats()
         self._index: dict[tuple[int, int], deque[_Slot]] = {}
         self._queued: dict[int, list[int]] = {}  # shard -> sorted offsets of unfetched slots
@@ -320,7 +328,8 @@ class Lookahead:
             if head.state != _QUEUED:
                 queue.popleft()
                 continue
-            if self.covered(head.shard) or head.size > policy.buffer_bytes:
+            if self.covered(head.shard) or head.size > policy.buffer_bytes or (
+                    head.pos - stream.first_pos >= policy.fits_head and self.fits()):
                 queue.popleft()
                 self.stats.skipped += 1
                 self._drop(head, stale=False)

@@ -24,9 +24,12 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
 from torch.utils.data import Sampler
 
 from shardfs.torch.announce import AnnounceLink, MountLocator
+from shardfs.torch.resume import Progress, Resume, make_state, read_state
+from shardfs.torch.shardmap import sample_paths
 
 log = logging.getLogger(__name__)
 DEFAULT_WINDOW = 2048  # samples announced ahead of the one yielded
@@ -60,13 +63,14 @@ class Lookahead(Sampler[int]):
             if dataset is None:
                 raise TypeError(f"cannot find the dataset of {type(sampler).__name__}: pass it "
                                 "as Lookahead(sampler, dataset) or give paths=")
-            from shardfs.torch import sample_paths
-
             paths = sample_paths(dataset)
         self.paths = [os.fspath(p) for p in paths]
         self._locator = MountLocator()
         self._links: dict[str, AnnounceLink] = {}
         self._dead: set[str] = set()  # sockets that failed: not tried again
+        self._progress: Progress | None = None  # the current iteration (state_dict)
+        self._rng: dict[str, Any] = {}  # what the wrapped sampler drew its order from
+        self._resume: tuple[Resume, dict[str, Any]] | None = None  # from load_state_dict
         self.active = self._probe()
         if not self.active and self.paths:
             warnings.warn("the dataset's files are not on a shardfs mount with lookahead: "
@@ -83,9 +87,23 @@ class Lookahead(Sampler[int]):
             set_epoch(epoch)
 
     def __iter__(self) -> Iterator[int]:
-        it = iter(self.sampler)
+        loaded, self._resume = self._resume, None
+        epoch = self._epoch()
+        resume, rng = loaded if loaded is not None else (None, {})
+        if resume is None or resume.epoch != epoch:
+            resume, rng = None, {}  # a new epoch: its order is drawn anew
+        skip = resume.skip if resume is not None else 0
+        # Set now, not at the first index: a state_dict() before that says where this
+        # iteration starts (a StatefulDataLoader takes one when it starts an iteration; with
+        # no generator state, a load draws the order anew: nothing was yielded from it).
+        self._progress = progress = Progress(epoch, skip)
+        self._rng = rng
+        return self._iterate(progress, skip, rng)
+
+    def _iterate(self, progress: Progress, skip: int, rng: dict[str, Any]) -> Iterator[int]:
+        it = self._start(skip, rng)
         if not self.active:
-            yield from it
+            yield from progress.count(it)
             return
         ahead: deque[int] = deque()
         unsent: list[int] = []
@@ -111,7 +129,64 @@ class Lookahead(Sampler[int]):
             if not ahead:
                 self._settle()  # the daemon has read every announcement of this iteration
                 return
+            progress.yielded += 1
             yield ahead.popleft()
+
+    # -- resuming mid-epoch (torchdata's StatefulDataLoader) ---------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Where the current iteration stands: the wrapped sampler's epoch, the indices yielded
+        (not the ones pulled ahead), and the generator state its order was drawn from."""
+        progress = self._progress or Progress(self._epoch(), 0)
+        return make_state("Lookahead", progress, len(self), **self._rng)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The next iteration yields what the saved one had not yet, in the same order: the
+        wrapped sampler's order is drawn again (its epoch set, its generator put back) and
+        the indices already yielded are skipped, not announced. Exact for samplers whose order
+        follows from their generator and epoch (RandomSampler, SubsetRandomSampler,
+        DistributedSampler, ...). ValueError for a state of another sampler or length."""
+        resume = read_state(state, "Lookahead", len(self))
+        rng = {k: state.get(k) for k in ("generator", "global_rng")}
+        for key, value in rng.items():
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise ValueError(f"bad {key} in the Lookahead state: {type(value).__name__}")
+        if resume.epoch is not None:
+            self.set_epoch(resume.epoch)
+        self._resume = (resume, rng)
+
+    def _epoch(self) -> int | None:
+        epoch = getattr(self.sampler, "epoch", None)
+        return epoch if isinstance(epoch, int) else None
+
+    def _start(self, skip: int, rng: dict[str, Any]) -> Iterator[int]:
+        """The wrapped sampler's iterator, past the `skip` indices a loaded position had
+        yielded (drawn from the generator state `rng` it saved). Runs at the iteration's first
+        index, where the wrapped sampler would draw its order anyway."""
+        gen = getattr(self.sampler, "generator", None)
+        saved_global = None
+        if isinstance(gen, torch.Generator) and rng.get("generator") is not None:
+            gen.set_state(rng["generator"])
+        elif gen is None and rng.get("global_rng") is not None:
+            saved_global = torch.get_rng_state()  # the order's seed came from the global RNG
+            torch.set_rng_state(rng["global_rng"])
+        # What the order is drawn from, kept for state_dict (RandomSampler draws at its first
+        # index: with generator=None, a seed from torch's global RNG).
+        if isinstance(gen, torch.Generator):
+            self._rng = {"generator": gen.get_state(), "global_rng": None}
+        elif gen is None and hasattr(self.sampler, "generator"):
+            self._rng = {"generator": None, "global_rng": torch.get_rng_state()}
+        else:
+            self._rng = {"generator": None, "global_rng": None}
+        it = iter(self.sampler)
+        try:
+            for _ in range(skip):
+                next(it)
+        except StopIteration:
+            it = iter(())
+        finally:
+            if saved_global is not None:
+                torch.set_rng_state(saved_global)  # the caller's RNG goes on as before
+        return it
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
