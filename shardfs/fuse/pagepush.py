@@ -147,7 +147,8 @@ class PagePusher:
             # Our own descriptor: the cache may evict the shard (and close its fd) meanwhile,
             # and a thread abandoned at shutdown must not read a reused fd number.
             fd = os.dup(cached.fd)
-            await trio.to_thread.run_sync(self._push, fd, shard, abandon_on_cancel=True)
+            await trio.to_thread.run_sync(self._push, fd, shard, abandon_on_cancel=True,
+                                         thread_name="shardfs push")
             self.stats.shards += 1
 
     def _push(self, fd: int, shard: int) -> None:
