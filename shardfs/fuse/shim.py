@@ -171,6 +171,51 @@ def serve_reads(avail_address: int, gen_address: int, *, fds: array, fd_gen: arr
     return _lib.shardfs_shim_serve_reads(ctypes.byref(arrays), ctypes.sizeof(arrays)) == 0
 
 
+class PushCounts(ctypes.Structure):
+    """What shardfs_shim_push counts (struct push_counts in _shim_meta.c: keep both in step)."""
+
+    _fields_ = [
+        ("looked_up", ctypes.c_uint64), ("files", ctypes.c_uint64), ("bytes", ctypes.c_uint64),
+        ("opened", ctypes.c_uint64), ("unknown", ctypes.c_uint64), ("errors", ctypes.c_uint64),
+        ("off", ctypes.c_int32), ("error", ctypes.c_int32),
+    ]
+
+
+_push_fn: Any = None
+
+
+def can_push() -> bool:
+    """Can `push` run (the shim loaded, metadata answered in C: its arrays are the tree's)?"""
+    return _lib is not None and metadata_in_c()
+
+
+def push(fd: int, entries: array, first: int, count: int, parent: array, mountpoint: bytes,
+         counts: PushCounts) -> int:
+    """Push the plain files at `entries[first:first+count]` (one shard's, see
+    shardfs/fuse/pagepush.py) from `fd`, its cache file, into the kernel's page cache; adds
+    to `counts`. 0, or -errno when it stopped early. Releases the GIL while it runs (a
+    ctypes CDLL call), so call it from a worker thread."""
+    global _push_fn
+    if _lib is None:
+        raise RuntimeError(f"the pyfuse3 shim is not loaded: {load_error}")
+    if entries.typecode != "I" or parent.typecode != "I" or entries.itemsize != 4:
+        raise ValueError("push needs 4-byte unsigned arrays")
+    if _push_fn is None:
+        # The same library through CDLL: its calls release the GIL (PyDLL's keep it).
+        fn = ctypes.CDLL(None, handle=_lib._handle).shardfs_shim_push
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p,
+                       ctypes.c_char_p, ctypes.POINTER(PushCounts), ctypes.c_size_t]
+        _push_fn = fn
+    if count <= 0:
+        return 0
+    if first < 0 or first + count > len(entries):
+        raise IndexError("entries out of range")
+    address = entries.buffer_info()[0] + first * entries.itemsize
+    return _push_fn(fd, address, count, parent.buffer_info()[0], mountpoint,
+                    ctypes.byref(counts), ctypes.sizeof(counts))
+
+
 def metadata_in_c() -> bool:
     """True once the mounted session answers metadata requests in the shim."""
     return _lib is not None and _lib.shardfs_shim_metadata_installed() == 1
