@@ -28,6 +28,7 @@ interpreter only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -280,9 +281,50 @@ def pyspy_split(path: Path, main_tid: int) -> dict:
 
 # -- the run ---------------------------------------------------------------------------------
 
+@dataclass
+class Variant:
+    """Which shardfs the mounts run: this checkout, or another one (PYTHONPATH), with extra
+    environment variables (`--variant NAME=DIR[:KEY=VALUE...]`): to put code before and
+    after a change side by side in one run."""
+
+    name: str
+    path: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        name, _, rest = text.partition("=")
+        path, *pairs = rest.split(":")
+        env = dict(p.split("=", 1) for p in pairs if "=" in p)
+        return cls(name, os.path.abspath(path) if path else None, env)
+
+    def apply(self) -> dict[str, str | None]:
+        """Set this variant's environment (mounts inherit it); what to restore after."""
+        saved: dict[str, str | None] = {}
+        changes = dict(self.env)
+        if self.path:
+            changes["PYTHONPATH"] = self.path
+        for key, value in changes.items():
+            saved[key] = os.environ.get(key)
+            os.environ[key] = value
+        return saved
+
+
+def _restore(saved: dict[str, str | None]) -> None:
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 def _cold_pass(sources: list[str], mnt: Path, cache: Path, names: list[str], args,
-               label: str, workers: int, work: Path) -> dict:
-    mount = Mount(sources, mnt, cache, workers, args.push_pages)
+               label: str, workers: int, work: Path, variant: Variant) -> dict:
+    saved = variant.apply()
+    try:
+        mount = Mount(sources, mnt, cache, workers, args.push_pages)
+    finally:
+        _restore(saved)
     try:
         roles = _roles(mount)
         pids = list(roles)
@@ -298,7 +340,9 @@ def _cold_pass(sources: list[str], mnt: Path, cache: Path, names: list[str], arg
         for profiler in (perf, spy):
             if profiler is not None:
                 profiler.stop()
-        rec.update(source=label, workers=workers, readers=args.readers)
+        rec.update(source=label, workers=workers, readers=args.readers, variant=variant.name)
+        with contextlib.suppress(OSError):
+            rec["stats"] = mount.stats()
         rec["split"] = split(before, after, roles, len(names))
         daemon = rec["split"]["daemon"]
         main = daemon["threads"].get("main", {"user": 0, "system": 0})
@@ -336,7 +380,7 @@ def _keep(path: Path, where: str | None) -> None:
 
 
 def _print(rec: dict) -> None:
-    print(f"  {rec['source']} workers={rec['workers']} P={rec['readers']}: "
+    print(f"  [{rec['variant']}] {rec['source']} workers={rec['workers']} P={rec['readers']}: "
           f"{rec['files_per_s']:.0f} files/s; µs/file: all {rec['all_us_per_file']}, daemon "
           f"process {rec['daemon_process_us_per_file']}, serial (daemon main thread) "
           f"{rec['serial_us_per_file']} -> bound {rec['bound_files_per_s']} files/s", flush=True)
@@ -355,7 +399,9 @@ def _print(rec: dict) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     work = Path(tempfile.mkdtemp(prefix="shardfs-cpusplit-", dir=args.workdir))
-    record: dict = {"params": {k: v for k, v in vars(args).items() if k != "func"},
+    params = {k: v for k, v in vars(args).items() if k != "variant"}
+    params["variant"] = [vars(v) for v in args.variant]
+    record: dict = {"params": params,
                     "passes": []}
     nginx = None
     try:
@@ -377,14 +423,16 @@ def run(args: argparse.Namespace) -> dict:
                              "bytes": sum(os.path.getsize(p) for p in shard_paths)}
         mnt = work / "mnt"
         mnt.mkdir()
+        # Variants in turns within each round: side by side under the same load.
         for round_ in range(args.rounds):
             for workers in args.workers:
                 for label in args.sources:
-                    rec = _cold_pass(by_source[label], mnt, work / "cache", names, args,
-                                     label, workers, work)
-                    rec["round"] = round_
-                    record["passes"].append(rec)
-                    _print(rec)
+                    for variant in args.variant:
+                        rec = _cold_pass(by_source[label], mnt, work / "cache", names, args,
+                                         label, workers, work, variant)
+                        rec["round"] = round_
+                        record["passes"].append(rec)
+                        _print(rec)
     finally:
         if nginx is not None:
             nginx.stop()
@@ -398,9 +446,9 @@ def render(record: dict, command: str) -> str:
              f"({ds['bytes'] / 1e6:.0f} MB), one cold pass each (fresh cache, page cache "
              "dropped). µs of CPU per file read, user + system; the serial part is the "
              "daemon's main thread, and its bound is 1e6 / that.", "",
-             "| source | workers | files/s | all processes | daemon process | daemon main "
-             "thread (serial) | daemon other threads | workers (each) | bound files/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| code | source | workers | files/s | all processes | daemon process | daemon "
+             "main thread (serial) | daemon other threads | workers (each) | bound files/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for rec in record["passes"]:
         daemon = rec["split"]["daemon"]
         main = daemon["threads"].get("main", {"user": 0, "system": 0})
@@ -409,7 +457,8 @@ def render(record: dict, command: str) -> str:
         workers = [p for r, p in rec["split"].items() if r.startswith("worker")]
         worker_txt = " / ".join(f"{p['user']}+{p['system']}" for p in workers) or "–"
         lines.append(
-            f"| {rec['source']} | {rec['workers']} | {rec['files_per_s']:,.0f} | "
+            f"| {rec['variant']} | {rec['source']} | {rec['workers']} | "
+            f"{rec['files_per_s']:,.0f} | "
             f"{rec['all_us_per_file']} | {daemon['user']}+{daemon['system']} | "
             f"{main['user']}+{main['system']} | {other_txt} | {worker_txt} | "
             f"{rec['bound_files_per_s']:,} |")
@@ -418,7 +467,8 @@ def render(record: dict, command: str) -> str:
         lines += ["", "Where the samples were (`--profile perf`, % of the pass's samples of "
                   "the mount's processes):", ""]
         for rec in perfs:
-            lines.append(f"- {rec['source']}, workers={rec['workers']}: " + "; ".join(
+            lines.append(f"- {rec['variant']}, {rec['source']}, workers={rec['workers']}: "
+                         + "; ".join(
                 f"{group}: " + ", ".join(f"{k} {v:.0f}%" for k, v in
                                          sorted(kinds.items(), key=lambda kv: -kv[1])
                                          if v >= 0.5)
@@ -428,7 +478,8 @@ def render(record: dict, command: str) -> str:
         lines += ["", "What the daemon's Python was doing (`--profile py-spy`, % of the "
                   "non-idle samples of its main thread / of its other threads):", ""]
         for rec in spies:
-            lines.append(f"- {rec['source']}, workers={rec['workers']}: " + "; ".join(
+            lines.append(f"- {rec['variant']}, {rec['source']}, workers={rec['workers']}: "
+                         + "; ".join(
                 f"{group}: " + ", ".join(f"{k} {v:.0f}%" for k, v in spy["phases"].items()
                                          if v >= 1)
                 for group, spy in rec["pyspy"].items()))
@@ -462,6 +513,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spy-rate", type=int, default=250, help="py-spy samples per second")
     p.add_argument("--keep-profiles", default=None,
                    help="keep perf.data and py-spy's raw stacks in this folder")
+    p.add_argument("--variant", action="append", default=[],
+                   help="NAME=DIR[:KEY=VALUE...]: run each pass also with the shardfs in DIR "
+                        "(PYTHONPATH; its shim built) and these environment variables, in "
+                        "turns (repeatable; default: this checkout as 'this')")
     p.add_argument("--workdir", default=None, help="where data, shards and caches go")
     p.add_argument("--out", default="bench/out", help="where the JSON record goes")
     p.add_argument("--docs", default=None, help="also update this page's cpusplit section")
@@ -469,6 +524,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def cpusplit_command(args: argparse.Namespace, argv: list[str]) -> int:
     args.workers = [int(x) for x in str(args.workers).split(",")]
+    args.variant = [Variant.parse(v) for v in args.variant] or [Variant("this")]
     args.sources = [s.strip() for s in str(args.sources).split(",")]
     bad = [s for s in args.sources if s not in ("file", "http")]
     if bad:

@@ -135,7 +135,30 @@ def serve_metadata(tree: Any, *, uid: int, gid: int, timeout: float,
                  sparse=len(sparse_entry), uid=uid, gid=gid, timeout=timeout,
                  readdirplus=readdirplus)
     _meta_keep[:] = [tree, names, kind, link_entry, link_size, sparse_entry]
-    return _lib.shardfs_shim_serve_metadata(ctypes.byref(t), ctypes.sizeof(t)) == 0
+    if _lib.shardfs_shim_serve_metadata(ctypes.byref(t), ctypes.sizeof(t)) != 0:
+        return False
+    set_linger(linger_us())
+    return True
+
+
+# Microseconds the shim waits for a next request before going back to pyfuse3's loop
+# (_shim.c, "Lingering"): one wake-up of that loop costs tens of microseconds of Python.
+LINGER_US = 100
+
+
+def linger_us() -> int:
+    """LINGER_US, or SHARDFS_LINGER_US's (0: never linger) to measure one against the other."""
+    text = os.environ.get("SHARDFS_LINGER_US", "")
+    if text.isdigit():
+        return int(text)
+    if text:
+        log.warning("SHARDFS_LINGER_US=%s is not a number of microseconds: %d", text, LINGER_US)
+    return LINGER_US
+
+
+def set_linger(us: int) -> None:
+    if _lib is not None:
+        _lib.shardfs_shim_set_linger(ctypes.c_uint64(max(0, us) * 1000))
 
 
 class FastReadArrays(ctypes.Structure):
