@@ -1,5 +1,6 @@
 """`python -m bench run [--quick] [...]`, `python -m bench node [...]`,
-`python -m bench httpcpu [...]` and `python -m bench report RECORD.json --docs PAGE`."""
+`python -m bench httpcpu [...]`, `python -m bench cpusplit [...]` and
+`python -m bench report RECORD.json --docs PAGE`."""
 
 from __future__ import annotations
 
@@ -32,7 +33,14 @@ def main(argv: list[str] | None = None) -> int:
 
     httpcpu = sub.add_parser("httpcpu", help="CPU per GB received by the HTTP source")
     add_httpcpu_arguments(httpcpu)
+    from bench.cpusplit import add_arguments as add_cpusplit_arguments
+    from bench.cpusplit import cpusplit_command
+
+    cpusplit = sub.add_parser("cpusplit", help="a cold file's CPU per process, thread and kind")
+    add_cpusplit_arguments(cpusplit)
     args = parser.parse_args(argv)
+    if args.command == "cpusplit":
+        return cpusplit_command(args, argv[1:])
     if args.command == "node":
         return node_command(args, argv[1:])
     if args.command == "httpcpu":

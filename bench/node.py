@@ -10,7 +10,8 @@ Phases per reader count P:
 - shardfs cold from `file://` (fresh cache dir: the daemon copies shards from the source while
   serving), then page cache dropped (the shard cache on disk, `drop_caches` first), then warm
   (a second pass over the page cache);
-- shardfs cold from HTTP (nginx on loopback, no latency, no bandwidth cap).
+- shardfs cold from HTTP (nginx on loopback, no latency, no bandwidth cap; `--no-http`: left
+  out).
 Daemon CPU (utime+stime of every process of the mount) per file read is recorded with each
 shardfs phase. Run as root (mounts, drop_caches).
 """
@@ -195,10 +196,12 @@ def run(args: argparse.Namespace) -> dict:
         pattern = result.pattern
         shard_paths = sorted(str(p) for p in shards.glob("node-*.tar"))
         file_sources = [f"file://{p}" for p in shard_paths]
-        from shardfs.devtools.nginx import Nginx
+        http_sources = []
+        if not args.no_http:
+            from shardfs.devtools.nginx import Nginx
 
-        nginx = Nginx(shards, work / "nginx").start()
-        http_sources = [f"{nginx.url}/{Path(p).name}" for p in shard_paths]
+            nginx = Nginx(shards, work / "nginx").start()
+            http_sources = [f"{nginx.url}/{Path(p).name}" for p in shard_paths]
         record["dataset"] = {"files": len(names), "shards": len(shard_paths),
                              "bytes": sum(os.path.getsize(p) for p in shard_paths),
                              "pattern": pattern}
@@ -236,6 +239,8 @@ def run(args: argparse.Namespace) -> dict:
                 mount.close()
             shutil.rmtree(cache, ignore_errors=True)
 
+            if args.no_http:
+                continue
             cache = work / f"cache-http-{procs}"
             mount = Mount(http_sources, mnt, cache, args.workers, args.push_pages)
             try:
@@ -414,6 +419,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1, help="shardfs --workers")
     p.add_argument("--push-pages", choices=("auto", "off"), default="auto",
                    help="shardfs --push-pages")
+    p.add_argument("--no-http", action="store_true",
+                   help="leave out the cold HTTP phases (a machine without nginx)")
     p.add_argument("--meta", type=int, default=0,
                    help="also time os.walk/ImageFolder over this many empty files (0: skip)")
     p.add_argument("--meta-runs", type=int, default=3,

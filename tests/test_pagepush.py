@@ -34,13 +34,22 @@ def wait_for(predicate, what: str, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize(("push", "workers"), [("auto", "2"), ("auto", "1"), ("off", "2")])
+@pytest.mark.parametrize(("push", "workers", "loop"), [("auto", "2", "c"), ("auto", "1", "c"),
+                                                     ("off", "2", "c"),
+                                                     ("auto", "1", "python")])
 def test_files_of_an_arrived_shard_are_read_without_the_daemon(dataset: Dataset, nginx,
                                                                mounter: Mounter, push: str,
-                                                               workers: str):
+                                                               workers: str, loop: str,
+                                                               monkeypatch):
     """With workers the daemon pushes while workers answer READs; with one process a thread
     of the daemon pushes while its loop answers them. Nothing has looked the files up (as
-    with ImageFolder: listings are plain READDIR), so the pusher looks them up itself."""
+    with ImageFolder: listings are plain READDIR), so the pusher looks them up itself. The
+    pushing loop is the shim's (C), or the Python one it replaced where the shim does not
+    answer metadata (SHARDFS_PUSH_IN_PYTHON makes it the Python one)."""
+    if loop == "python":
+        monkeypatch.setenv("SHARDFS_PUSH_IN_PYTHON", "1")
+    elif os.environ.get("SHARDFS_NO_SHIM"):
+        pytest.skip("the C loop needs the shim")
     publish(dataset, nginx.root)
     m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None, "--no-warm",
                       "--push-pages", push, "--workers", workers)
@@ -61,6 +70,7 @@ def test_files_of_an_arrived_shard_are_read_without_the_daemon(dataset: Dataset,
         assert pushed["opened"] == 1 and pushed["unknown"] == pushed["errors"] == 0, pushed
         assert pushed["files"] == pushed["looked_up"] == len(rest), pushed
         assert pushed["bytes"] == sum(len(source(p)) for p in rest)
+        assert pushed["in_c"] == (loop == "c"), pushed
     else:
         assert m.stats()["pages_pushed"] is None
     before = m.stats()["reader"]["reads"]

@@ -32,7 +32,11 @@
  * libfuse3 (pyfuse3 loaded it) on first use.
  */
 #define FUSE_USE_VERSION 31
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>   /* first (it sets _GNU_SOURCE): the GIL is let go while lingering */
+#ifndef _GNU_SOURCE
 #define _GNU_SOURCE
+#endif
 #include <dlfcn.h>
 #include <errno.h>
 #include <stddef.h>
@@ -122,6 +126,54 @@ struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_
     return se;
 }
 
+/*
+ * Lingering: once the queue is empty after requests answered here, wait up to linger_ns
+ * more for the next one (the GIL let go) before going back to pyfuse3's loop. Each return
+ * to that loop costs its wait for readability again: trio's epoll and task switch, tens of
+ * microseconds of Python per wake-up, in the one thread that serves every request (bench
+ * cpusplit). With readers busy, the next request comes within microseconds. At most
+ * LINGER_BUDGET_NS in all per receive, so the loop's other tasks (fetches, Python reads)
+ * wait no longer than that. 0 (shim.set_linger): never.
+ */
+#include <time.h>
+
+#define LINGER_BUDGET_NS 1000000ull
+
+static uint64_t linger_ns;
+
+void shardfs_shim_set_linger(uint64_t ns)
+{
+    linger_ns = ns;
+}
+
+static uint64_t now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+
+/* 1 if a request is waiting after at most linger_ns (and the budget since `*began` is not
+ * spent), else 0. */
+static int linger(int fd, uint64_t *began)
+{
+    if (linger_ns == 0)
+        return 0;
+    uint64_t now = now_ns();
+    if (*began == 0)
+        *began = now;
+    else if (now - *began >= LINGER_BUDGET_NS)
+        return 0;
+    struct pollfd p = {fd, POLLIN, 0};
+    struct timespec wait = {0, (long)linger_ns};
+    int held = PyGILState_Check();
+    PyThreadState *state = held ? PyEval_SaveThread() : NULL;
+    int ready = ppoll(&p, 1, &wait, NULL);
+    if (held)
+        PyEval_RestoreThread(state);
+    return ready == 1 && (p.revents & POLLIN);
+}
+
 int fuse_session_receive_buf(struct fuse_session *se, struct fuse_buf *buf)
 {
     static receive_buf_fn next;
@@ -139,9 +191,10 @@ int fuse_session_receive_buf(struct fuse_session *se, struct fuse_buf *buf)
     if (res > 0 && init_request_len == 0)
         note_init(buf, res);
     /* Answer what C can answer without going back to pyfuse3's loop (_shim_meta.c). */
+    uint64_t began = 0;
     while (res > 0 && process != NULL && session_fd != NULL
            && drain_in_c(se, buf, res, process)) {
-        if (!readable_now(session_fd(se)))
+        if (!readable_now(session_fd(se)) && !linger(session_fd(se), &began))
             return -EINTR;   /* pyfuse3: nothing to do, wait again */
         res = next(se, buf);
     }

@@ -518,3 +518,148 @@ static int readable_now(int fd)
     struct pollfd p = {fd, POLLIN, 0};
     return poll(&p, 1, 0) == 1 && (p.revents & POLLIN);
 }
+
+/*
+ * Page push in C (shardfs/fuse/pagepush.py): one shard's files, from its cache file into the
+ * kernel's page cache (FUSE_NOTIFY_STORE), in a thread that does not hold the GIL (ctypes
+ * releases it around this call). The same steps as the Python loop it replaces, per file:
+ * a zero-length store asks whether the kernel has its inode (ENOENT: nobody looked it up);
+ * a file with an inode was opened, so read, already: not pushed; a file without one is
+ * looked up by a stat through the mount (answered by the shim like any LOOKUP), then its
+ * bytes are read from the cache file and stored, in pieces of at most PUSH_PIECE bytes.
+ * No Python object per file: in Python this loop held the GIL for ~6-8 us per file, beside
+ * the loop thread that answers FUSE requests (bench cpusplit).
+ */
+#include <unistd.h>
+
+#define PUSH_PIECE (4u << 20)
+
+/* Mirrors pagepush.py's PushCounts (ctypes.Structure): keep both in step. */
+struct push_counts {
+    uint64_t looked_up, files, bytes, opened, unknown, errors;
+    int32_t off;       /* set when the kernel takes no pushed pages (ENOSYS) */
+    int32_t error;     /* the errno that stopped the push (0: none) */
+};
+
+static struct fuse_session *last_session;   /* defined in _shim.c */
+
+typedef int (*notify_store_fn)(struct fuse_session *, fuse_ino_t, off_t, struct fuse_bufvec *,
+                               enum fuse_buf_copy_flags);
+
+static int push_store(notify_store_fn store, fuse_ino_t ino, off_t at, const char *data,
+                      size_t n)
+{
+    struct fuse_bufvec bufv = FUSE_BUFVEC_INIT(n);
+    bufv.buf[0].mem = (void *)data;
+    return store(last_session, ino, at, &bufv, 0);
+}
+
+/* The path of entry i through the mount, built from its end in `path`: where it starts, or
+ * NULL if it does not fit. */
+static const char *push_path(const uint32_t *parent, uint64_t i, const char *mountpoint,
+                             char *path, size_t cap)
+{
+    size_t base = strlen(mountpoint), at = cap - 1;
+    path[at] = 0;
+    for (uint64_t e = i; e != 0; e = parent[e]) {   /* entry 0 is the root */
+        size_t len;
+        const char *name = meta_name(e, &len);
+        if (len + 1 + base > at)
+            return NULL;
+        at -= len;
+        memcpy(path + at, name, len);
+        path[--at] = '/';
+    }
+    at -= base;
+    memcpy(path + at, mountpoint, base);
+    return path + at;
+}
+
+/* Push the files at entry positions entries[0..n) (plain files of one shard, in offset
+ * order) from `fd`, the shard's cache file. 0, or -errno when it stopped early (the mount
+ * going away, the cache file unreadable); counts are added to `counts` either way. */
+int shardfs_shim_push(int fd, const uint32_t *entries, uint64_t n, const uint32_t *parent,
+                      const char *mountpoint, struct push_counts *counts, size_t counts_size)
+{
+    if (!meta_ready || last_session == NULL || counts == NULL
+        || counts_size != sizeof(struct push_counts))
+        return -EINVAL;
+    static notify_store_fn store;
+    if (store == NULL)
+        store = (notify_store_fn)real("fuse_lowlevel_notify_store");
+    if (store == NULL)
+        return -ENOSYS;
+    char path[8192];
+    char *buf = NULL;
+    size_t cap = 0;
+    int res = 0;
+    for (uint64_t k = 0; k < n && !counts->off; k++) {
+        uint64_t i = entries[k];
+        fuse_ino_t ino = i + 1;
+        uint64_t size = meta.size[i], offset = meta.offset[i];
+        if (size == 0)
+            continue;
+        int r = push_store(store, ino, 0, "", 0);
+        if (r == 0) {
+            counts->opened++;
+            continue;
+        }
+        if (r == -ENOSYS) {
+            counts->off = 1;
+            break;
+        }
+        if (r != -ENOENT) {
+            res = r;
+            break;
+        }
+        struct stat st;
+        const char *where = push_path(parent, i, mountpoint, path, sizeof(path));
+        if (where == NULL || stat(where, &st) != 0) {
+            counts->unknown++;
+            continue;
+        }
+        counts->looked_up++;
+        size_t want = size < PUSH_PIECE ? (size_t)size : PUSH_PIECE;
+        if (want > cap) {
+            char *grown = realloc(buf, want);
+            if (grown == NULL) {
+                res = -ENOMEM;
+                break;
+            }
+            buf = grown;
+            cap = want;
+        }
+        uint64_t at = 0;
+        while (at < size) {
+            size_t piece = size - at < PUSH_PIECE ? (size_t)(size - at) : PUSH_PIECE;
+            ssize_t got = pread(fd, buf, piece, (off_t)(offset + at));
+            if (got != (ssize_t)piece) {
+                res = got < 0 ? -errno : -EIO;   /* a short read of a cached shard */
+                break;
+            }
+            r = push_store(store, ino, (off_t)at, buf, piece);
+            if (r != 0) {
+                if (r == -ENOSYS)
+                    counts->off = 1;
+                else if (r == -ENOENT)
+                    counts->unknown++;   /* its inode went away meanwhile */
+                else
+                    res = r;
+                break;
+            }
+            at += piece;
+        }
+        if (res != 0)
+            break;
+        if (at == size) {
+            counts->files++;
+            counts->bytes += size;
+        }
+    }
+    free(buf);
+    if (res != 0) {
+        counts->errors++;
+        counts->error = -res;
+    }
+    return res;
+}

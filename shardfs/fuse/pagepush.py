@@ -42,6 +42,7 @@ import pyfuse3  # after the shim: shardfs.fuse's __init__ loads it first
 import trio
 
 from shardfs.catalog.tree import Tree
+from shardfs.fuse import shim
 from shardfs.read.cache import ShardCache
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,7 @@ class PushStats:
     opened: int = 0  # not pushed: the kernel had their inode (opened, so read, already)
     unknown: int = 0  # not pushed: still no inode after the pusher's own lookup
     errors: int = 0
+    in_c: bool = False  # pushed by the shim's loop (not the Python one)
 
 
 class PagePusher:
@@ -121,7 +123,11 @@ class PagePusher:
         self._queue: deque[int] = deque()
         self._wake = trio.Event()
         self._off = False  # the kernel does not support it: stop
-        self.stats = PushStats()
+        # The loop in C (the shim's), unless the shim does not answer metadata (its arrays
+        # are the tree's) or SHARDFS_PUSH_IN_PYTHON is set (to measure one against the other).
+        self.in_c = (shim.can_push() and tree.parent.typecode == "I"
+                     and not os.environ.get("SHARDFS_PUSH_IN_PYTHON"))
+        self.stats = PushStats(in_c=self.in_c)
 
     def shard_complete(self, shard: int) -> None:
         """Reader.on_complete: queue a shard that has just arrived whole."""
@@ -147,16 +153,48 @@ class PagePusher:
             # Our own descriptor: the cache may evict the shard (and close its fd) meanwhile,
             # and a thread abandoned at shutdown must not read a reused fd number.
             fd = os.dup(cached.fd)
-            await trio.to_thread.run_sync(self._push, fd, shard, abandon_on_cancel=True)
+            await trio.to_thread.run_sync(self._push, fd, shard, abandon_on_cancel=True,
+                                         thread_name="shardfs push")
             self.stats.shards += 1
 
     def _push(self, fd: int, shard: int) -> None:
         """In a worker thread: the shard's files nobody has opened yet, from its cache file to
         the kernel."""
-        stats, tree = self.stats, self._tree
         try:
             if self._index is None:
-                self._index = tree.files_by_shard(len(self._keys))
+                self._index = self._tree.files_by_shard(len(self._keys))
+            if self.in_c:
+                self._push_in_c(fd, shard)
+            else:
+                self._push_in_python(fd, shard)
+        finally:
+            os.close(fd)
+
+    def _push_in_c(self, fd: int, shard: int) -> None:
+        """The shim's loop (shardfs_shim_push): the same steps as _push_in_python, without
+        the GIL and with no Python object per file."""
+        assert self._index is not None
+        order, start = self._index
+        counts = shim.PushCounts()
+        res = shim.push(fd, order, start[shard], start[shard + 1] - start[shard],
+                        self._tree.parent, self._mountpoint, counts)
+        stats = self.stats
+        stats.looked_up += counts.looked_up
+        stats.files += counts.files
+        stats.bytes += counts.bytes
+        stats.opened += counts.opened
+        stats.unknown += counts.unknown
+        stats.errors += counts.errors
+        if counts.off:
+            log.info("the kernel does not take pushed pages (ENOSYS): off")
+            self._off = True
+        if res != 0:  # the mount is going away, or the cache file is gone
+            log.debug("pushing pages stopped: %s", os.strerror(-res))
+
+    def _push_in_python(self, fd: int, shard: int) -> None:
+        stats, tree = self.stats, self._tree
+        assert self._index is not None
+        try:
             order, start = self._index
             for pos in order[start[shard] : start[shard + 1]]:
                 ino, offset, size = pos + 1, tree.offset[pos], tree.size[pos]
@@ -188,8 +226,6 @@ class PagePusher:
         except OSError as exc:  # the mount is going away, or the cache file is gone
             stats.errors += 1
             log.debug("pushing pages stopped: %s", exc)
-        finally:
-            os.close(fd)
 
     def _has_inode(self, ino: int) -> bool:
         """Does the kernel have this inode (was the file looked up)? A zero-length store

@@ -159,7 +159,30 @@ def serve_metadata(tree: Any, *, uid: int, gid: int, timeout: float,
                  sparse=len(sparse_entry), uid=uid, gid=gid, timeout=timeout,
                  readdirplus=readdirplus)
     _meta_keep[:] = [tree, names, kind, link_entry, link_size, sparse_entry]
-    return _lib.shardfs_shim_serve_metadata(ctypes.byref(t), ctypes.sizeof(t)) == 0
+    if _lib.shardfs_shim_serve_metadata(ctypes.byref(t), ctypes.sizeof(t)) != 0:
+        return False
+    set_linger(linger_us())
+    return True
+
+
+# Microseconds the shim waits for a next request before going back to pyfuse3's loop
+# (_shim.c, "Lingering"): one wake-up of that loop costs tens of microseconds of Python.
+LINGER_US = 100
+
+
+def linger_us() -> int:
+    """LINGER_US, or SHARDFS_LINGER_US's (0: never linger) to measure one against the other."""
+    text = os.environ.get("SHARDFS_LINGER_US", "")
+    if text.isdigit():
+        return int(text)
+    if text:
+        log.warning("SHARDFS_LINGER_US=%s is not a number of microseconds: %d", text, LINGER_US)
+    return LINGER_US
+
+
+def set_linger(us: int) -> None:
+    if _lib is not None:
+        _lib.shardfs_shim_set_linger(ctypes.c_uint64(max(0, us) * 1000))
 
 
 class FastReadArrays(ctypes.Structure):
@@ -193,6 +216,51 @@ def serve_reads(avail_address: int, gen_address: int, *, fds: array, fd_gen: arr
                             frontier=_address(frontier), bytes=_address(nbytes),
                             shards=len(fds))
     return _lib.shardfs_shim_serve_reads(ctypes.byref(arrays), ctypes.sizeof(arrays)) == 0
+
+
+class PushCounts(ctypes.Structure):
+    """What shardfs_shim_push counts (struct push_counts in _shim_meta.c: keep both in step)."""
+
+    _fields_ = [
+        ("looked_up", ctypes.c_uint64), ("files", ctypes.c_uint64), ("bytes", ctypes.c_uint64),
+        ("opened", ctypes.c_uint64), ("unknown", ctypes.c_uint64), ("errors", ctypes.c_uint64),
+        ("off", ctypes.c_int32), ("error", ctypes.c_int32),
+    ]
+
+
+_push_fn: Any = None
+
+
+def can_push() -> bool:
+    """Can `push` run (the shim loaded, metadata answered in C: its arrays are the tree's)?"""
+    return _lib is not None and metadata_in_c()
+
+
+def push(fd: int, entries: array, first: int, count: int, parent: array, mountpoint: bytes,
+         counts: PushCounts) -> int:
+    """Push the plain files at `entries[first:first+count]` (one shard's, see
+    shardfs/fuse/pagepush.py) from `fd`, its cache file, into the kernel's page cache; adds
+    to `counts`. 0, or -errno when it stopped early. Releases the GIL while it runs (a
+    ctypes CDLL call), so call it from a worker thread."""
+    global _push_fn
+    if _lib is None:
+        raise RuntimeError(f"the pyfuse3 shim is not loaded: {load_error}")
+    if entries.typecode != "I" or parent.typecode != "I" or entries.itemsize != 4:
+        raise ValueError("push needs 4-byte unsigned arrays")
+    if _push_fn is None:
+        # The same library through CDLL: its calls release the GIL (PyDLL's keep it).
+        fn = ctypes.CDLL(None, handle=_lib._handle).shardfs_shim_push
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p,
+                       ctypes.c_char_p, ctypes.POINTER(PushCounts), ctypes.c_size_t]
+        _push_fn = fn
+    if count <= 0:
+        return 0
+    if first < 0 or first + count > len(entries):
+        raise IndexError("entries out of range")
+    address = entries.buffer_info()[0] + first * entries.itemsize
+    return _push_fn(fd, address, count, parent.buffer_info()[0], mountpoint,
+                    ctypes.byref(counts), ctypes.sizeof(counts))
 
 
 def metadata_in_c() -> bool:

@@ -75,4 +75,4 @@ class DiskReads:
         dup = os.dup(fd)
         self.threaded += 1
         return await trio.to_thread.run_sync(_pread_and_close, dup, size, offset,
-                                             limiter=self._limiter)
+                                             limiter=self._limiter, thread_name="shardfs disk")

@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 MIN_PATIENCE = 0.02  # seconds; below this, waiting on a moving frontier is always right
 THREAD_BATCH = 4 << 20  # bytes of a fetch handed to a thread at once (digest, decompression)
+# Names of the threads doing this work while they do it (`top -H`, bench cpusplit).
+HASH_THREAD = "shardfs hash"
 
 
 @dataclass(slots=True)
@@ -598,10 +600,12 @@ class Reader:
                         batch.append(chunk)
                         batched += len(chunk)
                         if batched >= THREAD_BATCH:
-                            await trio.to_thread.run_sync(check_and_decode, batch)
+                            await trio.to_thread.run_sync(check_and_decode, batch,
+                                                          thread_name=HASH_THREAD)
                             batch, batched = [], 0
                 if batch:
-                    await trio.to_thread.run_sync(check_and_decode, batch)
+                    await trio.to_thread.run_sync(check_and_decode, batch,
+                                                  thread_name=HASH_THREAD)
                 if plain is not None:
                     self._write(fetch, first, plain.finish())
 
@@ -615,7 +619,8 @@ class Reader:
                 raise ShardChanged(f"{info.url}: {fetch.arrived} bytes of tar, its index "
                                    f"says {fetch.part.size}")
             if digest is not None and fetch.split:
-                digest = await trio.to_thread.run_sync(sha256_of, fetch.part.fd, fetch.size)
+                digest = await trio.to_thread.run_sync(sha256_of, fetch.part.fd, fetch.size,
+                                                       thread_name=HASH_THREAD)
             if digest is not None and digest.hexdigest() != expected:
                 raise ShardChanged(f"{info.url}: content differs from its index (sha256)")
             await self.cache.commit(fetch.part)

@@ -147,7 +147,7 @@ class FileSource:
 
     async def _in_thread(self, fn: Callable[[*Ts], R], *args: *Ts) -> R:
         try:
-            return await trio.to_thread.run_sync(fn, *args)
+            return await trio.to_thread.run_sync(fn, *args, thread_name="shardfs file")
         except SourceError:
             self.stats.errors += 1
             raise

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The node scenario on a many-core machine (issue 26): `bench node` at P=8 and P=16 readers
+# with --workers 1, 4 and 8, then `bench cpusplit` (where a cold file's CPU goes, per process
+# and thread) at P=16 with the same worker counts. About 6 minutes on 16 cores.
+#
+#   bench/device_node.sh OUTDIR
+#
+# Run from the repository root as root (mounts, drop_caches), with the project's virtualenv
+# active (or VENV=/path/to/venv) and the shim built (python setup.py build_ext --inplace).
+# Results: OUTDIR/node-w{1,4,8}.{log,json}, OUTDIR/cpusplit.{log,json}, OUTDIR/machine.txt.
+# The HTTP phases need nginx; without it they are left out (file:// only).
+set -u
+out=${1:?usage: bench/device_node.sh OUTDIR}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+if [ -n "${VENV:-}" ]; then . "$VENV/bin/activate"; fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+work=$(mktemp -d /tmp/shardfs-device-XXXXXX)
+trap 'rm -rf "$work"' EXIT
+
+{
+  date -u; uname -a; nproc; free -g; python --version
+  python -c "import shardfs, shardfs.fuse.shim as s; print(shardfs.__file__, 'shim', s.active())"
+  command -v nginx >/dev/null && echo "nginx: yes" || echo "nginx: no (file:// only)"
+} > "$out/machine.txt" 2>&1
+
+node_extra=()
+sources=file,http
+if ! command -v nginx >/dev/null; then
+  node_extra=(--no-http)
+  sources=file
+fi
+
+for w in 1 4 8; do
+  timeout 150 python -m bench node --readers 8,16 --workers "$w" --files 20000 \
+    --workdir "$work" --out "$out/raw" "${node_extra[@]}" > "$out/node-w$w.log" 2>&1
+  echo "bench node workers=$w: exit $?" >> "$out/machine.txt"
+done
+timeout 120 python -m bench cpusplit --readers 16 --workers 1,4,8 --sources "$sources" \
+  --files 20000 --workdir "$work" --out "$out/raw" > "$out/cpusplit.log" 2>&1
+echo "bench cpusplit: exit $?" >> "$out/machine.txt"
+ls "$out/raw" >> "$out/machine.txt" 2>&1
