@@ -235,3 +235,11 @@ def test_zip_and_rec_under_an_s3_prefix(tmp_path: Path, mounter: Mounter):
         m = mounter.adopt(Mount.from_result(result, mnt, cache))
         assert loose_files(m.mountpoint) == expected
         m.unmount()
+
+
+def test_an_idx_alone_is_a_clear_error(tmp_path: Path, mounter: Mounter):
+    make_rec(tmp_path / "t")
+    mnt, cache = mounter.paths()
+    result = mounter.run(str(tmp_path / "t.idx"), str(mnt), "--cache-dir", str(cache))
+    assert result.returncode != 0
+    assert "index of a RecordIO file" in result.stderr and "t.rec" in result.stderr

@@ -72,6 +72,9 @@ async def resolve_sources(specs: list[str], sources: Sources) -> list[str]:
             if _name_path(url).endswith(RECORDIO_INDEX_SUFFIX) else None
         if rec is not None and rec in listed:
             continue  # `mount data/*` names train.idx beside train.rec: it goes with it
+        if rec is not None:
+            raise ResolveError(f"{spec}: {url} looks like the index of a RecordIO file; name "
+                               f"the .rec ({rec}) and its .idx is used from beside it")
         urls.extend(await _resolve_name(spec, url, "{" in spec, sources))
     if not urls:
         raise ResolveError("no shards: the SOURCE arguments name nothing")
