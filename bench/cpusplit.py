@@ -552,3 +552,16 @@ def cpusplit_command(args: argparse.Namespace, argv: list[str]) -> int:
         write_docs(Path(args.docs), section)
     print(f"record: {path}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.cpusplit` (the same as `python -m bench cpusplit`, without importing
+    the other benchmarks' modules)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="python -m bench.cpusplit", description=__doc__)
+    add_arguments(p)
+    return cpusplit_command(p.parse_args(argv), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

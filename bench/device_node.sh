@@ -5,8 +5,9 @@
 #
 #   bench/device_node.sh OUTDIR
 #
-# Run from the repository root as root (mounts, drop_caches), with the project's virtualenv
-# active (or VENV=/path/to/venv) and the shim built (python setup.py build_ext --inplace).
+# Run from the repository root as root (mounts, drop_caches), with shardfs's dependencies
+# importable by $PYTHON (default python3; VENV=/path/to/venv activates one first) and the shim
+# built in place (python3 setup.py build_ext --inplace).
 # Results: OUTDIR/node-w{1,4,8}.{log,json}, OUTDIR/cpusplit.{log,json}, OUTDIR/machine.txt.
 # The HTTP phases need nginx; without it they are left out (file:// only).
 set -u
@@ -14,13 +15,14 @@ out=${1:?usage: bench/device_node.sh OUTDIR}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 if [ -n "${VENV:-}" ]; then . "$VENV/bin/activate"; fi
+PYTHON=${PYTHON:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 work=$(mktemp -d /tmp/shardfs-device-XXXXXX)
 trap 'rm -rf "$work"' EXIT
 
 {
-  date -u; uname -a; nproc; free -g; python --version
-  python -c "import shardfs, shardfs.fuse.shim as s; print(shardfs.__file__, 'shim', s.active())"
+  date -u; uname -a; nproc; free -g; $PYTHON --version
+  $PYTHON -c "import shardfs.fuse.shim as s; print(s.__file__, 'shim loaded:', s._lib is not None)"
   command -v nginx >/dev/null && echo "nginx: yes" || echo "nginx: no (file:// only)"
 } > "$out/machine.txt" 2>&1
 
@@ -31,12 +33,19 @@ if ! command -v nginx >/dev/null; then
   sources=file
 fi
 
+node_main='import argparse, sys
+from bench.node import add_arguments, node_command
+p = argparse.ArgumentParser(prog="bench node")
+add_arguments(p)
+sys.exit(node_command(p.parse_args(sys.argv[1:]), sys.argv[1:]))'
+
 for w in 1 4 8; do
-  timeout 150 python -m bench node --readers 8,16 --workers "$w" --files 20000 \
+  # bench.node directly: `python -m bench` imports every contender's module
+  timeout 150 $PYTHON -c "$node_main" --readers 8,16 --workers "$w" --files 20000 \
     --workdir "$work" --out "$out/raw" "${node_extra[@]}" > "$out/node-w$w.log" 2>&1
   echo "bench node workers=$w: exit $?" >> "$out/machine.txt"
 done
-timeout 120 python -m bench cpusplit --readers 16 --workers 1,4,8 --sources "$sources" \
+timeout 120 $PYTHON -m bench.cpusplit --readers 16 --workers 1,4,8 --sources "$sources" \
   --files 20000 --workdir "$work" --out "$out/raw" > "$out/cpusplit.log" 2>&1
 echo "bench cpusplit: exit $?" >> "$out/machine.txt"
 ls "$out/raw" >> "$out/machine.txt" 2>&1

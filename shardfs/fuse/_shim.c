@@ -143,7 +143,7 @@ static uint64_t linger_ns;
 
 void shardfs_shim_set_linger(uint64_t ns)
 {
-    linger_ns = ns;
+    linger_ns = ns < LINGER_BUDGET_NS ? ns : LINGER_BUDGET_NS;
 }
 
 static uint64_t now_ns(void)

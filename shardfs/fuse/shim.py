@@ -167,7 +167,9 @@ def serve_metadata(tree: Any, *, uid: int, gid: int, timeout: float,
 
 # Microseconds the shim waits for a next request before going back to pyfuse3's loop
 # (_shim.c, "Lingering"): one wake-up of that loop costs tens of microseconds of Python.
-LINGER_US = 100
+# Cold pass, 8 readers, 1 process (docs/benchmarks.md, "Cold reads: where a file's CPU
+# goes"): the loop thread's CPU per file ~107 us without, 70-100 us at 100, 75-79 at 300.
+LINGER_US = 300
 
 
 def linger_us() -> int:
