@@ -146,10 +146,12 @@ class NodePaths:
 class CsiNode:
     """The plugin and the mounter of one node; restartable; always stopped at teardown."""
 
-    def __init__(self, paths: NodePaths, *, isolated: bool, cache_size: str = "1G") -> None:
+    def __init__(self, paths: NodePaths, *, isolated: bool, cache_size: str = "1G",
+                 mounter_args: tuple[str, ...] = ()) -> None:
         self.paths = paths
         self.isolated = isolated
         self.cache_size = cache_size
+        self.mounter_args = mounter_args
         self.plugin: Container | None = None
         self.mounter: Container | None = None
         self._starts = 0
@@ -159,7 +161,8 @@ class CsiNode:
         self.mounter = Container(
             [*SHARDFS, "csi-mounter", "--listen", self.paths.mounter_socket,
              "--state-dir", str(self.paths.mounter_state),
-             "--cache-root", str(self.paths.cache_root), "--cache-size", self.cache_size],
+             "--cache-root", str(self.paths.cache_root), "--cache-size", self.cache_size,
+             *self.mounter_args],
             self.paths.work / f"mounter-{self._starts}.log", isolated=self.isolated)
         return self.mounter
 
@@ -279,11 +282,12 @@ class Kubelet:
 
 
 @contextlib.contextmanager
-def csi_node(tmp_path: Path, *, isolated: bool = False, cache_size: str = "1G"
-             ) -> Iterator[tuple[CsiNode, Kubelet]]:
+def csi_node(tmp_path: Path, *, isolated: bool = False, cache_size: str = "1G",
+             mounter_args: tuple[str, ...] = ()) -> Iterator[tuple[CsiNode, Kubelet]]:
     tmp_path.mkdir(parents=True, exist_ok=True)
     kubelet_dir = KubeletDir()
-    node = CsiNode(NodePaths(kubelet_dir, tmp_path), isolated=isolated, cache_size=cache_size)
+    node = CsiNode(NodePaths(kubelet_dir, tmp_path), isolated=isolated, cache_size=cache_size,
+                   mounter_args=mounter_args)
     kubelet: Kubelet | None = None
     try:
         node.start_mounter()

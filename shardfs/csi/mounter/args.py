@@ -17,5 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="budget of the cache root, e.g. 200G: each volume's default "
                    "cache_size, and the bound for kept caches of released volumes "
                    "(default: 80%% of the free space there, at most 50 GiB)")
+    p.add_argument("--no-spares", action="store_true",
+                   help="do not keep a spare daemon per volume standing by (saves its memory; "
+                   "a daemon's death then costs a full start instead of a takeover)")
     p.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error"))

@@ -153,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardfs: error: {exc}", file=sys.stderr, flush=True)
         return 1
     try:
-        volumes = Volumes(Path(args.state_dir), cache_root, cache_size)
+        volumes = Volumes(Path(args.state_dir), cache_root, cache_size,
+                          spares=not args.no_spares)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         server = MounterServer(path, volumes)
     except OSError as exc:

@@ -35,6 +35,7 @@ from shardfs.csi.volume import VolumeSpec, check_secrets
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 1800.0
+SPARE_WAIT_S = 60.0  # a spare still importing when the daemon dies is waited for this long
 DEATHS_LIMIT = 5
 DEATHS_WINDOW_S = 60.0
 
@@ -53,13 +54,16 @@ class Volume:
     node_path: str
     fd: int | None = None
     daemon: Daemon | None = None
+    spare: Daemon | None = None  # standing by to take over at once when the daemon dies
     released: bool = False
     deaths: deque[float] = field(default_factory=lambda: deque(maxlen=DEATHS_LIMIT))
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class Volumes:
-    def __init__(self, state_dir: Path, cache_root: Path, cache_size: int) -> None:
+    def __init__(self, state_dir: Path, cache_root: Path, cache_size: int, *,
+                 spares: bool = True) -> None:
+        self.spares = spares
         self.state_dir = state_dir
         self.records = state_dir / "volumes"
         self.cache_root = cache_root
@@ -157,26 +161,54 @@ class Volumes:
                              "INVALID_ARGUMENT")
         return size
 
-    def _start(self, volume: Volume, *, takeover: bool) -> None:
+    def _daemon_args(self, volume: Volume, *, takeover: bool) -> DaemonArgs:
         assert volume.fd is not None
-        budget = self._budget(volume.spec)
-        self._prune(keep=volume.key)
         options = {k: v for k, v in volume.spec.options.items() if k != "cache_size"}
-        args = DaemonArgs(
+        return DaemonArgs(
             sources=volume.spec.sources, node_path=volume.node_path, fuse_fd=volume.fd,
-            cache_dir=self.cache_root / volume.key, cache_size=budget,
+            cache_dir=self.cache_root / volume.key, cache_size=self._budget(volume.spec),
             config_file=(self.records / f"{volume.key}.yaml") if options else None,
             gid=volume.spec.gid, takeover=takeover)
-        daemon = Daemon(args, volume.secrets)
+
+    def _start(self, volume: Volume, *, takeover: bool) -> None:
+        """Start the volume's daemon (or wake its spare) and wait until it serves."""
+        spare, volume.spare = volume.spare, None
+        # A spare still importing is nearer to serving than a new process: wait for it.
+        if takeover and spare is not None and spare.alive() and \
+                spare.standing_by.wait(SPARE_WAIT_S) and spare.alive():
+            spare.go()
+            daemon, how = spare, "took over the mount (a spare)"
+        else:
+            if spare is not None:
+                spare.dismiss()
+            self._prune(keep=volume.key)
+            daemon = Daemon(self._daemon_args(volume, takeover=takeover), volume.secrets)
+            how = "took over the mount" if takeover else "serves the mount"
         try:
             summary = daemon.wait_ready(READY_TIMEOUT_S)
         except StartFailed as exc:
             raise ServeError(str(exc)) from None
         volume.daemon = daemon
-        log.info("volume %s: daemon %d %s (%s)", volume.key, daemon.pid,
-                 "took over the mount" if takeover else "serves the mount", summary)
+        log.info("volume %s: daemon %d %s (%s)", volume.key, daemon.pid, how, summary)
         threading.Thread(target=self._supervise, args=(volume, daemon), daemon=True,
                          name=f"supervise-{volume.key}").start()
+        if self.spares:
+            self._start_spare(volume)
+
+    def _start_spare(self, volume: Volume) -> None:
+        """A daemon that imports everything and waits, so that a death costs a takeover,
+        not a start: the holder's spare (issue 25), one per volume."""
+        spare = Daemon(self._daemon_args(volume, takeover=True), volume.secrets, standby=True)
+        volume.spare = spare
+
+        def stand_by() -> None:
+            if spare.wait_standby(READY_TIMEOUT_S):
+                log.info("volume %s: spare daemon %d stands by", volume.key, spare.pid)
+            elif spare.alive() or spare.proc.returncode not in (None, 0):
+                log.warning("volume %s: the spare daemon %d did not stand by", volume.key,
+                            spare.pid)
+
+        threading.Thread(target=stand_by, daemon=True, name=f"spare-{volume.key}").start()
 
     def _supervise(self, volume: Volume, daemon: Daemon) -> None:
         code = daemon.wait()
@@ -206,6 +238,9 @@ class Volumes:
         """Nobody will serve this mount: close our descriptor and tell the plugin, which
         closes its own; with no descriptor left the kernel ends the connection, so readers
         get an error (ENOTCONN) instead of waiting forever. Unpublish cleans up as usual."""
+        if volume.spare is not None:
+            volume.spare.dismiss()
+            volume.spare = None
         if volume.fd is not None:
             os.close(volume.fd)
             volume.fd = None
@@ -226,6 +261,9 @@ class Volumes:
         """Close our descriptor (the plugin unmounted already), end the daemon, drop the
         record; the cache stays, marked as used now."""
         volume.released = True
+        if volume.spare is not None:
+            volume.spare.dismiss()
+            volume.spare = None
         if volume.fd is not None:
             os.close(volume.fd)
             volume.fd = None
@@ -305,8 +343,9 @@ class Volumes:
             volumes = list(self.volumes.values())
         for volume in volumes:
             volume.released = True  # no restart by the supervisor
-            if volume.daemon is not None:
-                volume.daemon.kill()
+            for daemon in (volume.spare, volume.daemon):
+                if daemon is not None:
+                    daemon.kill()
 
 
 def _write_private(path: Path, text: str) -> None:
