@@ -306,3 +306,21 @@ def test_large_compressed_members_stream(tmp_path: Path, mounter: Mounter):
     assert err.value.errno == errno.EIO
     log = m.log()
     assert "CRC-32 mismatch" in log and "deflate data ends after 1048576 bytes" in log
+
+
+def test_info_zip_symlinks(tmp_path: Path, mounter: Mounter):
+    if shutil.which("zip") is None:
+        pytest.skip("Info-ZIP zip not installed (Debian: zip)")
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "img.jpg").write_bytes(b"\xff\xd8\xff" + bytes(100))
+    (src / "a" / "link.jpg").symlink_to("img.jpg")
+    (src / "up.jpg").symlink_to("a/img.jpg")
+    (src / "escape").symlink_to("../../etc/passwd")
+    out = tmp_path / "links.zip"
+    subprocess.run(["zip", "-qry", str(out), "."], cwd=src, check=True)
+    m = mounter.mount([out.as_uri()])
+    assert os.readlink(m.mountpoint / "a" / "link.jpg") == "img.jpg"
+    assert (m.mountpoint / "up.jpg").read_bytes() == (src / "a" / "img.jpg").read_bytes()
+    assert not os.path.lexists(m.mountpoint / "escape")
+    assert m.stats()["members_skipped"] == {"symlink-escapes": 1}

@@ -127,7 +127,10 @@ async def index_zip(source: Source, info: ShardInfo,
     starts: list[int | None] = [None] * len(entries)
     for i, head in zip(wanted, heads, strict=True):
         starts[i] = zipfmt.data_start(entries[i], head)
-    listing = zipfmt.members(entries, starts, where)
+    full_heads: list[bytes] = [b""] * len(entries)
+    for i, head in zip(wanted, heads, strict=True):
+        full_heads[i] = head
+    listing = zipfmt.members(entries, starts, where, full_heads)
     index = ShardIndex(size=size)
     index.extend(listing.members)
     index.skipped = dict(listing.skipped)

@@ -18,8 +18,11 @@ members carry `packed = (codec, compressed size, CRC-32)`: their data is the com
 range, decoded whole on read (shardfs/read/packed.py) and checked against the CRC. Sizes
 come from the central directory, so data descriptors need no reading.
 
-Skipped (counted): encrypted entries, unsupported methods, symlinks (their target is in
-the data), entries whose data lies outside the file or overlaps the central directory or
+Symlinks (Info-ZIP `zip -y`) whose target is stored and short (read with the local header)
+are links, kept only if they stay inside the tree (tar's rule).
+
+Skipped (counted): encrypted entries, unsupported methods, compressed or long symlinks,
+entries whose data lies outside the file or overlaps the central directory or
 another entry (a "quoted overlap" zip bomb), bad local headers, unsafe names.
 """
 
@@ -31,7 +34,7 @@ import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 
-from shardfs.catalog.tar import Member, normalize_path
+from shardfs.catalog.tar import Member, _symlink_inside, normalize_path
 
 EOCD = b"PK\x05\x06"
 EOCD64_LOCATOR = b"PK\x06\x07"
@@ -51,6 +54,7 @@ TAIL = 65535 + _EOCD.size + _LOCATOR.size  # bytes from the end that hold both r
 MAX_DIRECTORY = 1 << 30  # a central directory larger than this is refused (not a dataset)
 MAX_PACKED = 256 << 20  # split RecordIO records are joined whole in memory: at most this size
 _MAX_HEAD_SLACK = 1024  # local extra bytes read beyond the central directory's extra length
+NAME_MAX_TARGET = 1024  # a stored symlink target longer than this is skipped
 
 # Compression methods -> codec names (read/packed.py decodes them).
 METHODS = {8: "deflate", 9: "deflate64", 12: "bzip2", 14: "lzma", 93: "zstd", 95: "xz"}
@@ -288,7 +292,8 @@ def _dos_time(dtime: int, ddate: int) -> int:
 def head_span(entry: Entry) -> int:
     """Bytes to read at `entry.header` for its local header, name and extra field (local
     extras may be longer than the central one: zipalign, Info-ZIP's own fields)."""
-    return LOCAL_SIZE + entry.name_len + entry.extra_len + _MAX_HEAD_SLACK
+    target = entry.csize if entry.symlink and entry.csize <= NAME_MAX_TARGET else 0
+    return LOCAL_SIZE + entry.name_len + entry.extra_len + _MAX_HEAD_SLACK + target
 
 
 def data_start(entry: Entry, head: bytes) -> int | None:
@@ -300,8 +305,10 @@ def data_start(entry: Entry, head: bytes) -> int | None:
     return entry.header + LOCAL_SIZE + name_len + extra_len
 
 
-def members(entries: list[Entry], starts: list[int | None], where: Directory) -> Listing:
-    """Members from central entries and their data starts (None: bad local header)."""
+def members(entries: list[Entry], starts: list[int | None], where: Directory,
+            heads: list[bytes] | None = None) -> Listing:
+    """Members from central entries and their data starts (None: bad local header); `heads`
+    (the bytes read at each entry's local header) hold the targets of stored symlinks."""
     out = Listing()
     files: list[tuple[int, int, int]] = []  # (header offset, data end, entry position)
     for i, (entry, start) in enumerate(zip(entries, starts, strict=True)):
@@ -317,7 +324,7 @@ def members(entries: list[Entry], starts: list[int | None], where: Directory) ->
             out.skipped["encrypted"] += 1
             continue
         if entry.symlink:
-            out.skipped["zip-symlink"] += 1
+            _symlink(entry, start, heads[i] if heads else b"", out)
             continue
         if entry.method != 0 and entry.method not in METHODS:
             out.skipped[f"unsupported-method-{entry.method}"] += 1
@@ -352,3 +359,20 @@ def members(entries: list[Entry], starts: list[int | None], where: Directory) ->
                                   entry.mode, b"", None, packed))
     return out
 
+
+
+def _symlink(entry: Entry, start: int | None, head: bytes, out: Listing) -> None:
+    """A symlink (Info-ZIP `zip -y`): its target is its data, stored, read with its local
+    header. Links that would leave the tree are skipped as for tar."""
+    at = start - entry.header if start is not None else -1
+    if entry.method != 0 or at < 0 or entry.csize > NAME_MAX_TARGET or \
+            len(head) < at + entry.csize:
+        out.skipped["zip-symlink"] += 1
+        return
+    target = head[at : at + entry.csize]
+    assert entry.path is not None
+    if not target or not _symlink_inside(entry.path, target):
+        out.skipped["symlink-escapes"] += 1
+        return
+    out.members.append(Member(entry.path, "l", start or 0, 0, entry.mtime, entry.mode,
+                              target))
