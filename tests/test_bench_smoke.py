@@ -156,3 +156,47 @@ def test_micro_benches_run_and_report() -> None:
         "receive    64 KiB", "receive  1024 KiB", "http.client readinto, threads",
         "http.client readinto, threads, pwrite"], lines
     assert all("CPU s/GB" in line for line in lines)
+
+
+_BURNER = """
+import ctypes, sys, threading, time
+def burn():
+    ctypes.CDLL(None).prctl(15, b"burner 3", 0, 0, 0)  # PR_SET_NAME, as trio names threads
+    end = time.process_time() + 0.3
+    while time.process_time() < end:
+        pass
+sys.stdout.write("ready\\n"); sys.stdout.flush()
+sys.stdin.readline()
+t = threading.Thread(target=burn); t.start(); t.join()
+sys.stdout.write("done\\n"); sys.stdout.flush()
+sys.stdin.readline()
+"""
+
+
+def test_cpusplit_splits_a_process_by_thread() -> None:
+    """`bench cpusplit`'s accounting: a process's CPU per thread group from /proc (the main
+    thread; others by name without their number), per file, and --variant's parsing."""
+    from bench.cpusplit import Snapshot, Variant, split
+
+    proc = subprocess.Popen([sys.executable, "-c", _BURNER], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        before = Snapshot.take([proc.pid])
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == "done\n"
+        after = Snapshot.take([proc.pid])
+    finally:
+        proc.kill()
+        proc.wait()
+    got = split(before, after, {proc.pid: "daemon"}, files=1000)["daemon"]
+    # The burner ended before `after`: its time shows as ended threads' (>= 0.3 s: 300 µs per
+    # file over 1000 files, less a clock tick).
+    ended = got["threads"]["(threads that ended)"]
+    assert ended["user"] + ended["system"] >= 290, got
+    assert got["user"] + got["system"] >= 290, got
+    assert set(got["threads"]) == {"main", "(threads that ended)"}, got
+    v = Variant.parse("new=/tmp/x:SHARDFS_LINGER_US=0:A=b")
+    assert (v.name, v.path, v.env) == ("new", "/tmp/x", {"SHARDFS_LINGER_US": "0", "A": "b"})
+    assert Variant.parse("this=").path is None
