@@ -8,8 +8,11 @@ import errno
 import json
 import multiprocessing
 import os
+import shutil
 import signal
+import socket
 import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -424,3 +427,145 @@ def test_without_resend_the_mount_behaves_as_before(data, mounter: Mounter, monk
     with pytest.raises(OSError) as err:
         os.statvfs(m.mountpoint)
     assert err.value.errno == errno.ENOTCONN
+
+
+# -- systemd: the fd store, against a stand-in speaking systemd's documented protocol ------
+class SystemdStandin:
+    """What systemd does for `Type=notify` + `FileDescriptorStoreMax=` + `Restart=`: a
+    NOTIFY_SOCKET receiving READY=1 and FDSTORE=1 (descriptor attached, FDNAME=); a restart
+    hands stored descriptors back from fd 3 on with LISTEN_FDS, LISTEN_PID (the new main
+    process's own pid) and LISTEN_FDNAMES."""
+
+    def __init__(self, tmp: Path, cmd: list[str]) -> None:
+        self.cmd = cmd
+        self.address = str(tmp / "notify.sock")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.address)
+        self.sock.settimeout(0.1)
+        self.stored: dict[str, int] = {}
+        self.ready = False
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "NOTIFY_SOCKET": self.address, "SHARDFS_FDSTORE": "1"}
+        self.ready = False
+        if not self.stored:
+            self.proc = subprocess.Popen(self.cmd, env=env, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL)
+            return
+        names = list(self.stored)
+        fds = [self.stored[n] for n in names]
+        # In the child, before exec (so LISTEN_PID is the daemon's own pid): descriptors to
+        # 3, 4, ... and the variables set, as systemd does.
+        script = ("import os, sys\n"
+                  f"fds = {fds!r}\n"
+                  "moved = [os.dup(fd) for fd in fds]\n"
+                  "for i, fd in enumerate(moved):\n"
+                  "    os.dup2(fd, 3 + i)\n"
+                  "    os.set_inheritable(3 + i, True)\n"
+                  f"os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS='{len(fds)}',"
+                  f" LISTEN_FDNAMES='{':'.join(names)}')\n"
+                  "os.execvp(sys.argv[1], sys.argv[1:])\n")
+        self.proc = subprocess.Popen([sys.executable, "-c", script, *self.cmd], env=env,
+                                     pass_fds=fds, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+
+    def receive(self) -> None:
+        while True:
+            try:
+                data, fds, _, _ = socket.recv_fds(self.sock, 4096, 8)
+            except TimeoutError:
+                return
+            fields = dict(line.split("=", 1) for line in data.decode().splitlines()
+                          if "=" in line)
+            if fields.get("READY") == "1":
+                self.ready = True
+            if fields.get("FDSTORE") == "1" and fds:
+                name = fields.get("FDNAME", "stored")
+                if name in self.stored:  # the same connection sent again: keep one
+                    os.close(self.stored[name])
+                self.stored[name] = fds[0]
+            elif fds:
+                for fd in fds:
+                    os.close(fd)
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.ready:
+            assert time.monotonic() < deadline, "no READY=1"
+            assert self.proc is not None and self.proc.poll() is None, "the daemon exited"
+            self.receive()
+
+    def wait_exit(self, timeout: float = 60) -> int:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None:
+            assert time.monotonic() < deadline, "the daemon did not exit"
+            self.receive()
+        self.receive()
+        return self.proc.returncode
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for fd in self.stored.values():
+            os.close(fd)
+        self.stored.clear()
+        self.sock.close()
+
+
+@needs_shim
+def test_systemd_fd_store_keeps_the_mount(data, tmp_path: Path):
+    """Under (a stand-in for) systemd: the daemon stores the connection (FDSTORE=1); killed,
+    it is restarted (Restart=on-failure) and takes the mount over from LISTEN_FDS with no read
+    error; `systemctl restart` (RestartKillSignal=SIGUSR1) replaces it the same way;
+    `systemctl stop` (SIGTERM) unmounts."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    cmd = [*SHARDFS, "mount", data.pattern(f"file://{data.shard_dir}"), str(mnt),
+           "--cache-dir", str(tmp_path / "cache"), "--workers", "1", "--no-warm", "-f"]
+    systemd = SystemdStandin(tmp_path, cmd)
+    try:
+        systemd.start()
+        systemd.wait_ready()
+        assert list(systemd.stored) == ["shardfs-fuse"]
+        assert stats(mnt)["connection_kept_by"] == "systemd"
+        readers = Readers(mnt, data.sha, seed=7)
+        time.sleep(0.3)
+        assert systemd.proc is not None
+        systemd.proc.kill()  # kill -9: Restart=on-failure starts it again
+        assert systemd.wait_exit() == -signal.SIGKILL
+        systemd.start()
+        systemd.wait_ready()
+        readers.check(len(data.sha))
+        assert stats(mnt)["takeovers"] == 1
+        systemd.proc.send_signal(signal.SIGUSR1)  # systemctl restart
+        assert systemd.wait_exit() == 0
+        assert os.path.ismount(mnt)
+        systemd.start()
+        systemd.wait_ready()
+        assert_all_right(data, mnt)
+        assert stats(mnt)["takeovers"] == 2
+        systemd.proc.send_signal(signal.SIGTERM)  # systemctl stop
+        assert systemd.wait_exit() == 0
+        assert not os.path.ismount(mnt)
+    finally:
+        systemd.close()
+        if os.path.ismount(mnt):
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)])
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="needs systemd-analyze")
+def test_the_unit_verifies(tmp_path: Path):
+    """systemd-analyze verify accepts the unit (ExecStart pointed at a binary that exists
+    here, as verify checks that it does)."""
+    unit = Path(__file__).parent.parent / "systemd" / "shardfs@.service"
+    text = unit.read_text()
+    assert "FileDescriptorStoreMax=1" in text and "RestartKillSignal=SIGUSR1" in text
+    copy = tmp_path / "shardfs@test.service"
+    copy.write_text(text.replace("/usr/local/bin/shardfs", shutil.which("true") or "/bin/true"))
+    result = subprocess.run(["systemd-analyze", "verify", str(copy)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "shardfs@test.service" not in result.stderr, result.stderr
