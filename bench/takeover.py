@@ -4,7 +4,8 @@
 into shards (file:// source, `--no-warm`, through the CLI, so with the holder), and for each
 kill: waits until the holder's spare daemon stands by, drops the page cache of every file,
 starts 8 reader threads over every file (sha256-checked), SIGKILLs the daemon (the pid of the
-stats) and times how long a probe read of a file whose pages were dropped takes to return.
+stats) and times from the kill until a probe read of a file whose pages were dropped, started
+once every process of the old daemon (its workers too) is gone, returns.
 Side by side, the same probe read without a kill (the baseline). Prints each gap, the median,
 and the readers' errors and wrong files (both must be 0).
 """
@@ -68,6 +69,13 @@ def _spare_standing_by(holder: int) -> bool:
     return False
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _read_all(mnt: Path, sha: dict[str, str], errors: list, wrong: list) -> None:
     def one(rel: str) -> None:
         try:
@@ -96,11 +104,16 @@ def _round(mnt: Path, sha: dict[str, str], probe: Path, kill: bool) -> tuple[flo
     readers = threading.Thread(target=_read_all, args=(mnt, sha, errors, wrong))
     readers.start()
     time.sleep(0.2)
-    pid = _stats(mnt)["pid"]
+    before = _stats(mnt)
+    old = [before["pid"], *before["workers"]]
     _drop(probe)
-    if kill:
-        os.kill(pid, signal.SIGKILL)
     began = time.monotonic()
+    if kill:
+        os.kill(before["pid"], signal.SIGKILL)
+        # The probe must not be answered by what is left of the old daemon (its workers live
+        # a few milliseconds longer): read once every old process is gone.
+        while any(_alive(pid) for pid in old):
+            time.sleep(0.001)
     probe.read_bytes()
     gap = time.monotonic() - began
     readers.join()
