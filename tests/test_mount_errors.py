@@ -114,7 +114,7 @@ def test_kill_9_leaves_no_partial_shard_and_stale_mount_is_cleaned(dataset, ngin
     publish(dataset, nginx.root)
     with FaultProxy(nginx.port) as proxy:
         source = brace(dataset, f"{proxy.url}/data")
-        m = mounter.mount([source], None, None, "--no-warm")
+        m = mounter.mount([source], None, None, "--no-warm", "--no-holder")  # a mount that dies
         # The next request (the whole-shard fetch the read below starts) stalls after 16 KiB,
         # so the daemon is killed with that shard's .part file half written.
         proxy.stall(60, after_bytes=16 * 1024, times=1)

@@ -39,7 +39,7 @@ from shardfs.fuse import shim
 from shardfs.fuse.fastread import COLLECT_INTERVAL, FastReads, next_interval
 from shardfs.fuse.ops import ShardFS
 from shardfs.fuse.pagepush import PagePusher, worth_pushing
-from shardfs.fuse.worker import WorkerSetup, resend_unanswered, run_worker
+from shardfs.fuse.worker import WorkerSetup, not_a_late_answer, resend_unanswered, run_worker
 from shardfs.read.cache import ShardCache
 from shardfs.read.lookahead import Lookahead, LookaheadPolicy
 from shardfs.read.reader import Reader, ReadPolicy
@@ -431,6 +431,9 @@ def _take_over(ops: ShardFS, cfg: MountConfig, record: SessionRecord) -> bool:
     the first daemon's was, and have the kernel queue again the requests the previous daemon
     had read and not answered. True (reads need no OPEN: a takeover needs the shim)."""
     assert cfg.fuse_fd is not None
+    # A request the previous daemon answered just before it died is queued again too; the
+    # kernel refuses our second answer (ENOENT), which is expected: keep it out of the log.
+    logging.getLogger("pyfuse3").addFilter(not_a_late_answer)
     reply = fuse_session.resume(ops, cfg.fuse_fd, record.init_request, fuse_options(cfg))
     try:
         resend_unanswered(shim.session_fd())

@@ -124,7 +124,7 @@ async def _serve(setup: WorkerSetup) -> None:
         nursery.cancel_scope.cancel()
 
 
-def _not_a_late_answer(record: logging.LogRecord) -> bool:
+def not_a_late_answer(record: logging.LogRecord) -> bool:
     """pyfuse3 logs an error when the kernel refuses an answer with ENOENT: the request was
     queued again after a worker died (resend_unanswered) and its new copy is answered instead,
     or it was interrupted. Expected, not an error: keep such records out of the log."""
@@ -139,7 +139,7 @@ def run_worker(setup: WorkerSetup, clone_fd: int) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    logging.getLogger("pyfuse3").addFilter(_not_a_late_answer)
+    logging.getLogger("pyfuse3").addFilter(not_a_late_answer)
     try:
         serve_on(clone_fd)
         trio.run(_serve, setup)

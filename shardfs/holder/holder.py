@@ -45,6 +45,10 @@ HOLDER_PID_ENV = "SHARDFS_HOLDER_PID"
 MAX_DEATHS, DEATH_WINDOW_S = 5, 60.0
 START_TIMEOUT_S = 120.0  # a takeover that is not serving by then counts as a death
 STOP_TIMEOUT_S = 60.0
+# The spare starts this long after a daemon is ready, not at once: it would compete for the
+# CPU with the daemon's own start, and mounts that end within seconds (tests, scripts) never
+# need one. A death before then starts a daemon from scratch (a gap of Python's start-up).
+SPARE_DELAY_S = 3.0
 
 
 @dataclass
@@ -97,6 +101,7 @@ class Holder:
         self.spare: Child | None = None
         self.deaths: deque[float] = deque()
         self.takeovers = 0
+        self.spare_due = 0.0  # when to start the next spare (monotonic)
         self.restart_asked = False  # SIGUSR1 (shardfs restart), not acted on yet
         self.handing_over = False  # the daemon was told to exit for the spare (a restart)
         self.stop_asked = False
@@ -195,7 +200,7 @@ class Holder:
         assert self.daemon is not None
         log.info("holding the FUSE connection of %s for daemon %d", self.mountpoint,
                  self.daemon.proc.pid)
-        self.spare = self._start_spare()
+        self.spare_due = time.monotonic() + SPARE_DELAY_S
         while True:
             oom_before = cgroup_oom_kills()
             status = self._wait_daemon()
@@ -231,7 +236,12 @@ class Holder:
             while True:
                 if self.stop_asked or self.restart_asked:
                     return None
-                readable = self._wait([pidfd, *self._spare_fds()], None)
+                timeout = None
+                if self.spare is None:
+                    timeout = self.spare_due - time.monotonic()
+                    if timeout <= 0:
+                        self.spare, timeout = self._start_spare(), None
+                readable = self._wait([pidfd, *self._spare_fds()], timeout)
                 self._poll_spare(readable)
                 if pidfd in readable:
                     _, status = os.waitpid(self.daemon.proc.pid, 0)
@@ -284,7 +294,7 @@ class Holder:
                 self.daemon = spare
                 log.info("daemon %d took the mount over in %.2f s (takeover %d of this holder)",
                          spare.proc.pid, time.monotonic() - started, self.takeovers)
-                self.spare = self._start_spare()
+                self.spare_due = time.monotonic() + SPARE_DELAY_S
                 return True
             if spare.proc.poll() is None:
                 spare.proc.kill()
