@@ -243,3 +243,15 @@ def test_an_idx_alone_is_a_clear_error(tmp_path: Path, mounter: Mounter):
     result = mounter.run(str(tmp_path / "t.idx"), str(mnt), "--cache-dir", str(cache))
     assert result.returncode != 0
     assert "index of a RecordIO file" in result.stderr and "t.rec" in result.stderr
+
+
+def test_an_idx_that_does_not_match_fails_the_mount_clearly(tmp_path: Path, mounter: Mounter):
+    make_rec(tmp_path / "t")
+    lines = (tmp_path / "t.idx").read_text().splitlines()
+    key, offset = lines[3].split("\t")
+    lines[3] = f"{key}\t{int(offset) + 12}"  # inside the record, not at its header
+    (tmp_path / "t.idx").write_text("\n".join(lines) + "\n")
+    mnt, cache = mounter.paths()
+    result = mounter.run(str(tmp_path / "t.rec"), str(mnt), "--cache-dir", str(cache))
+    assert result.returncode != 0
+    assert "not a usable recordio shard" in result.stderr and "bad magic" in result.stderr

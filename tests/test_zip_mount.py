@@ -324,3 +324,38 @@ def test_info_zip_symlinks(tmp_path: Path, mounter: Mounter):
     assert (m.mountpoint / "up.jpg").read_bytes() == (src / "a" / "img.jpg").read_bytes()
     assert not os.path.lexists(m.mountpoint / "escape")
     assert m.stats()["members_skipped"] == {"symlink-escapes": 1}
+
+
+def test_announced_zip_members_come_from_the_lookahead(tree: Path, nginx, mounter: Mounter):
+    """Stored and deflated members announced on the Lookahead socket (what
+    shardfs.torch.Lookahead sends) are fetched ahead by their stored ranges and read from the
+    buffer; the dataset is larger than the cache, so no whole-shard fetches."""
+    import json
+    import socket
+
+    # JPEGs barely compress; text does (its stored range is far shorter than its size).
+    text = {f"text/{i}.txt": b"line %d of a compressible file\n" % i * 3000 for i in range(8)}
+    expected = {**loose_files(tree), **text}
+    write_zip(nginx.root / "la.zip", expected,
+              methods=(zipfile.ZIP_DEFLATED, zipfile.ZIP_STORED))
+    m = mounter.mount([f"{nginx.url}/la.zip"], None, None, "--no-warm", "--cache-size",
+                      "128KiB")
+    address = m.stats()["lookahead_socket"]
+    files = list(expected.items())
+    random.Random(4).shuffle(files)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(30)
+        sock.connect("\0" + address[1:])
+        sock.sendall(json.dumps({"paths": [name for name, _ in files]}).encode() + b"\n")
+        reply = b""
+        while not reply.endswith(b"\n"):
+            reply += sock.recv(65536)
+        assert json.loads(reply)["accepted"] == len(files)
+        for name, data in files:
+            assert (m.mountpoint / name).read_bytes() == data
+        stats = m.stats()
+    la, reader = stats["lookahead"], stats["reader"]
+    assert la["hits"] >= 0.8 * len(files), la
+    assert reader["shard_fetches_started"] == 0 and reader["eio"] == 0
+    fetched = stats["bytes_fetched"] - stats["bytes_indexed"]  # small members: indexing
+    assert fetched <= 1.3 * (nginx.root / "la.zip").stat().st_size  # read them all, once

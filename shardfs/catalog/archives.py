@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 GAP = 64 << 10  # read through gaps up to this size rather than ask again
 MAX_SPAN = 16 << 20  # but never more than this in one request
-PARALLEL = 16  # ranged reads in flight per shard
+PARALLEL = 32  # ranged reads in flight per shard (the HTTP pool holds 32 connections)
 
 
 class ArchiveError(ValueError):
