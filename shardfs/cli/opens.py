@@ -5,16 +5,19 @@ The daemon sees only the reads the kernel sends it; a file whose pages are in th
 kernel still tells inotify watchers of every close of a file opened for reading, so `shardfs
 top` watches the mount's directories while it runs (nothing is counted, and nothing costs,
 when nobody watches): files closed after reading, and the bytes of those files (their size,
-from the kernel's attribute cache: no request to the daemon). A file opened and read only in
+from the kernel's attribute cache: no request to the daemon; above ~600 files/s, from a sample
+of them). A file opened and read only in
 part counts whole; ImageFolder-style loaders read whole files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
 import os
+import random
 import select
 import struct
 import threading
@@ -28,6 +31,7 @@ IN_NONBLOCK = os.O_NONBLOCK
 IN_CLOEXEC = os.O_CLOEXEC
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then the name, NUL padded)
 BATCH_S = 0.05  # seconds between reads of the event queue while files are read
+STAT_SAMPLE = 32  # files stat'ed per batch for their sizes (see _count)
 MAX_DIRS = 50_000  # a tree with more directories is not watched (inotify watches are per user)
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -112,6 +116,7 @@ class OpenCounter:
                 return
             except OSError:
                 return
+            closed: list[bytes] = []
             pos = 0
             while pos + _EVENT.size <= len(data):
                 wd, mask, _, length = _EVENT.unpack_from(data, pos)
@@ -122,15 +127,21 @@ class OpenCounter:
                 elif mask & IN_IGNORED:
                     self._dirs.pop(wd, None)
                 elif mask & IN_CLOSE_NOWRITE and not mask & IN_ISDIR and name:
-                    self._count(wd, name)
+                    directory = self._dirs.get(wd)
+                    if directory is not None:
+                        closed.append(os.path.join(directory, name))
+            self._count(closed)
 
-    def _count(self, wd: int, name: bytes) -> None:
-        directory = self._dirs.get(wd)
-        if directory is None:
+    def _count(self, paths: list[bytes]) -> None:
+        """Count files closed; their bytes from the sizes of at most STAT_SAMPLE of them per
+        batch (a stat is ~15 us: at thousands of files/s, stat'ing each cost top a tenth of a
+        core), the rest counted at the sample's mean size."""
+        if not paths:
             return
-        try:
-            size = os.stat(os.path.join(directory, name), follow_symlinks=False).st_size
-        except OSError:
-            size = 0
-        self.files += 1
-        self.bytes += size
+        sample = paths if len(paths) <= STAT_SAMPLE else random.sample(paths, STAT_SAMPLE)
+        total = 0
+        for path in sample:
+            with contextlib.suppress(OSError):
+                total += os.stat(path, follow_symlinks=False).st_size
+        self.files += len(paths)
+        self.bytes += total * len(paths) // len(sample)
