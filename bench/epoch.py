@@ -164,17 +164,24 @@ def build(spec: dict):
 
 
 def _expected_order(spec: dict, ds) -> list[int]:
-    """The uninterrupted epoch's order of a resumed epoch's sampler (a fresh one)."""
+    """The uninterrupted epoch's order of a resumed epoch: the wrapped sampler's order of a
+    fresh sampler; for shuffle=True, a fresh StatefulDataLoader's (its RandomSampler shares
+    the generator with the loader's own seeds), over the indices alone (no file is read)."""
     import torch
 
     g = torch.Generator()
     g.manual_seed(spec.get("seed", 0))
     sampler = _sampler(spec.get("sampler", "random"), ds, g, spec)
-    if sampler is None:
-        from torch.utils.data import RandomSampler
+    if sampler is not None:
+        return [int(i) for i in getattr(sampler, "sampler", sampler)]
+    from torchdata.stateful_dataloader import StatefulDataLoader
 
-        sampler = RandomSampler(ds, generator=g)
-    return [int(i) for i in getattr(sampler, "sampler", sampler)]
+    workers = spec["workers"]
+    loader = StatefulDataLoader(list(range(len(ds))), shuffle=True, generator=g,
+                                batch_size=spec["batch_size"], num_workers=workers,
+                                prefetch_factor=spec.get("prefetch_factor", 2) if workers
+                                else None)
+    return [int(i) for batch in loader for i in batch]
 
 
 def _cpu_s() -> float:

@@ -143,7 +143,7 @@ class Bench:
             else:
                 epochs = {"main": MAIN_EPOCHS, "small": SMALL_EPOCHS,
                           "resume": RESUME_EPOCHS}.get(scenario, OVER_EPOCHS)
-                if self.args.epochs:
+                if self.args.epochs and scenario != "resume":  # its two halves are one epoch
                     epochs = epochs[: self.args.epochs]
                 for i, (name, decode) in enumerate(epochs):
                     if i == 0:

@@ -104,6 +104,34 @@ def test_bench_tiny_end_to_end(tmp_path: Path) -> None:
         assert not _processes_mentioning(str(tmp_path)), _processes_mentioning(str(tmp_path))
 
 
+def test_bench_resume_scenario(tmp_path: Path) -> None:
+    """Half an epoch, then a new process resumes it from the StatefulDataLoader state (the
+    scenario's pair is not cut by --epochs 1); the halves are the uninterrupted epoch."""
+    pytest.importorskip("torchdata")
+    record_path = tmp_path / "record.json"
+    cmd = [sys.executable, "-m", "bench", "run", "--no-tc",
+           "--classes", "2", "--per-class", "6", "--mean-kb", "6", "--shard-mb", "0.03",
+           "--workers", "1", "--batch-size", "4", "--scenarios", "resume", "--epochs", "1",
+           "--contenders", "webdataset,shardfs,shardfs-lookahead", "--latency-ms", "1",
+           "--epoch-limit", "60", "--out", str(tmp_path / "out"), "--json", str(record_path)]
+    try:
+        result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=280)
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+        resume = json.loads(record_path.read_text())["scenarios"]["resume"]
+        assert resume["webdataset"]["status"] == "n/a" and resume["webdataset"]["reason"]
+        for name in ("shardfs", "shardfs-lookahead"):
+            assert resume[name]["status"] == "ok", resume[name]
+            half, rest = resume[name]["epochs"]["half"], resume[name]["epochs"]["resumed"]
+            assert half["files"] == 4 and rest["files"] == 8, (half, rest)
+            assert rest["resume_union_ok"] and rest["resume_each_once"], rest
+    finally:
+        leftover_mounts = _mounts_under(tmp_path)
+        for m in leftover_mounts:
+            subprocess.run(["fusermount3", "-u", "-z", m], capture_output=True)
+        assert not leftover_mounts, leftover_mounts
+        assert not _processes_mentioning(str(tmp_path)), _processes_mentioning(str(tmp_path))
+
+
 def test_node_tables_of_other_worker_counts_are_kept(tmp_path: Path):
     """`bench node --docs` replaces the table of its own --workers and keeps the others."""
     from bench.node import MARK_BEGIN, MARK_END, write_docs

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -239,6 +240,15 @@ def test_shard_sampler_state_checks():
 # -- on a mount: the daemon is told the order from the resume point -----------------------------
 
 
+def settled(m) -> dict:
+    """The mount's stats once the daemon has read every announcement of the closed
+    connections (it handles what is left in a socket before it sees the close)."""
+    deadline = time.monotonic() + 30
+    while m.stats()["lookahead"]["connections"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return m.stats()
+
+
 def test_lookahead_resume_on_a_mount_prefetches_from_the_resume_point(dataset, nginx,
                                                                       mounter: Mounter):
     m = mount_small(dataset, nginx, mounter)
@@ -260,7 +270,7 @@ def test_lookahead_resume_on_a_mount_prefetches_from_the_resume_point(dataset, n
     state = loader.state_dict()
     del loader
     first_sampler.close()  # the job "stops": the daemon drops what it announced
-    mid = m.stats()
+    mid = settled(m)
     sampler = make()
     loader = StatefulDataLoader(data, sampler=sampler, batch_size=batch, num_workers=2)
     loader.load_state_dict(state)
@@ -306,7 +316,7 @@ def test_ddp_ranks_resume(dataset, nginx, mounter: Mounter, tmp_path: Path):
               for _ in range(2)]
     state_dir = tmp_path / "state"
     first = run_ranks(mounts, tmp_path, "first", state_dir)
-    mid = [mt.stats() for mt in mounts]
+    mid = [settled(mt) for mt in mounts]
     rest = run_ranks(mounts, tmp_path, "rest", state_dir)
     n = dataset.shards.nfiles
     for kind in DDP_SAMPLERS:

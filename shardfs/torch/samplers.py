@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import warnings
+from array import array
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -177,7 +178,7 @@ class _Resumable:
         """What must be equal for a saved position to mean the same order."""
         if self._map_digest is None:  # once: state_dict() is called for every batch
             h = hashlib.sha256("\0".join(self.map.shards).encode("utf-8", "surrogateescape"))
-            h.update(self.map.shard_of.numpy().tobytes())
+            h.update(array("q", self.map.shard_of.tolist()).tobytes())  # no numpy needed
             self._map_digest = h.hexdigest()[:32]
         return {"seed": self.seed, "shuffle": self.shuffle, "map": self._map_digest}
 
