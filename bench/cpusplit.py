@@ -217,16 +217,21 @@ def perf_split(path: Path, tid_group: dict[int, str]) -> dict:
 
 # What a Python stack is doing, by the first of these found in it (file or function names).
 PHASES = [
-    ("page push", ("pagepush.py",)),
+    ("page push", ("fuse/pagepush.py",)),
     ("hashing", ("check_and_decode", "sha256_of")),
-    ("source read (file://)", ("(file.py",)),
-    ("HTTP receive", ("httpcore", "h11", "httpx", "(http.py")),
-    ("cache write + frontier", ("_write (reader.py", "filled (fetch.py", "pwrite_all",
-                                "arrived (states.py")),
-    ("READ answered in Python", ("read (ops.py", "(reader.py", "diskread.py", "(remote.py")),
-    ("worker RPC", ("rpc.py", "workers.py")),
-    ("C reads' counts (collect)", ("fastread.py", "note_reads", "workingset.py")),
-    ("fetch bookkeeping", ("cache.py", "fetch.py")),
+    ("source read (file://)", ("sources/file.py",)),
+    ("HTTP receive", ("httpcore/", "h11/", "httpx/", "sources/http.py")),
+    ("cache write + frontier", ("Reader._write", "pwrite_all", "read/fetch.py",
+                                "read/states.py")),
+    ("READ answered in Python", ("fuse/ops.py", "Reader._read", "read/diskread.py",
+                                 "fuse/remote.py")),
+    ("worker RPC", ("util/rpc.py", "daemon/workers.py")),
+    ("C reads' counts (collect)", ("fuse/fastread.py", "note_reads", "read/workingset.py")),
+    ("fetch bookkeeping", ("read/cache.py", "read/reader.py")),
+    ("thread hops (trio)", ("trio/_threads.py", "trio/_core/_thread_cache.py",
+                            "_wakeup_socketpair.py", "_entry_queue.py")),
+    ("FUSE loop (pyfuse3, C drain)", ("_pyfuse3.py",)),
+    ("trio epoll wait", ("_io_epoll.py",)),
 ]
 
 
@@ -267,7 +272,7 @@ def pyspy_split(path: Path, main_tid: int) -> dict:
         m = re.match(r"thread \((\d+)\)", stack)
         group = "main" if m and int(m.group(1)) == main_tid else "threads"
         phase = next((name for name, marks in PHASES if any(k in stack for k in marks)),
-                     "trio loop, pyfuse3 dispatch, other")
+                     "other")
         counts[group][phase] = counts[group].get(phase, 0) + int(n)
     out = {}
     for group, phases in counts.items():
