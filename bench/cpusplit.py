@@ -388,7 +388,8 @@ def _print(rec: dict) -> None:
     print(f"  [{rec['variant']}] {rec['source']} workers={rec['workers']} P={rec['readers']}: "
           f"{rec['files_per_s']:.0f} files/s; µs/file: all {rec['all_us_per_file']}, daemon "
           f"process {rec['daemon_process_us_per_file']}, serial (daemon main thread) "
-          f"{rec['serial_us_per_file']} -> bound {rec['bound_files_per_s']} files/s", flush=True)
+          f"{rec['serial_us_per_file']} -> bound {rec['bound_files_per_s']} files/s; pushed / "
+          f"opened first {_pushed(rec)}", flush=True)
     for role, proc in rec["split"].items():
         threads = ", ".join(f"{n} {t['user']}+{t['system']}"
                             for n, t in proc["threads"].items())
@@ -445,6 +446,11 @@ def run(args: argparse.Namespace) -> dict:
     return record
 
 
+def _pushed(rec: dict) -> str:
+    pushed = (rec.get("stats") or {}).get("pages_pushed")
+    return f"{pushed['files']:,} / {pushed['opened']:,}" if pushed else "–"
+
+
 def render(record: dict, command: str) -> str:
     ds = record["dataset"]
     lines = [MARK_BEGIN, "", f"`{command}` — {ds['files']} files in {ds['shards']} shards "
@@ -452,8 +458,9 @@ def render(record: dict, command: str) -> str:
              "dropped). µs of CPU per file read, user + system; the serial part is the "
              "daemon's main thread, and its bound is 1e6 / that.", "",
              "| code | source | workers | files/s | all processes | daemon process | daemon "
-             "main thread (serial) | daemon other threads | workers (each) | bound files/s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "main thread (serial) | daemon other threads | workers (each) | bound files/s "
+             "| files pushed / opened first |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for rec in record["passes"]:
         daemon = rec["split"]["daemon"]
         main = daemon["threads"].get("main", {"user": 0, "system": 0})
@@ -466,7 +473,11 @@ def render(record: dict, command: str) -> str:
             f"{rec['files_per_s']:,.0f} | "
             f"{rec['all_us_per_file']} | {daemon['user']}+{daemon['system']} | "
             f"{main['user']}+{main['system']} | {other_txt} | {worker_txt} | "
-            f"{rec['bound_files_per_s']:,} |")
+            f"{rec['bound_files_per_s']:,} | {_pushed(rec)} |")
+    lines += ["", "Files pushed: their pages were put in the page cache when their shard "
+              "arrived (no READ reaches the mount); opened first: read through FUSE READs "
+              "while their shard was still coming. The mix changes the CPU per file from "
+              "pass to pass."]
     perfs = [r for r in record["passes"] if "perf" in r]
     if perfs:
         lines += ["", "Where the samples were (`--profile perf`, % of the pass's samples of "
