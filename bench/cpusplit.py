@@ -324,10 +324,10 @@ def _restore(saved: dict[str, str | None]) -> None:
 
 
 def _cold_pass(sources: list[str], mnt: Path, cache: Path, names: list[str], args,
-               label: str, workers: int, work: Path, variant: Variant) -> dict:
+               label: str, workers: int, work: Path, variant: Variant, push: str) -> dict:
     saved = variant.apply()
     try:
-        mount = Mount(sources, mnt, cache, workers, args.push_pages)
+        mount = Mount(sources, mnt, cache, workers, push)
     finally:
         _restore(saved)
     try:
@@ -345,7 +345,8 @@ def _cold_pass(sources: list[str], mnt: Path, cache: Path, names: list[str], arg
         for profiler in (perf, spy):
             if profiler is not None:
                 profiler.stop()
-        rec.update(source=label, workers=workers, readers=args.readers, variant=variant.name)
+        rec.update(source=label, workers=workers, readers=args.readers, variant=variant.name,
+                   push_pages=push)
         with contextlib.suppress(OSError):
             rec["stats"] = mount.stats()
         rec["split"] = split(before, after, roles, len(names))
@@ -385,7 +386,8 @@ def _keep(path: Path, where: str | None) -> None:
 
 
 def _print(rec: dict) -> None:
-    print(f"  [{rec['variant']}] {rec['source']} workers={rec['workers']} P={rec['readers']}: "
+    print(f"  [{rec['variant']}] {rec['source']} workers={rec['workers']} P={rec['readers']} "
+          f"push {rec.get('push_pages', 'auto')}: "
           f"{rec['files_per_s']:.0f} files/s; µs/file: all {rec['all_us_per_file']}, daemon "
           f"process {rec['daemon_process_us_per_file']}, serial (daemon main thread) "
           f"{rec['serial_us_per_file']} -> bound {rec['bound_files_per_s']} files/s; pushed / "
@@ -433,12 +435,13 @@ def run(args: argparse.Namespace) -> dict:
         for round_ in range(args.rounds):
             for workers in args.workers:
                 for label in args.sources:
-                    for variant in args.variant:
-                        rec = _cold_pass(by_source[label], mnt, work / "cache", names, args,
-                                         label, workers, work, variant)
-                        rec["round"] = round_
-                        record["passes"].append(rec)
-                        _print(rec)
+                    for push in args.push_pages:
+                        for variant in args.variant:
+                            rec = _cold_pass(by_source[label], mnt, work / "cache", names,
+                                             args, label, workers, work, variant, push)
+                            rec["round"] = round_
+                            record["passes"].append(rec)
+                            _print(rec)
     finally:
         if nginx is not None:
             nginx.stop()
@@ -521,7 +524,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", default="1,2", help="shardfs --workers values, comma-separated")
     p.add_argument("--sources", default="file,http", help="file and/or http, comma-separated")
     p.add_argument("--rounds", type=int, default=1, help="turns through all passes")
-    p.add_argument("--push-pages", choices=("auto", "off"), default="auto")
+    p.add_argument("--push-pages", default="auto",
+                   help="shardfs --push-pages: auto and/or off, comma-separated (in turns)")
     p.add_argument("--profile", default="none",
                    help="none, or perf and/or py-spy (comma-separated): also sample the mount's "
                         "processes with perf (Debian linux-perf), the daemon with py-spy")
@@ -542,6 +546,11 @@ def cpusplit_command(args: argparse.Namespace, argv: list[str]) -> int:
     args.workers = [int(x) for x in str(args.workers).split(",")]
     args.variant = [Variant.parse(v) for v in args.variant] or [Variant("this")]
     args.sources = [s.strip() for s in str(args.sources).split(",")]
+    args.push_pages = [s.strip() for s in str(args.push_pages).split(",")]
+    if set(args.push_pages) - {"auto", "off"}:
+        print(f"bench cpusplit: --push-pages takes auto and/or off, not {args.push_pages}",
+              file=sys.stderr)
+        return 2
     bad = [s for s in args.sources if s not in ("file", "http")]
     if bad:
         print(f"bench cpusplit: unknown source {bad[0]!r} (file, http)", file=sys.stderr)
