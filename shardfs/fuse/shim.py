@@ -202,7 +202,8 @@ class PushCounts(ctypes.Structure):
     _fields_ = [
         ("looked_up", ctypes.c_uint64), ("files", ctypes.c_uint64), ("bytes", ctypes.c_uint64),
         ("opened", ctypes.c_uint64), ("unknown", ctypes.c_uint64), ("errors", ctypes.c_uint64),
-        ("off", ctypes.c_int32), ("error", ctypes.c_int32),
+        ("off", ctypes.c_int32), ("error", ctypes.c_int32), ("stop", ctypes.c_int32),
+        ("unused", ctypes.c_int32),
     ]
 
 
