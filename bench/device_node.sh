@@ -47,9 +47,10 @@ for w in 1 4 8; do
   echo "bench node workers=$w: exit $?" >> "$out/machine.txt"
 done
 # Where the CPU goes, and the changes of issue 26 on and off in turns: the shim's lingering
-# (SHARDFS_LINGER_US=0: off) and the page push's loop in C (SHARDFS_PUSH_IN_PYTHON=1: Python).
+# (off by default; SHARDFS_LINGER_US=300: on) and the page push's loop in C
+# (SHARDFS_PUSH_IN_PYTHON=1: the Python loop).
 timeout 150 $PYTHON -m bench.cpusplit --readers 16 --workers 1,4 --sources file --rounds 2 \
-  --files "$files" --variant this=$PWD --variant nolinger=$PWD:SHARDFS_LINGER_US=0 \
+  --files "$files" --variant this=$PWD --variant linger300=$PWD:SHARDFS_LINGER_US=300 \
   --variant pypush=$PWD:SHARDFS_PUSH_IN_PYTHON=1 --workdir "$work" --out "$out/raw" \
   > "$out/cpusplit.log" 2>&1
 echo "bench cpusplit: exit $?" >> "$out/machine.txt"

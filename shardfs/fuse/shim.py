@@ -143,9 +143,11 @@ def serve_metadata(tree: Any, *, uid: int, gid: int, timeout: float,
 
 # Microseconds the shim waits for a next request before going back to pyfuse3's loop
 # (_shim.c, "Lingering"): one wake-up of that loop costs tens of microseconds of Python.
-# Cold pass, 8 readers, 1 process (docs/benchmarks.md, "Cold reads: where a file's CPU
-# goes"): the loop thread's CPU per file ~107 us without, 70-100 us at 100, 75-79 at 300.
-LINGER_US = 300
+# Off by default: on the 2-core development machine no setting showed less CPU per cold
+# file in turns (docs/benchmarks.md, "Cold reads: where a file's CPU goes"), where the
+# readers' next request rarely comes while cores are short; bench/device_node.sh measures
+# it on and off on a many-core machine.
+LINGER_US = 0
 
 
 def linger_us() -> int:
