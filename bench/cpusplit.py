@@ -2,7 +2,8 @@
 profiler) per kind of code.
 
 `python -m bench cpusplit [--files 20000] [--kb 24] [--shards 16] [--readers 8]
-[--workers 1,2] [--sources file,http] [--rounds 1] [--profile none|perf] [--docs PAGE]`
+[--workers 1,2] [--sources file,http] [--push-pages auto,off] [--rounds 1]
+[--profile perf,py-spy] [--variant NAME=DIR[:KEY=VALUE...]]... [--docs PAGE]`
 
 The `bench node` data set and readers (bench/node.py): P reader processes read every file of
 a fresh mount once, its cache empty and the page cache dropped, from `file://` shards and
@@ -22,7 +23,9 @@ holding is small (the profiler's Python share of them says how small).
 splits each thread group's samples by where the CPU was: the Python interpreter, C
 extensions and libraries (hashing in libcrypto, libfuse and the shim, libc copies) and the
 kernel; plus the top symbols. Python 3.11 has no perf map, so Python code shows as the
-interpreter only.
+interpreter only; `--profile py-spy` says what the daemon's Python was doing (PHASES).
+`--variant` runs every pass with other code or settings too, in turns (before and after a
+change in one run: the machine's load drifts between runs).
 """
 
 from __future__ import annotations
@@ -155,7 +158,7 @@ class Perf:
         self.path = path
         self.proc = subprocess.Popen(
             ["perf", "record", "-F", str(freq), "-q", "-o", str(path), "-p",
-             ",".join(map(str, pids))], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+             ",".join(map(str, pids))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(0.5)  # perf attaches
 
     def stop(self) -> None:
