@@ -2,7 +2,8 @@
 profiler) per kind of code.
 
 `python -m bench cpusplit [--files 20000] [--kb 24] [--shards 16] [--readers 8]
-[--workers 1,2] [--sources file,http] [--rounds 1] [--profile none|perf] [--docs PAGE]`
+[--workers 1,2] [--sources file,http] [--push-pages auto,off] [--rounds 1]
+[--profile perf,py-spy] [--variant NAME=DIR[:KEY=VALUE...]]... [--docs PAGE]`
 
 The `bench node` data set and readers (bench/node.py): P reader processes read every file of
 a fresh mount once, its cache empty and the page cache dropped, from `file://` shards and
@@ -22,7 +23,9 @@ holding is small (the profiler's Python share of them says how small).
 splits each thread group's samples by where the CPU was: the Python interpreter, C
 extensions and libraries (hashing in libcrypto, libfuse and the shim, libc copies) and the
 kernel; plus the top symbols. Python 3.11 has no perf map, so Python code shows as the
-interpreter only.
+interpreter only; `--profile py-spy` says what the daemon's Python was doing (PHASES).
+`--variant` runs every pass with other code or settings too, in turns (before and after a
+change in one run: the machine's load drifts between runs).
 """
 
 from __future__ import annotations
@@ -155,7 +158,7 @@ class Perf:
         self.path = path
         self.proc = subprocess.Popen(
             ["perf", "record", "-F", str(freq), "-q", "-o", str(path), "-p",
-             ",".join(map(str, pids))], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+             ",".join(map(str, pids))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(0.5)  # perf attaches
 
     def stop(self) -> None:
@@ -217,16 +220,21 @@ def perf_split(path: Path, tid_group: dict[int, str]) -> dict:
 
 # What a Python stack is doing, by the first of these found in it (file or function names).
 PHASES = [
-    ("page push", ("pagepush.py",)),
+    ("page push", ("fuse/pagepush.py",)),
     ("hashing", ("check_and_decode", "sha256_of")),
-    ("source read (file://)", ("(file.py",)),
-    ("HTTP receive", ("httpcore", "h11", "httpx", "(http.py")),
-    ("cache write + frontier", ("_write (reader.py", "filled (fetch.py", "pwrite_all",
-                                "arrived (states.py")),
-    ("READ answered in Python", ("read (ops.py", "(reader.py", "diskread.py", "(remote.py")),
-    ("worker RPC", ("rpc.py", "workers.py")),
-    ("C reads' counts (collect)", ("fastread.py", "note_reads", "workingset.py")),
-    ("fetch bookkeeping", ("cache.py", "fetch.py")),
+    ("source read (file://)", ("sources/file.py",)),
+    ("HTTP receive", ("httpcore/", "h11/", "httpx/", "sources/http.py")),
+    ("cache write + frontier", ("Reader._write", "pwrite_all", "read/fetch.py",
+                                "read/states.py")),
+    ("READ answered in Python", ("fuse/ops.py", "Reader._read", "read/diskread.py",
+                                 "fuse/remote.py")),
+    ("worker RPC", ("util/rpc.py", "daemon/workers.py")),
+    ("C reads' counts (collect)", ("fuse/fastread.py", "note_reads", "read/workingset.py")),
+    ("fetch bookkeeping", ("read/cache.py", "read/reader.py")),
+    ("thread hops (trio)", ("trio/_threads.py", "trio/_core/_thread_cache.py",
+                            "_wakeup_socketpair.py", "_entry_queue.py")),
+    ("FUSE loop (pyfuse3, C drain)", ("_pyfuse3.py",)),
+    ("trio epoll wait", ("_io_epoll.py",)),
 ]
 
 
@@ -267,7 +275,7 @@ def pyspy_split(path: Path, main_tid: int) -> dict:
         m = re.match(r"thread \((\d+)\)", stack)
         group = "main" if m and int(m.group(1)) == main_tid else "threads"
         phase = next((name for name, marks in PHASES if any(k in stack for k in marks)),
-                     "trio loop, pyfuse3 dispatch, other")
+                     "other")
         counts[group][phase] = counts[group].get(phase, 0) + int(n)
     out = {}
     for group, phases in counts.items():
@@ -319,10 +327,10 @@ def _restore(saved: dict[str, str | None]) -> None:
 
 
 def _cold_pass(sources: list[str], mnt: Path, cache: Path, names: list[str], args,
-               label: str, workers: int, work: Path, variant: Variant) -> dict:
+               label: str, workers: int, work: Path, variant: Variant, push: str) -> dict:
     saved = variant.apply()
     try:
-        mount = Mount(sources, mnt, cache, workers, args.push_pages)
+        mount = Mount(sources, mnt, cache, workers, push)
     finally:
         _restore(saved)
     try:
@@ -340,7 +348,8 @@ def _cold_pass(sources: list[str], mnt: Path, cache: Path, names: list[str], arg
         for profiler in (perf, spy):
             if profiler is not None:
                 profiler.stop()
-        rec.update(source=label, workers=workers, readers=args.readers, variant=variant.name)
+        rec.update(source=label, workers=workers, readers=args.readers, variant=variant.name,
+                   push_pages=push)
         with contextlib.suppress(OSError):
             rec["stats"] = mount.stats()
         rec["split"] = split(before, after, roles, len(names))
@@ -380,10 +389,12 @@ def _keep(path: Path, where: str | None) -> None:
 
 
 def _print(rec: dict) -> None:
-    print(f"  [{rec['variant']}] {rec['source']} workers={rec['workers']} P={rec['readers']}: "
+    print(f"  [{rec['variant']}] {rec['source']} workers={rec['workers']} P={rec['readers']} "
+          f"push {rec.get('push_pages', 'auto')}: "
           f"{rec['files_per_s']:.0f} files/s; µs/file: all {rec['all_us_per_file']}, daemon "
           f"process {rec['daemon_process_us_per_file']}, serial (daemon main thread) "
-          f"{rec['serial_us_per_file']} -> bound {rec['bound_files_per_s']} files/s", flush=True)
+          f"{rec['serial_us_per_file']} -> bound {rec['bound_files_per_s']} files/s; pushed / "
+          f"opened first {_pushed(rec)}", flush=True)
     for role, proc in rec["split"].items():
         threads = ", ".join(f"{n} {t['user']}+{t['system']}"
                             for n, t in proc["threads"].items())
@@ -427,17 +438,23 @@ def run(args: argparse.Namespace) -> dict:
         for round_ in range(args.rounds):
             for workers in args.workers:
                 for label in args.sources:
-                    for variant in args.variant:
-                        rec = _cold_pass(by_source[label], mnt, work / "cache", names, args,
-                                         label, workers, work, variant)
-                        rec["round"] = round_
-                        record["passes"].append(rec)
-                        _print(rec)
+                    for push in args.push_pages:
+                        for variant in args.variant:
+                            rec = _cold_pass(by_source[label], mnt, work / "cache", names,
+                                             args, label, workers, work, variant, push)
+                            rec["round"] = round_
+                            record["passes"].append(rec)
+                            _print(rec)
     finally:
         if nginx is not None:
             nginx.stop()
         shutil.rmtree(work, ignore_errors=True)
     return record
+
+
+def _pushed(rec: dict) -> str:
+    pushed = (rec.get("stats") or {}).get("pages_pushed")
+    return f"{pushed['files']:,} / {pushed['opened']:,}" if pushed else "–"
 
 
 def render(record: dict, command: str) -> str:
@@ -447,8 +464,9 @@ def render(record: dict, command: str) -> str:
              "dropped). µs of CPU per file read, user + system; the serial part is the "
              "daemon's main thread, and its bound is 1e6 / that.", "",
              "| code | source | workers | files/s | all processes | daemon process | daemon "
-             "main thread (serial) | daemon other threads | workers (each) | bound files/s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "main thread (serial) | daemon other threads | workers (each) | bound files/s "
+             "| files pushed / opened first |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for rec in record["passes"]:
         daemon = rec["split"]["daemon"]
         main = daemon["threads"].get("main", {"user": 0, "system": 0})
@@ -461,7 +479,11 @@ def render(record: dict, command: str) -> str:
             f"{rec['files_per_s']:,.0f} | "
             f"{rec['all_us_per_file']} | {daemon['user']}+{daemon['system']} | "
             f"{main['user']}+{main['system']} | {other_txt} | {worker_txt} | "
-            f"{rec['bound_files_per_s']:,} |")
+            f"{rec['bound_files_per_s']:,} | {_pushed(rec)} |")
+    lines += ["", "Files pushed: their pages were put in the page cache when their shard "
+              "arrived (no READ reaches the mount); opened first: read through FUSE READs "
+              "while their shard was still coming. The mix changes the CPU per file from "
+              "pass to pass."]
     perfs = [r for r in record["passes"] if "perf" in r]
     if perfs:
         lines += ["", "Where the samples were (`--profile perf`, % of the pass's samples of "
@@ -505,7 +527,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", default="1,2", help="shardfs --workers values, comma-separated")
     p.add_argument("--sources", default="file,http", help="file and/or http, comma-separated")
     p.add_argument("--rounds", type=int, default=1, help="turns through all passes")
-    p.add_argument("--push-pages", choices=("auto", "off"), default="auto")
+    p.add_argument("--push-pages", default="auto",
+                   help="shardfs --push-pages: auto and/or off, comma-separated (in turns)")
     p.add_argument("--profile", default="none",
                    help="none, or perf and/or py-spy (comma-separated): also sample the mount's "
                         "processes with perf (Debian linux-perf), the daemon with py-spy")
@@ -526,6 +549,11 @@ def cpusplit_command(args: argparse.Namespace, argv: list[str]) -> int:
     args.workers = [int(x) for x in str(args.workers).split(",")]
     args.variant = [Variant.parse(v) for v in args.variant] or [Variant("this")]
     args.sources = [s.strip() for s in str(args.sources).split(",")]
+    args.push_pages = [s.strip() for s in str(args.push_pages).split(",")]
+    if set(args.push_pages) - {"auto", "off"}:
+        print(f"bench cpusplit: --push-pages takes auto and/or off, not {args.push_pages}",
+              file=sys.stderr)
+        return 2
     bad = [s for s in args.sources if s not in ("file", "http")]
     if bad:
         print(f"bench cpusplit: unknown source {bad[0]!r} (file, http)", file=sys.stderr)

@@ -213,48 +213,6 @@ def test_concurrent_reads_join_one_fetch(tmp_path: Path, shards: Shards) -> None
                policy=ReadPolicy(early_member_fraction=0.0))
 
 
-def test_large_pieces_are_written_by_a_thread(tmp_path: Path, big_shards: Shards,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """Pieces of THREAD_WRITE bytes or more go into the cache file from a worker thread (off
-    the loop), smaller ones inline; readers waiting on the frontier get exact bytes either
-    way, and the shard is cached whole (its digest checked)."""
-    import threading
-
-    from shardfs.read import reader as reader_module
-
-    writers: list[str] = []
-    real = reader_module.pwrite_all
-
-    def recording(fd: int, data: bytes, offset: int) -> None:
-        writers.append(threading.current_thread().name)
-        real(fd, data, offset)
-
-    monkeypatch.setattr(reader_module, "pwrite_all", recording)
-    sources = Sources(SourceSettings(chunk_size=reader_module.THREAD_WRITE))
-
-    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
-        inodes = file_inodes(catalog)
-        wanted = [p for s in (1, 2) for p in big_shards.order[s] if p != b"common/dup.txt"]
-        results: dict[bytes, bytes] = {}
-
-        async def one(path: bytes) -> None:
-            results[path] = await read_member(reader, catalog, inodes[path])
-
-        async with trio.open_nursery() as nursery:
-            for path in wanted:
-                nursery.start_soon(one, path)
-        assert results == {p: big_shards.contents[p] for p in wanted}
-        await wait_idle(reader)
-        assert cache.has(catalog.keys[1]) and cache.has(catalog.keys[2])
-
-    reader = run_reader(tmp_path, big_shards.urls, 100 * big_shards.shard_size, body,
-                        sources=sources, policy=ReadPolicy(early_member_fraction=0.0))
-    assert reader.stats.fetch_errors == 0 and reader.stats.shard_fetches_done == 2
-    # Shard 2 (over 256 KiB) came in a full piece at least: written by a thread.
-    assert reader_module.WRITE_THREAD in writers, writers
-    assert any(name != reader_module.WRITE_THREAD for name in writers), writers  # the rest
-
-
 def test_budget_below_one_shard_reads_members(tmp_path: Path, big_shards: Shards) -> None:
     shards = big_shards
     policy = ReadPolicy(member_block=BLOCK)

@@ -133,7 +133,7 @@ struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_
  * microseconds of Python per wake-up, in the one thread that serves every request (bench
  * cpusplit). With readers busy, the next request comes within microseconds. At most
  * LINGER_BUDGET_NS in all per receive, so the loop's other tasks (fetches, Python reads)
- * wait no longer than that. 0 (shim.set_linger): never.
+ * wait no longer than that. 0 (shim.set_linger; the default, see shim.py): never.
  */
 #include <time.h>
 

@@ -539,6 +539,8 @@ struct push_counts {
     uint64_t looked_up, files, bytes, opened, unknown, errors;
     int32_t off;       /* set when the kernel takes no pushed pages (ENOSYS) */
     int32_t error;     /* the errno that stopped the push (0: none) */
+    int32_t stop;      /* set by Python (the mount is going away): stop after this file */
+    int32_t unused;
 };
 
 static struct fuse_session *last_session;   /* defined in _shim.c */
@@ -593,7 +595,8 @@ int shardfs_shim_push(int fd, const uint32_t *entries, uint64_t n, const uint32_
     char *buf = NULL;
     size_t cap = 0;
     int res = 0;
-    for (uint64_t k = 0; k < n && !counts->off; k++) {
+    for (uint64_t k = 0; k < n && !counts->off && !__atomic_load_n(&counts->stop,
+                                                                      __ATOMIC_RELAXED); k++) {
         uint64_t i = entries[k];
         fuse_ino_t ino = i + 1;
         uint64_t size = meta.size[i], offset = meta.offset[i];

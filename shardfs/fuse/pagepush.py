@@ -153,29 +153,33 @@ class PagePusher:
             # Our own descriptor: the cache may evict the shard (and close its fd) meanwhile,
             # and a thread abandoned at shutdown must not read a reused fd number.
             fd = os.dup(cached.fd)
-            await trio.to_thread.run_sync(self._push, fd, shard, abandon_on_cancel=True,
-                                         thread_name="shardfs push")
+            counts = shim.PushCounts() if self.in_c else None
+            try:
+                await trio.to_thread.run_sync(self._push, fd, shard, counts,
+                                             abandon_on_cancel=True, thread_name="shardfs push")
+            finally:
+                if counts is not None:
+                    counts.stop = 1  # an abandoned C loop ends after its current file
             self.stats.shards += 1
 
-    def _push(self, fd: int, shard: int) -> None:
+    def _push(self, fd: int, shard: int, counts: shim.PushCounts | None) -> None:
         """In a worker thread: the shard's files nobody has opened yet, from its cache file to
         the kernel."""
         try:
             if self._index is None:
                 self._index = self._tree.files_by_shard(len(self._keys))
-            if self.in_c:
-                self._push_in_c(fd, shard)
+            if counts is not None:
+                self._push_in_c(fd, shard, counts)
             else:
                 self._push_in_python(fd, shard)
         finally:
             os.close(fd)
 
-    def _push_in_c(self, fd: int, shard: int) -> None:
+    def _push_in_c(self, fd: int, shard: int, counts: shim.PushCounts) -> None:
         """The shim's loop (shardfs_shim_push): the same steps as _push_in_python, without
         the GIL and with no Python object per file."""
         assert self._index is not None
         order, start = self._index
-        counts = shim.PushCounts()
         res = shim.push(fd, order, start[shard], start[shard + 1] - start[shard],
                         self._tree.parent, self._mountpoint, counts)
         stats = self.stats

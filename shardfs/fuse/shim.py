@@ -167,9 +167,11 @@ def serve_metadata(tree: Any, *, uid: int, gid: int, timeout: float,
 
 # Microseconds the shim waits for a next request before going back to pyfuse3's loop
 # (_shim.c, "Lingering"): one wake-up of that loop costs tens of microseconds of Python.
-# Cold pass, 8 readers, 1 process (docs/benchmarks.md, "Cold reads: where a file's CPU
-# goes"): the loop thread's CPU per file ~107 us without, 70-100 us at 100, 75-79 at 300.
-LINGER_US = 300
+# Off by default: on the 2-core development machine no setting showed less CPU per cold
+# file in turns (docs/benchmarks.md, "Cold reads: where a file's CPU goes"), where the
+# readers' next request rarely comes while cores are short; bench/device_node.sh measures
+# it on and off on a many-core machine.
+LINGER_US = 0
 
 
 def linger_us() -> int:
@@ -226,7 +228,8 @@ class PushCounts(ctypes.Structure):
     _fields_ = [
         ("looked_up", ctypes.c_uint64), ("files", ctypes.c_uint64), ("bytes", ctypes.c_uint64),
         ("opened", ctypes.c_uint64), ("unknown", ctypes.c_uint64), ("errors", ctypes.c_uint64),
-        ("off", ctypes.c_int32), ("error", ctypes.c_int32),
+        ("off", ctypes.c_int32), ("error", ctypes.c_int32), ("stop", ctypes.c_int32),
+        ("unused", ctypes.c_int32),
     ]
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Hashable, Iterable, Sequence
@@ -47,10 +46,6 @@ MIN_PATIENCE = 0.02  # seconds; below this, waiting on a moving frontier is alwa
 THREAD_BATCH = 4 << 20  # bytes of a fetch handed to a thread at once (digest, decompression)
 # Names of the threads doing this work while they do it (`top -H`, bench cpusplit).
 HASH_THREAD = "shardfs hash"
-WRITE_THREAD = "shardfs write"
-# Fetched pieces at least this large are copied into the cache file by a worker thread: the
-# copy (~0.3 ms per MiB) then leaves the loop thread, for a thread hop of ~50 us.
-THREAD_WRITE = 256 << 10
 
 
 @dataclass(slots=True)
@@ -597,10 +592,7 @@ class Reader:
                     async for chunk in chunks:
                         self.stats.shard_bytes += len(chunk)
                         if plain is None:
-                            if len(chunk) >= THREAD_WRITE and not self.policy.split_fetches:
-                                await self._write_in_thread(fetch, first, chunk)
-                            else:
-                                self._write(fetch, first, chunk)
+                            self._write(fetch, first, chunk)
                             if fetch.split and not first.running:
                                 break  # the rest comes by the GETs of the split
                         if (digest is None or fetch.split) and plain is None:
@@ -702,26 +694,6 @@ class Reader:
             return
         at = get.pos
         pwrite_all(fetch.part.fd, data, at)  # all of it, or OSError: no holes
-        get.pos += len(data)
-        before = fetch.arrived
-        fetch.filled(at, len(data))
-        if fetch.arrived != before:
-            self.states.arrived(fetch.shard, fetch.arrived)  # written, then announced
-
-    async def _write_in_thread(self, fetch: Fetch, get: Get, data: bytes) -> None:
-        """_write, the copy into the part file done by a worker thread (off the loop that
-        answers FUSE requests). Not with split fetches: a split during the write would move
-        the GET's end under it."""
-        if len(data) > get.stop - get.pos:
-            self._write(fetch, get, data)  # more than the reservation: raises
-            return
-        at = get.pos
-        # Our own descriptor: an aborted fetch closes the part's, whose number may be reused.
-        fd = os.dup(fetch.part.fd)
-        try:
-            await trio.to_thread.run_sync(pwrite_all, fd, data, at, thread_name=WRITE_THREAD)
-        finally:
-            os.close(fd)
         get.pos += len(data)
         before = fetch.arrived
         fetch.filled(at, len(data))
