@@ -21,4 +21,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not keep a spare daemon per volume standing by (saves its memory; "
                    "a daemon's death then costs a full start instead of a takeover)")
     p.add_argument("--log-level", default="info",
-                   choices=("debug", "info", "warning", "error"))
+                   choices=("debug", "info", "warning", "error"),
+                   help="how much goes to stderr (default: info); secrets are never logged")

@@ -17,7 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="volumes, publishes and node mounts; must be a host directory "
                    "shared with the host's mount namespace (e.g. under the kubelet dir)")
     p.add_argument("--log-level", default="info",
-                   choices=("debug", "info", "warning", "error"))
+                   choices=("debug", "info", "warning", "error"),
+                   help="how much goes to stderr (default: info); secrets are never logged")
 
 
 def run_command(args: argparse.Namespace) -> int:
