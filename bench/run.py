@@ -275,7 +275,9 @@ class Bench:
             "host": host_info(),
             "scenarios": {},
         }
-        contenders = [c for c in all_contenders() if c.name in a.contenders]
+        # In the order given (to run two contenders in turns both ways round).
+        by_name = {c.name: c for c in all_contenders()}
+        contenders = [by_name[name] for name in dict.fromkeys(a.contenders)]
         record["contenders"] = {c.name: {"label": c.label, "how": c.how, "version": c.version(),
                                          "unavailable": c.unavailable()} for c in contenders}
         scenarios = [s for s in SCENARIOS if s in a.scenarios]
