@@ -133,7 +133,8 @@ def main() -> None:
         shard_dir, sha, nshards = _make_data(work / "data", args.files, 25)
         pattern = f"file://{shard_dir}/train-{{000000..{nshards - 1:06d}}}.tar"
         subprocess.run([sys.executable, "-m", "shardfs", "mount", pattern, str(mnt),
-                        "--cache-dir", str(work / "cache"), "--no-warm", "--workers",
+                        "--cache-dir", str(work / "cache"), "--no-warm", "--log-level",
+                        os.environ.get("SHARDFS_BENCH_LOG_LEVEL", "info"), "--workers",
                         args.workers], check=True, stdout=subprocess.DEVNULL)
         probe = mnt / sorted(sha)[-1]
         gaps, base = [], []
@@ -156,7 +157,10 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "shardfs", "umount", str(mnt)],
                        stderr=subprocess.DEVNULL)
         time.sleep(1)
-        shutil.rmtree(work, ignore_errors=True)
+        if not os.environ.get("KEEP"):
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(work)
 
 
 if __name__ == "__main__":

@@ -384,7 +384,10 @@ def _still_mounted(cfg: MountConfig) -> bool:
     mount this namespace does not see, the connection itself (POLLERR once it has ended)."""
     if cfg.fuse_fd is None:
         return is_mounted(cfg.mountpoint)
-    return listed_mount(cfg.mountpoint) or fuse_session_alive()
+    listed, alive = listed_mount(cfg.mountpoint), fuse_session_alive()
+    log.debug("connection check: %s listed %s, connection alive %s", cfg.mountpoint, listed,
+              alive)
+    return listed or alive
 
 
 def _unmount_taken_over(mountpoint: str) -> None:
