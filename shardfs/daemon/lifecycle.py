@@ -328,7 +328,7 @@ def run(cfg: MountConfig, cache: ShardCache, on_ready: Callable[[str], None]) ->
                        record.shards if record is not None else None)
     ops = ShardFS(catalog.tree, None, [s.url for s in catalog.shards], uid=cfg.uid,
                   gid=cfg.gid)
-    session = SessionState()
+    session = SessionState(keeper=keeper())  # who will keep it (stats may be asked at once)
     if record is not None:
         assert cfg.fuse_fd is not None
         ops.no_open = _take_over(ops, cfg, record)
@@ -558,7 +558,6 @@ async def _serve_mounted(mounted: Mounted, zygote: Zygote | None,
                     shim.session_fd() if mounted.session.can_take_over else -1,
                     recorded=mounted.session.can_take_over)
             else:
-                mounted.session.keeper = keeper()
                 if mounted.session.keeper == "systemd":  # stored again: the same connection
                     hand_over(shim.session_fd(), recorded=mounted.session.can_take_over)
             nursery.start_soon(_report_status, mounted)
