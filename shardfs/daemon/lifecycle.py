@@ -370,7 +370,10 @@ def run(cfg: MountConfig, cache: ShardCache, on_ready: Callable[[str], None]) ->
             remove_record(cfg.cache_dir)
         if zygote is not None:
             zygote.stop()
-        log.info("unmounted %s", cfg.mountpoint)
+        if session.leave_mounted:
+            log.info("left %s mounted for the next daemon", cfg.mountpoint)
+        else:
+            log.info("unmounted %s", cfg.mountpoint)
 
 
 def _mount_visible(cfg: MountConfig) -> bool:
