@@ -133,8 +133,11 @@ def main() -> None:
         shard_dir, sha, nshards = _make_data(work / "data", args.files, 25)
         pattern = f"file://{shard_dir}/train-{{000000..{nshards - 1:06d}}}.tar"
         subprocess.run([sys.executable, "-m", "shardfs", "mount", pattern, str(mnt),
-                        "--cache-dir", str(work / "cache"), "--no-warm", "--workers",
-                        args.workers], check=True, stdout=subprocess.DEVNULL)
+                        "--cache-dir", str(work / "cache"), "--no-warm", "--log-level",
+                        os.environ.get("SHARDFS_BENCH_LOG_LEVEL", "info"), "--workers",
+                        args.workers], check=True, stdout=subprocess.DEVNULL,
+                       # every kill counts as a death: keep the give-up rule out of the way
+                       env={**os.environ, "SHARDFS_HOLDER_GIVE_UP": "1000/60"})
         probe = mnt / sorted(sha)[-1]
         gaps, base = [], []
         errors = wrong = 0
@@ -156,7 +159,10 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "shardfs", "umount", str(mnt)],
                        stderr=subprocess.DEVNULL)
         time.sleep(1)
-        shutil.rmtree(work, ignore_errors=True)
+        if not os.environ.get("KEEP"):
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(work)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from shardfs.catalog.resolve import resolve_sources
 from shardfs.daemon.announce import announce_address, attach_lookahead, serve_announcements
 from shardfs.daemon.control import control_address, serve_control
 from shardfs.daemon.handover import hand_over, holder_pid, keeper
-from shardfs.daemon.mountpoint import is_mounted, unmount
+from shardfs.daemon.mountpoint import is_mounted, listed_mount, unmount
 from shardfs.daemon.notify import sd_notify
 from shardfs.daemon.sessionrecord import (
     SessionRecord,
@@ -39,7 +39,13 @@ from shardfs.fuse import shim
 from shardfs.fuse.fastread import COLLECT_INTERVAL, FastReads, next_interval
 from shardfs.fuse.ops import ShardFS
 from shardfs.fuse.pagepush import PagePusher, worth_pushing
-from shardfs.fuse.worker import WorkerSetup, not_a_late_answer, resend_unanswered, run_worker
+from shardfs.fuse.worker import (
+    WorkerSetup,
+    fuse_session_alive,
+    not_a_late_answer,
+    resend_unanswered,
+    run_worker,
+)
 from shardfs.read.cache import ShardCache
 from shardfs.read.lookahead import Lookahead, LookaheadPolicy
 from shardfs.read.reader import Reader, ReadPolicy
@@ -375,7 +381,7 @@ def run(cfg: MountConfig, cache: ShardCache, on_ready: Callable[[str], None]) ->
                        record.shards if record is not None else None)
     ops = ShardFS(catalog.tree, None, [s.url for s in catalog.shards], uid=cfg.uid,
                   gid=cfg.gid)
-    session = SessionState()
+    session = SessionState(keeper=keeper())  # who will keep it (stats may be asked at once)
     if record is not None:
         assert cfg.fuse_fd is not None
         ops.no_open = _take_over(ops, cfg, record)
@@ -384,12 +390,16 @@ def run(cfg: MountConfig, cache: ShardCache, on_ready: Callable[[str], None]) ->
     else:
         ops.no_open = fuse_session.mount(ops, cfg.mountpoint, fuse_options(cfg),
                                          fuse_fd=cfg.fuse_fd)
+        if cfg.fuse_fd is not None and ops.no_open:
+            # The kernel sent INIT when the descriptor was mounted: answer it now, so the
+            # record is written even where this namespace cannot see the mount to probe it.
+            fuse_session.answer_init()
     states = ShardStates(len(catalog.shards))
     zygote = None
     try:
         if cfg.workers > 1:
             if ops.no_open:
-                if record is None:
+                if record is None and cfg.fuse_fd is None:
                     fuse_session.answer_init()
                 setup = WorkerSetup(ops, states, cache.shards_dir, catalog.keys,
                                     sum(catalog.data_sizes or [s.size for s in catalog.shards]),
@@ -413,7 +423,27 @@ def run(cfg: MountConfig, cache: ShardCache, on_ready: Callable[[str], None]) ->
             remove_record(cfg.cache_dir)
         if zygote is not None:
             zygote.stop()
-        log.info("unmounted %s", cfg.mountpoint)
+        if session.leave_mounted:
+            log.info("left %s mounted for the next daemon", cfg.mountpoint)
+        else:
+            log.info("unmounted %s", cfg.mountpoint)
+
+
+def _mount_visible(cfg: MountConfig) -> bool:
+    """Whether the mount is in this process's mount namespace: a --fuse-fd daemon (a CSI
+    mounter's) may serve a mount made in another one."""
+    return cfg.fuse_fd is None or listed_mount(cfg.mountpoint)
+
+
+def _still_mounted(cfg: MountConfig) -> bool:
+    """Whether the connection goes on (asked when a worker dies): the mount table, or for a
+    mount this namespace does not see, the connection itself (POLLERR once it has ended)."""
+    if cfg.fuse_fd is None:
+        return is_mounted(cfg.mountpoint)
+    listed, alive = listed_mount(cfg.mountpoint), fuse_session_alive()
+    log.debug("connection check: %s listed %s, connection alive %s", cfg.mountpoint, listed,
+              alive)
+    return listed or alive
 
 
 def _unmount_taken_over(mountpoint: str) -> None:
@@ -482,7 +512,8 @@ async def _serve(cfg: MountConfig, cache: ShardCache, catalog: Catalog, ops: Sha
         mounted = Mounted(cfg, catalog, cache, reader, sources, session=session,
                           shim=ops.no_open)
         mounted.lookahead = attach_lookahead(reader, cfg.lookahead)
-        if cfg.push_pages and worth_pushing(ops.no_open, reader.dataset_bytes, cache.budget):
+        if cfg.push_pages and worth_pushing(ops.no_open, reader.dataset_bytes, cache.budget) \
+                and _mount_visible(cfg):
             mounted.pusher = PagePusher(catalog.tree, cache, catalog.keys, cfg.mountpoint)
             reader.on_complete = mounted.pusher.shard_complete
         if zygote is None:
@@ -568,7 +599,7 @@ async def _serve_mounted(mounted: Mounted, zygote: Zygote | None,
             else:
                 pool = WorkerPool(zygote, cfg.workers, mounted.reader,
                                   worker_address(cfg.control_socket), mounted.snapshot_json,
-                                  lambda: is_mounted(cfg.mountpoint))
+                                  lambda: _still_mounted(cfg))
                 mounted.workers = pool
 
                 async def workers_main(*, task_status: trio.TaskStatus[None]
@@ -577,14 +608,14 @@ async def _serve_mounted(mounted: Mounted, zygote: Zygote | None,
                     nursery.cancel_scope.cancel()  # returned: the mount went away
 
                 await nursery.start(workers_main)
-            await _probe_ready(cfg.mountpoint)
+            if _mount_visible(cfg):  # else INIT was answered before the workers forked
+                await _probe_ready(cfg.mountpoint)
             _record_session(mounted)
             if not cfg.takeover:  # a takeover's keeper has the connection already
                 mounted.session.keeper = hand_over(
                     shim.session_fd() if mounted.session.can_take_over else -1,
                     recorded=mounted.session.can_take_over)
             else:
-                mounted.session.keeper = keeper()
                 if mounted.session.keeper == "systemd":  # stored again: the same connection
                     hand_over(shim.session_fd(), recorded=mounted.session.can_take_over)
             nursery.start_soon(_report_status, mounted)

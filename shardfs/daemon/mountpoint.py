@@ -54,6 +54,15 @@ def shardfs_mounts() -> list[str]:
         pass
     return found
 
+def listed_mount(path: str) -> bool:
+    """Whether the absolute `path` is a mountpoint in this mount namespace, from the mount table
+    alone: no stat, which would wait on a FUSE mount not yet served (realpath would)."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            return any(_unescape(line.split()[4]) == path for line in f)
+    except OSError:
+        return False
+
 
 def shardfs_root(path: str) -> str | None:
     """The shardfs mountpoint that `path` lives under, or None."""

@@ -413,7 +413,8 @@ class WorkerPool:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)  # a worker without its connection is no use
         if not self.still_mounted():
-            log.info("the mount was unmounted (shardfs umount, fusermount3 -u or umount)")
+            log.info("the mount was unmounted (shardfs umount, fusermount3 -u or umount; "
+                     "worker %s ended)", pid)
             self._unmounted.set()
             return
         log.warning("FUSE worker %s exited; starting another", pid)

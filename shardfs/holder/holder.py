@@ -32,6 +32,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from shardfs.cli.daemonize import READY_PREFIX, STANDBY_LINE
 from shardfs.daemon.mountpoint import is_mounted, unmount
@@ -241,12 +242,21 @@ class Holder:
                     timeout = self.spare_due - time.monotonic()
                     if timeout <= 0:
                         self.spare, timeout = self._start_spare(), None
+                timeout = ZOMBIE_POLL_S if timeout is None else min(timeout, ZOMBIE_POLL_S)
                 readable = self._wait([pidfd, *self._spare_fds()], timeout)
                 self._poll_spare(readable)
                 if pidfd in readable:
                     _, status = os.waitpid(self.daemon.proc.pid, 0)
                     self.daemon.proc.returncode = status
                     return status
+                if _leader_dead(self.daemon.proc.pid):
+                    # Its main thread is gone but another is stuck in a FUSE request on this
+                    # very mount (its own page pusher, say), which only the next daemon can
+                    # answer: the process cannot finish dying before a takeover. Take over now
+                    # (reaped later).
+                    log.warning("daemon %d died with a thread waiting on the mount itself",
+                                self.daemon.proc.pid)
+                    return signal.SIGKILL
         finally:
             os.close(pidfd)
 
@@ -378,6 +388,17 @@ class Holder:
             with contextlib.suppress(BlockingIOError):
                 os.read(self._sig_r, 64)
         return [fd for fd in readable if fd != self._sig_r]
+
+
+ZOMBIE_POLL_S = 0.2  # how often to look for a daemon whose main thread is dead
+
+
+def _leader_dead(pid: int) -> bool:
+    """The daemon's main thread has exited (state Z) while the process lingers."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _give_up_rule() -> tuple[int, float]:
