@@ -1,5 +1,6 @@
 """`python -m bench run [--quick] [...]`, `python -m bench node [...]`,
-`python -m bench httpcpu [...]` and `python -m bench report RECORD.json --docs PAGE`."""
+`python -m bench httpcpu [...]`, `python -m bench s3 [...]` and
+`python -m bench report RECORD.json --docs PAGE`."""
 
 from __future__ import annotations
 
@@ -32,7 +33,17 @@ def main(argv: list[str] | None = None) -> int:
 
     httpcpu = sub.add_parser("httpcpu", help="CPU per GB received by the HTTP source")
     add_httpcpu_arguments(httpcpu)
+    from bench.s3bench import add_arguments as add_s3_arguments
+    from bench.s3bench import s3_command
+
+    s3 = sub.add_parser("s3", help="shardfs and litdata, Streaming, webdataset, Ray Data "
+                        "from one S3 bucket")
+    add_s3_arguments(s3)
     args = parser.parse_args(argv)
+    if args.command == "s3":
+        if args.argv is None:
+            args.argv = "python -m bench " + " ".join(argv)
+        return s3_command(args)
     if args.command == "node":
         return node_command(args, argv[1:])
     if args.command == "httpcpu":
