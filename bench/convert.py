@@ -21,7 +21,7 @@ MARKER = "converted.json"
 
 def samples(data: Dataset) -> list[tuple[str, int]]:
     """(path, class index) for every image, in ImageFolder's order."""
-    root = data.loose / "train"
+    root = data.loose.resolve() / "train"  # litdata.optimize mishandles relative paths
     classes = sorted(p.name for p in root.iterdir() if p.is_dir())
     return [(str(f), i) for i, c in enumerate(classes) for f in sorted((root / c).iterdir())]
 
@@ -44,7 +44,7 @@ def _cached(out: Path, want: dict) -> dict | None:
 def to_litdata(data: Dataset, base: Path, say: Callable[[str], None]) -> dict | None:
     if importlib.util.find_spec("litdata") is None:
         return None
-    out = base / f"litdata-{data.params.key()}"
+    out = base.resolve() / f"litdata-{data.params.key()}"  # optimize() needs it absolute
     want = {"format": 1, "dataset": data.params.key()}
     marker = _cached(out, want)
     if marker is not None:
@@ -59,6 +59,8 @@ def to_litdata(data: Dataset, base: Path, say: Callable[[str], None]) -> dict | 
                      mode="overwrite")
     took = time.monotonic() - t
     nbytes = sum(p.stat().st_size for p in (out / "data").rglob("*") if p.is_file())
+    if nbytes < data.loose_bytes:
+        raise RuntimeError(f"litdata.optimize wrote {nbytes} bytes for {data.loose_bytes}")
     marker = {"params": want, "s": round(took, 3), "bytes": nbytes,
               "files": sum(1 for p in (out / "data").rglob("*") if p.is_file())}
     (out / MARKER).write_text(json.dumps(marker))
@@ -69,7 +71,7 @@ def to_litdata(data: Dataset, base: Path, say: Callable[[str], None]) -> dict | 
 def to_mds(data: Dataset, base: Path, say: Callable[[str], None]) -> dict | None:
     if importlib.util.find_spec("streaming") is None:
         return None
-    out = base / f"mds-{data.params.key()}"
+    out = base.resolve() / f"mds-{data.params.key()}"
     want = {"format": 1, "dataset": data.params.key()}
     marker = _cached(out, want)
     if marker is not None:

@@ -136,7 +136,8 @@ class S3Bench(Bench):
                 conv["mds"] = to_mds(data, data_dir, self.say)
             record["conversions"] = {k: {kk: vv for kk, vv in v.items() if kk != "params"}
                                      for k, v in conv.items() if v}
-            self.weed = WeedServer(work / "weed", {"reader": (*READER, ["Read", "List"])},
+            # Under the short temp dir: weed binds Unix sockets there (AF_UNIX: ~108 bytes).
+            self.weed = WeedServer(cache_root / "weed", {"reader": (*READER, ["Read", "List"])},
                                    volume_size_mb=256).start()
             self.say(f"SeaweedFS (pid {self.weed.pid}) at {self.weed.url}")
             prefixes = self.upload(data, conv)
