@@ -39,7 +39,14 @@ def main(argv: list[str] | None = None) -> int:
     s3 = sub.add_parser("s3", help="shardfs and litdata, Streaming, webdataset, Ray Data "
                         "from one S3 bucket")
     add_s3_arguments(s3)
+    s3report = sub.add_parser("s3-report", help="the s3 section from one or more records")
+    s3report.add_argument("records", nargs="+")
+    s3report.add_argument("--docs", default="docs/benchmarks.md")
     args = parser.parse_args(argv)
+    if args.command == "s3-report":
+        from bench.s3report import report_command as s3_report_command
+
+        return s3_report_command(args)
     if args.command == "s3":
         if args.argv is None:
             args.argv = "python -m bench " + " ".join(argv)

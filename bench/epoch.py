@@ -163,7 +163,7 @@ def run(spec: dict) -> dict:
     first = None
     last_say = built
     # (seconds since the dataset was built, files so far) after each batch: how much of the
-    # epoch was read while bytes were still arriving (docs/benchmarks.md, "Arrived shards
+    # epoch was read while bytes were still arriving (docs/benchmarks-notes.md, "Arrived shards
     # pushed into the page cache").
     timeline: list[tuple[float, int]] = []
     deadline = spec.get("limit_s")

@@ -141,7 +141,7 @@ def test_node_mounts_serve_with_the_workers_asked_for(dataset, tmp_path: Path, w
 
 
 def test_micro_benches_run_and_report() -> None:
-    """`bench.fetchwake` and `bench httpcpu` (docs/benchmarks.md cites both) still run."""
+    """`bench.fetchwake` and `bench httpcpu` (docs/benchmarks-notes.md cites both) still run."""
     wake = subprocess.run([sys.executable, "-m", "bench.fetchwake", "--waiters", "0,4",
                            "--rounds", "1"], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
