@@ -198,7 +198,8 @@ def test_bench_s3_tiny_runs_every_installed_peer(tmp_path: Path) -> None:
             assert cold["requests"] + rec["setup"]["requests"] > 0, name
             assert cold["nginx_bytes"] + rec["setup"]["bytes"] >= record["dataset"]["bytes"], \
                 name
-            assert cold["http_errors"] == 0, name
+            # pyarrow's S3 filesystem (Ray) HEADs the prefix as an object first: one 404.
+            assert cold["http_errors"] <= (1 if name == "ray-s3" else 0), name
         page = docs.read_text()
         assert page.startswith("# Page\n\nkept\n")
         assert "<!-- s3 scenario: begin -->" in page and "| H100s fed |" in page
