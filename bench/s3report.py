@@ -125,6 +125,48 @@ def epoch_table(record: dict, scenario: str, epoch: str) -> list[str]:
     return lines
 
 
+def _medians(record: dict, scenario: str, epoch: str) -> dict[str, float]:
+    return {n: m for n, r in epoch_rows(record, scenario, epoch).items()
+            if (m := _med(r["rate"])) is not None}
+
+
+def target_lines(record: dict) -> list[str]:
+    """Issue 33's targets, as ratios of this record's medians (met or missed, by how much)."""
+    labels = {n: c["label"] for n, c in record.get("contenders", {}).items()}
+    out = []
+
+    def best_peer(m: dict[str, float]) -> tuple[str, float] | None:
+        peers = {n: v for n, v in m.items() if n not in OURS}
+        return max(peers.items(), key=lambda kv: kv[1]) if peers else None
+
+    def line(what: str, ours: str | None, m: dict[str, float], goal: float,
+             against: tuple[str, float] | None) -> None:
+        if ours is None or ours not in m or against is None:
+            return
+        ratio = m[ours] / against[1]
+        verdict = "met" if ratio >= goal else f"missed by {(goal - ratio) / goal:.0%}"
+        out.append(f"- {what}: {labels[ours]} {m[ours]:,.0f} files/s = {ratio:.2f}x "
+                   f"{labels[against[0]]} ({against[1]:,.0f}); target >= {goal:g}x: "
+                   f"**{verdict}**.")
+
+    cold = _medians(record, "s3", "cold")
+    bp = best_peer(cold)
+    fast = max((n for n in ("shardfs-lookahead", "shardfs-sampler") if n in cold),
+               key=lambda n: cold[n], default=None)
+    line("Cold epoch, the better of Lookahead / ShardAwareSampler", fast, cold, 1.0, bp)
+    line("Cold epoch, stock `shuffle=True`", "shardfs", cold, 0.85, bp)
+    warm = _medians(record, "s3", "warm")
+    for peer in [n for n in warm if n not in OURS]:
+        line("Warm epoch", "shardfs", warm, 0.9, (peer, warm[peer]))
+    over = _medians(record, "s3-over", "epoch1")
+    line("Dataset 4x the cache, first epoch, Lookahead", "shardfs-lookahead", over, 0.9,
+         best_peer(over))
+    over2 = _medians(record, "s3-over", "epoch2")
+    line("Dataset 4x the cache, second epoch, Lookahead", "shardfs-lookahead", over2, 0.9,
+         best_peer(over2))
+    return out
+
+
 def render_section(record: dict, record_name: str | None) -> str:
     ds, link, cfg = record.get("dataset", {}), record.get("link", {}), record.get("config", {})
     conv = record.get("conversions", {})
@@ -161,6 +203,9 @@ def render_section(record: dict, record_name: str | None) -> str:
         f"(fits); {record.get('cache_sizes', {}).get('s3-over', 0) / 1e6:.1f} MB in the 4x "
         "scenario (shardfs `--cache-size`, litdata `max_cache_size`, Streaming `cache_limit`).",
         ""]
+    targets = target_lines(record)
+    if targets:
+        out += ["### Targets (issue 33), from the medians below", "", *targets, ""]
     for (scenario, epoch), title in EPOCH_TITLES.items():
         if not any(scenario in rnd.get("scenarios", {}) for rnd in record.get("rounds", [])):
             continue
