@@ -48,10 +48,11 @@ class S3Bench(Bench):
         super().__init__(args)
         self.weed: WeedServer | None = None
 
-    def server_cpu(self) -> float:
+    def server_cpu(self) -> tuple[float, float]:
+        """(SeaweedFS, the latency proxy) CPU seconds so far."""
         assert self.nginx is not None and self.weed is not None
-        return (procs.cpu_seconds(self.weed.pid) or 0.0) + (tree_cpu_seconds(self.nginx.pid)
-                                                            or 0.0)
+        return (procs.cpu_seconds(self.weed.pid) or 0.0,
+                tree_cpu_seconds(self.nginx.pid) or 0.0)
 
     def run_one(self, c: Contender, scenario: str, ctx: S3Ctx) -> dict:
         reason = c.unavailable()
@@ -77,9 +78,11 @@ class S3Bench(Bench):
                 elif scenario == "s3-over" and c.fuse:
                     peak = max(peak, procs.peak_rss(c.pid) or 0)
                     c.remount(ctx, cache_scenario)
-                s0 = self.server_cpu()
+                w0, p0 = self.server_cpu()
                 e = self.one_epoch(c, ctx, name, False)
-                e["server_cpu_s"] = round(self.server_cpu() - s0, 3)
+                w1, p1 = self.server_cpu()
+                e["server_cpu_s"] = round(w1 - w0 + p1 - p0, 3)
+                e["proxy_cpu_s"] = round(p1 - p0, 3)  # of server_cpu_s
                 rec["epochs"][name] = e
                 if e.get("timed_out"):
                     rec["status"] = "timeout"
