@@ -203,6 +203,14 @@ def render_section(record: dict, record_name: str | None) -> str:
         f"(fits); {record.get('cache_sizes', {}).get('s3-over', 0) / 1e6:.1f} MB in the 4x "
         "scenario (shardfs `--cache-size`, litdata `max_cache_size`, Streaming `cache_limit`).",
         ""]
+    proxy = [e.get("proxy_cpu_s") for rnd in record.get("rounds", [])
+             for res in rnd.get("scenarios", {}).values() for rec in res.values()
+             for e in (rec.get("epochs") or {}).values() if e.get("proxy_cpu_s") is not None]
+    if proxy:
+        used = _range(proxy, "{:.2f}")
+        out += [f"The latency proxy (nginx, its own processes) used {used} CPU s per epoch"
+                " (median [min–max] over every epoch), part of `server CPU`; none of it "
+                "is in the loader's or the daemon's columns.", ""]
     targets = target_lines(record)
     if targets:
         out += ["### Targets (issue 33), from the medians below", "", *targets, ""]
