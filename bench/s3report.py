@@ -213,7 +213,10 @@ def render_section(record: dict, record_name: str | None) -> str:
                 "is in the loader's or the daemon's columns.", ""]
     targets = target_lines(record)
     if targets:
-        out += ["### Targets (issue 33), from the medians below", "", *targets, ""]
+        out += ["### Targets (issue 33), from the medians below", "", *targets, "",
+                "Where the gaps come from, measured, and the next steps: "
+                "[benchmarks-notes.md](benchmarks-notes.md), \"Peers from an S3 server: where "
+                "the gaps are\".", ""]
     for (scenario, epoch), title in EPOCH_TITLES.items():
         if not any(scenario in rnd.get("scenarios", {}) for rnd in record.get("rounds", [])):
             continue
