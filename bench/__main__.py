@@ -1,5 +1,5 @@
 """`python -m bench run [--quick] [...]`, `python -m bench node [...]`,
-`python -m bench httpcpu [...]`, `python -m bench cpusplit [...]` and
+`python -m bench httpcpu [...]`, `python -m bench cpusplit [...]`, `python -m bench s3 [...]` and
 `python -m bench report RECORD.json --docs PAGE`."""
 
 from __future__ import annotations
@@ -38,9 +38,26 @@ def main(argv: list[str] | None = None) -> int:
 
     cpusplit = sub.add_parser("cpusplit", help="a cold file's CPU per process, thread and kind")
     add_cpusplit_arguments(cpusplit)
+    from bench.s3bench import add_arguments as add_s3_arguments
+    from bench.s3bench import s3_command
+
+    s3 = sub.add_parser("s3", help="shardfs and litdata, Streaming, webdataset, Ray Data "
+                        "from one S3 bucket")
+    add_s3_arguments(s3)
+    s3report = sub.add_parser("s3-report", help="the s3 section from one or more records")
+    s3report.add_argument("records", nargs="+")
+    s3report.add_argument("--docs", default="docs/benchmarks.md")
     args = parser.parse_args(argv)
     if args.command == "cpusplit":
         return cpusplit_command(args, argv[1:])
+    if args.command == "s3-report":
+        from bench.s3report import report_command as s3_report_command
+
+        return s3_report_command(args)
+    if args.command == "s3":
+        if args.argv is None:
+            args.argv = "python -m bench " + " ".join(argv)
+        return s3_command(args)
     if args.command == "node":
         return node_command(args, argv[1:])
     if args.command == "httpcpu":

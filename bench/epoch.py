@@ -17,6 +17,7 @@ import sys
 import time
 
 RESULT_PREFIX = "RESULT "
+PEER_KINDS = ("litdata", "mosaic", "ray")  # bench/peer_epoch.py
 T0 = time.monotonic()
 
 
@@ -120,6 +121,10 @@ def build(spec: dict):
     from torch.utils.data import DataLoader
 
     kind, decode = spec["kind"], spec.get("decode", False)
+    if kind in PEER_KINDS:  # litdata, MosaicML Streaming, Ray Data (the `s3` scenario)
+        from bench.peer_epoch import build as build_peer
+
+        return build_peer(spec)
     workers, batch = spec["workers"], spec["batch_size"]
     g = torch.Generator()
     g.manual_seed(spec.get("seed", 0))
@@ -207,7 +212,7 @@ def run(spec: dict) -> dict:
     first = None
     last_say = built
     # (seconds since the dataset was built, files so far) after each batch: how much of the
-    # epoch was read while bytes were still arriving (docs/benchmarks.md, "Arrived shards
+    # epoch was read while bytes were still arriving (docs/benchmarks-notes.md, "Arrived shards
     # pushed into the page cache").
     timeline: list[tuple[float, int]] = []
     deadline = spec.get("limit_s")
@@ -238,6 +243,9 @@ def run(spec: dict) -> dict:
             break
     end = time.monotonic()
     resumed = _resume_end(resume, loader, ds, indices, spec) if resume else {}
+
+    # Loaders whose processes are not our children (Ray) measure them and stop them here.
+    own_cpu = loader.finish() if hasattr(loader, "finish") else None
     del loader  # joins the DataLoader workers, so that their CPU is counted below
     iterate_cpu = _cpu_s() - cpu_built
     return {
@@ -248,7 +256,8 @@ def run(spec: dict) -> dict:
         "construct_s": built - began,
         "ttfb_s": (first - began) if first is not None else None,
         "iterate_s": end - built,
-        "iterate_cpu_s": round(iterate_cpu, 3),  # loader CPU of the iteration alone
+        "iterate_cpu_s": round(iterate_cpu if own_cpu is None else own_cpu, 3),  # loader CPU
+        # of the iteration alone
         "total_s": end - began,
         "timed_out": timed_out,
         "startup_s": began - T0,  # interpreter + torch import before the clock started
@@ -286,6 +295,10 @@ def main() -> None:
         import wids  # noqa: F401
     elif spec["kind"] == "webdataset":
         import webdataset  # noqa: F401
+    elif spec["kind"] in PEER_KINDS:
+        from bench.peer_epoch import import_peer
+
+        import_peer(spec["kind"])
     # More workers than cores is deliberate here (I/O-bound loaders): silence that warning.
     warnings.filterwarnings("ignore", message=".*worker processes in total.*")
     global T0

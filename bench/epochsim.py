@@ -5,7 +5,7 @@
 workers reading batches of 32 one file at a time, ~0.6 ms a file once its bytes are in)
 under fetch policies that shardfs has or could have, and prints each one's epoch as a
 fraction of the link time T (all bytes once at the link rate). It checks ideas before they
-are built (docs/benchmarks.md, "What a model of the epoch says about priority"); it measures
+are built (docs/benchmarks-notes.md, "What a model of the epoch says about priority"); it measures
 nothing about the real daemon.
 
 Policies:
@@ -21,7 +21,7 @@ Policies:
   GET is asked at once, when the member read is, so no GET waits: the bytes of a shard arrive
   in runs (the part file holds them out of order, read/fetch.py). The model leaves out the
   bytes a GET cut short has in flight past its new end; on a real mount they made it 1.27x
-  the bytes and no faster (docs/benchmarks.md), so the reader does not split by default.
+  the bytes and no faster (docs/benchmarks-notes.md), so the reader does not split by default.
 - `chunks`, `chunks-prio`: ranged GETs of `chunk` bytes, `inflight` at once, each paying the
   request latency; `-prio` asks first for the next chunk of a shard a reader waits on. This is
   how priority could really be built over HTTP.

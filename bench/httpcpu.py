@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stdlib", action="store_true",
                    help="also: the standard library's http.client, readinto a 1 MiB buffer, one "
                         "thread per connection, with and without pwrite to a file (a receive "
-                        "path shardfs does not have; docs/benchmarks.md)")
+                        "path shardfs does not have; docs/benchmarks-notes.md)")
 
 
 def _cpu_s() -> float:

@@ -331,6 +331,9 @@ def render_markdown(record: dict, png_name: str | None, record_name: str | None)
                 notes.append(f"- {scenario}/{name}: {n}")
     if notes:
         out += ["## Notes from the run", "", *notes, ""]
+    out += ["## Earlier investigations", "",
+            "Dated measurements behind design decisions (each with its own command and the code "
+            "of its day) are in [benchmarks-notes.md](benchmarks-notes.md).", ""]
     return "\n".join(out)
 
 
@@ -416,9 +419,27 @@ def write_docs(record: dict, md_path: Path, png_path: Path | None = None,
     except ImportError:
         rel, png_path = None, None
     md_path.parent.mkdir(parents=True, exist_ok=True)
+    kept = kept_sections(md_path.read_text()) if md_path.exists() else []
     md_path.write_text(render_markdown(record, rel, record_path.name if record_path else None)
-                       + "\n")
+                       + "".join("\n" + block + "\n" for block in kept))
     return md_path, png_path
+
+
+def kept_sections(text: str) -> list[str]:
+    """The blocks other commands generate into the same page (`<!-- NAME: begin -->` ...
+    `<!-- NAME: end -->`: `bench s3`, `bench node`), kept when this page is regenerated."""
+    blocks = []
+    while "<!-- " in text:
+        start = text.index("<!-- ")
+        name = text[start + 5:].split(":", 1)[0]
+        begin, end = f"<!-- {name}: begin -->", f"<!-- {name}: end -->"
+        if not text.startswith(begin, start) or end not in text[start:]:
+            text = text[start + 5:]
+            continue
+        stop = text.index(end, start) + len(end)
+        blocks.append(text[start:stop])
+        text = text[stop:]
+    return blocks
 
 
 def summary_lines(record: dict) -> list[str]:

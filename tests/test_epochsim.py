@@ -1,7 +1,7 @@
 """The epoch model of bench/epochsim.py keeps its books: every byte of the dataset arrives
 once (plus, for early member reads, at most the duplicate allowance), no epoch beats the
 link, and priority that costs nothing beats fair sharing (the model's one claim that
-docs/benchmarks.md leans on)."""
+docs/benchmarks-notes.md leans on)."""
 
 from __future__ import annotations
 

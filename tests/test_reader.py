@@ -399,7 +399,7 @@ def test_fetch_failing_after_a_waiters_bytes_arrived(tmp_path: Path, shards: Sha
     run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources)
 
 
-SPLIT = ReadPolicy(split_fetches=True)  # off by default (docs/benchmarks.md, session 9)
+SPLIT = ReadPolicy(split_fetches=True)  # off by default (docs/benchmarks-notes.md, session 9)
 
 
 class _SlowWholeShards:

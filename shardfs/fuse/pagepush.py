@@ -2,7 +2,7 @@
 
 Why: in a cold shuffled epoch almost every file is read after its shard has arrived — the
 DataLoader's 4 workers each wait on one file at a time, so little is read while bytes are
-still coming (docs/benchmarks.md, "Arrived shards pushed into the page cache": 9-12 % of the
+still coming (docs/benchmarks-notes.md, "Arrived shards pushed into the page cache": 9-12 % of the
 files by the link time at bench scale 3). Each such read was a FUSE READ the daemon answers
 (2,400-3,500 files/s there), while pages already in the page cache are answered by the kernel
 alone (~6,000 files/s). So, as each shard completes, its files' bytes go into the page cache

@@ -75,7 +75,7 @@ class ReadPolicy:
     # Such a read whose member lies wholly ahead of the GET bringing it may split that GET
     # instead (see _split): its member comes by a GET of its own, written into the part
     # file. Off by default: the GET cut short has bytes in flight past its new end (socket
-    # buffers), measured 1.27x the bytes and no faster (docs/benchmarks.md, session 9).
+    # buffers), measured 1.27x the bytes and no faster (docs/benchmarks-notes.md, session 9).
     # At most max_gets_per_fetch GETs per fetch.
     split_fetches: bool = False
     max_gets_per_fetch: int = 16

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 # httpcore reads a response body 64 KiB per receive (AsyncHTTP11Connection.READ_NUM_BYTES, a
 # class constant with no option for it). A shard is megabytes, and every receive costs Python
 # work in httpcore and h11: reading up to 1 MiB at a time takes 15-35 % less CPU per byte
-# (docs/benchmarks.md, "CPU per byte received over HTTP"). A receive returns what has arrived,
+# (docs/benchmarks-notes.md, "CPU per byte received over HTTP"). A receive returns what has arrived,
 # so no read waits for the larger size.
 HTTP_RECEIVE_BYTES = 1 << 20
 

@@ -1,0 +1,216 @@
+"""The S3 store of the `s3` scenario: SeaweedFS (the tests' S3 server, signatures checked)
+behind an emulated link.
+
+- Per-request latency: SeaweedFS has none of its own and this kernel has no netem, so an nginx
+  (C, its own processes) sits in front as a reverse proxy whose every request first waits on
+  a non-blocking timer (the echo module's `echo_sleep`, as the HTTP bench does), then is passed
+  on over kept-alive upstream connections with the client's Host header, so SigV4 signatures
+  made for the proxy's address verify at SeaweedFS. Its access log counts requests and bytes
+  per epoch. Its CPU is the "server" CPU, beside SeaweedFS's, never the loader's or daemon's.
+- Bandwidth: `tc` shapes only the replies leaving the proxy's port (an htb class for that
+  source port with the HTTP bench's tbf under it); SeaweedFS's internal traffic (filer,
+  volume server, proxy upstream) on the same loopback is not capped.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from bench.server import parse_rate
+from shardfs.devtools.nginx import ECHO_MODULE, Nginx
+
+
+class S3Proxy(Nginx):
+    """nginx passing every request to `upstream` after `latency_s` (0: no delay)."""
+
+    def __init__(self, upstream_port: int, workdir: Path, *, latency_s: float,
+                 workers: int = 2) -> None:
+        super().__init__(workdir, workdir, latency_s=latency_s, workers=workers)
+        self.upstream_port = upstream_port
+
+    def _config(self, port: int) -> str:
+        w = self.workdir
+        temp_paths = "\n".join(f"    {kind}_temp_path {w / (kind + '_temp')};"
+                               for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+        proxy = """proxy_pass http://s3;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_set_header Host $http_host;
+            proxy_buffering off;
+            proxy_request_buffering off;
+            proxy_read_timeout 300s;"""
+        if self.latency_s > 0:
+            sleep = f"{max(self.latency_s, 0.001):.3f}"
+            locations = f"""
+        location / {{
+            echo_sleep {sleep};
+            echo_exec @s3;
+        }}
+        location @s3 {{
+            {proxy}
+        }}"""
+            head = f"load_module {ECHO_MODULE};\n"
+        else:
+            locations = f"""
+        location / {{
+            {proxy}
+        }}"""
+            head = ""
+        user = "user root;\n" if os.geteuid() == 0 else ""
+        from shardfs.devtools.nginx import LOG_FORMAT
+
+        return f"""{head}{user}worker_processes {self.workers};
+pid {w / "nginx.pid"};
+error_log {self.error_log_path} warn;
+events {{
+    worker_connections 4096;
+}}
+http {{
+{temp_paths}
+    log_format shardfs {LOG_FORMAT};
+    access_log {self.access_log_path} shardfs;
+    keepalive_timeout 75s;
+    keepalive_requests 100000;
+    client_max_body_size 0;
+    server_tokens off;
+    upstream s3 {{
+        server 127.0.0.1:{self.upstream_port};
+        keepalive 64;
+    }}
+    server {{
+        listen 127.0.0.1:{port};
+        server_name localhost;{locations}
+    }}
+}}
+"""
+
+
+class PortCap:
+    """A tbf cap on the packets leaving one TCP port on lo, for the duration of a `with`.
+
+    htb root (default class: unshaped) + a class for `sport == port` with tbf under it. Removed
+    in __exit__ and at interpreter exit; a root qdisc that is not ours is never touched (the
+    run then goes uncapped and says why, as bench/server.py's BandwidthCap does)."""
+
+    def __init__(self, port: int, rate: str | None, burst: str = "1mb",
+                 latency: str = "100ms", dev: str = "lo") -> None:
+        self.port, self.rate, self.burst, self.latency, self.dev = port, rate, burst, latency, dev
+        self.active = False
+        self.error: str | None = None
+
+    def __enter__(self) -> PortCap:
+        if not self.rate:
+            self.error = "disabled (--no-tc)"
+            return self
+        tc = shutil.which("tc")
+        if tc is None:
+            self.error = "tc not found (apt-get install iproute2)"
+            return self
+        existing = subprocess.run([tc, "qdisc", "show", "dev", self.dev], capture_output=True,
+                                  text=True).stdout
+        if " root " in existing and "noqueue" not in existing:
+            self.error = f"a root qdisc is already set on {self.dev}: {existing.strip()}"
+            return self
+        d = self.dev
+        steps = [
+            ["qdisc", "add", "dev", d, "root", "handle", "1:", "htb", "default", "20"],
+            ["class", "add", "dev", d, "parent", "1:", "classid", "1:10", "htb", "rate",
+             "100gbit", "quantum", "200000"],
+            ["class", "add", "dev", d, "parent", "1:", "classid", "1:20", "htb", "rate",
+             "100gbit", "quantum", "200000"],
+            ["qdisc", "add", "dev", d, "parent", "1:10", "handle", "10:", "tbf", "rate",
+             self.rate, "burst", self.burst, "latency", self.latency],
+            ["filter", "add", "dev", d, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+             "match", "ip", "sport", str(self.port), "0xffff", "flowid", "1:10"],
+        ]
+        for i, step in enumerate(steps):
+            r = subprocess.run([tc, *step], capture_output=True, text=True)
+            if r.returncode != 0:
+                self.error = f"tc {' '.join(step)} failed: {r.stderr.strip()}"
+                if i > 0:
+                    subprocess.run([tc, "qdisc", "del", "dev", d, "root"], capture_output=True)
+                return self
+        self.active = True
+        atexit.register(self.remove)
+        return self
+
+    def remove(self) -> None:
+        if self.active:
+            self.active = False
+            subprocess.run(["tc", "qdisc", "del", "dev", self.dev, "root"], capture_output=True)
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def sent_bytes(self) -> int | None:
+        """Bytes the tbf let through (replies from the port), None when uncapped."""
+        if not self.active:
+            return None
+        out = subprocess.run(["tc", "-s", "qdisc", "show", "dev", self.dev],
+                             capture_output=True, text=True).stdout
+        return parse_tbf_sent(out, "10:")
+
+    @property
+    def bytes_per_s(self) -> float | None:
+        return parse_rate(self.rate) if self.active and self.rate else None
+
+    def describe(self) -> str:
+        if self.active:
+            return (f"tc tbf rate {self.rate} burst {self.burst} latency {self.latency} on "
+                    f"{self.dev}, replies from port {self.port} only")
+        return f"uncapped: {self.error}"
+
+
+def parse_tbf_sent(text: str, handle: str) -> int | None:
+    """`tc -s qdisc show` -> the "Sent N bytes" of the qdisc with `handle` (e.g. "10:")."""
+    mine = False
+    for line in text.splitlines():
+        words = line.split()
+        if line.startswith("qdisc "):
+            mine = len(words) >= 3 and words[2] == handle
+        elif mine and len(words) >= 3 and words[0] == "Sent" and words[2] == "bytes":
+            return int(words[1])
+    return None
+
+
+def tree_pids(root: int | None) -> list[int]:
+    """`root` and every live descendant (by /proc PPid)."""
+    if not root:
+        return []
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(") ", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def tree_cpu_seconds(root: int | None) -> float | None:
+    """utime + stime of `root` and its live descendants (nginx master + workers)."""
+    from bench.procs import cpu_seconds
+
+    pids = tree_pids(root)
+    if not pids:
+        return None
+    return sum(cpu_seconds(p) or 0.0 for p in pids)
+
+
+def tree_rss_bytes(root: int | None, field: str = "VmHWM") -> int | None:
+    from bench.procs import peak_rss
+
+    vals = [peak_rss(p, field) or 0 for p in tree_pids(root)]
+    return sum(vals) or None
