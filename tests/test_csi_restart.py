@@ -237,7 +237,7 @@ def test_a_dead_daemon_is_replaced_by_the_mounter(dataset: Dataset, nginx, tmp_p
                                                   spares: bool) -> None:
     """Killed alone, the daemon is replaced by its spare (or, with --no-spares, a new
     process) taking the mount over; the readers' longest read is printed (pytest -s): the gap
-    the death cost them (docs/benchmarks.md)."""
+    the death cost them (docs/benchmarks-notes.md)."""
     serve_dataset(dataset, nginx.root)
     want = checksums(dataset)
     attrs = {"source": brace(dataset, f"{nginx.url}/data"), "workers": "1"}

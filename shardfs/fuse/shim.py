@@ -168,7 +168,7 @@ def serve_metadata(tree: Any, *, uid: int, gid: int, timeout: float,
 # Microseconds the shim waits for a next request before going back to pyfuse3's loop
 # (_shim.c, "Lingering"): one wake-up of that loop costs tens of microseconds of Python.
 # Off by default: on the 2-core development machine no setting showed less CPU per cold
-# file in turns (docs/benchmarks.md, "Cold reads: where a file's CPU goes"), where the
+# file in turns (docs/benchmarks-notes.md, "Cold reads: where a file's CPU goes"), where the
 # readers' next request rarely comes while cores are short; bench/device_node.sh measures
 # it on and off on a many-core machine.
 LINGER_US = 0
