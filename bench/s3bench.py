@@ -19,7 +19,6 @@ import signal
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 from bench import procs
@@ -64,12 +63,9 @@ class S3Bench(Bench):
             return {"status": "n/a", "reason": reason}
         assert self.nginx is not None
         rec: dict = {"status": "ok", "epochs": {}}
-        self.active = c
-        try:
-            self.nginx.reset_log()
-            t = time.monotonic()
-            c.setup(ctx, cache_scenario)
-            rec["setup"] = {"s": round(time.monotonic() - t, 3), **self.traffic()}
+
+        def body() -> None:
+            self.set_up(c, ctx, cache_scenario, rec)
             peak = 0
             epochs = EPOCHS[scenario][: self.args.epochs or None]
             for i, name in enumerate(epochs):
@@ -84,29 +80,12 @@ class S3Bench(Bench):
                 e["server_cpu_s"] = round(w1 - w0 + p1 - p0, 3)
                 e["proxy_cpu_s"] = round(p1 - p0, 3)  # of server_cpu_s
                 rec["epochs"][name] = e
-                if e.get("timed_out"):
-                    rec["status"] = "timeout"
-                    rec["reason"] = (f"{name} epoch stopped after {self.args.epoch_limit:g} s"
-                                     f" ({e['files']} of {ctx.data.files} files)")
+                if self.timed_out(rec, name, e, ctx):
                     break
             rec["daemon_peak_rss_bytes"] = max(peak, procs.peak_rss(c.pid) or 0) or None
             assert self.weed is not None
             rec["server_rss_bytes"] = procs.peak_rss(self.weed.pid, "VmRSS")
-        except Exception as exc:  # reported, never dropped
-            rec["status"] = "failed"
-            rec["reason"] = f"{type(exc).__name__}: {exc}".strip()
-            rec["traceback"] = traceback.format_exc(limit=4)
-            self.say(f"  {c.name}: FAILED: {rec['reason'][:300]}")
-        finally:
-            try:
-                c.teardown()
-            except Exception as exc:
-                rec.setdefault("teardown_error", f"{type(exc).__name__}: {exc}")
-            if c.notes:
-                rec["notes"] = list(c.notes)
-                c.notes.clear()
-            self.active = None
-        return rec
+        return self.guarded(c, rec, body)
 
     def run(self) -> dict:
         a = self.args
