@@ -19,7 +19,7 @@ import subprocess
 from pathlib import Path
 
 from bench.server import BandwidthCap
-from shardfs.devtools.nginx import ECHO_MODULE, Nginx
+from shardfs.devtools.nginx import Nginx
 
 
 class S3Proxy(Nginx):
@@ -30,61 +30,24 @@ class S3Proxy(Nginx):
         super().__init__(workdir, workdir, latency_s=latency_s, workers=workers)
         self.upstream_port = upstream_port
 
-    def _config(self, port: int) -> str:
-        w = self.workdir
-        temp_paths = "\n".join(f"    {kind}_temp_path {w / (kind + '_temp')};"
-                               for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
-        proxy = """proxy_pass http://s3;
+    worker_connections = 4096
+    named_location = "s3"
+
+    def _serve(self) -> str:
+        return """proxy_pass http://s3;
             proxy_http_version 1.1;
             proxy_set_header Connection "";
             proxy_set_header Host $http_host;
             proxy_buffering off;
             proxy_request_buffering off;
             proxy_read_timeout 300s;"""
-        if self.latency_s > 0:
-            sleep = f"{max(self.latency_s, 0.001):.3f}"
-            locations = f"""
-        location / {{
-            echo_sleep {sleep};
-            echo_exec @s3;
-        }}
-        location @s3 {{
-            {proxy}
-        }}"""
-            head = f"load_module {ECHO_MODULE};\n"
-        else:
-            locations = f"""
-        location / {{
-            {proxy}
-        }}"""
-            head = ""
-        user = "user root;\n" if os.geteuid() == 0 else ""
-        from shardfs.devtools.nginx import LOG_FORMAT
 
-        return f"""{head}{user}worker_processes {self.workers};
-pid {w / "nginx.pid"};
-error_log {self.error_log_path} warn;
-events {{
-    worker_connections 4096;
-}}
-http {{
-{temp_paths}
-    log_format shardfs {LOG_FORMAT};
-    access_log {self.access_log_path} shardfs;
-    keepalive_timeout 75s;
-    keepalive_requests 100000;
-    client_max_body_size 0;
-    server_tokens off;
+    def _http_settings(self) -> str:
+        return f"""    client_max_body_size 0;
     upstream s3 {{
         server 127.0.0.1:{self.upstream_port};
         keepalive 64;
-    }}
-    server {{
-        listen 127.0.0.1:{port};
-        server_name localhost;{locations}
-    }}
-}}
-"""
+    }}"""
 
 
 class PortCap(BandwidthCap):
