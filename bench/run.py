@@ -469,11 +469,12 @@ def _names(text: str | list, allowed, what: str) -> list[str]:
     return names
 
 
-def run_command(a: argparse.Namespace) -> int:
-    a = finish_args(a)
-    bench = Bench(a)
+def run_and_save(bench: Bench, prefix: str) -> tuple[dict, Path]:
+    """bench.run() with SIGTERM turned into an exception (so every finally runs: tc, mounts,
+    servers), its record written to --json or --out/PREFIX-<time>.json: (record, path)."""
+    a = bench.args
 
-    def on_signal(signum, frame):  # turn SIGTERM into an exception so every finally runs
+    def on_signal(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
     old = signal.signal(signal.SIGTERM, on_signal)
@@ -481,10 +482,18 @@ def run_command(a: argparse.Namespace) -> int:
         record = bench.run()
     finally:
         signal.signal(signal.SIGTERM, old)
-    path = Path(a.json) if a.json else Path(a.out) / f"run-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = (Path(a.json) if a.json
+            else Path(a.out) / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1, default=str))
     bench.say(f"record written to {path}")
+    return record, path
+
+
+def run_command(a: argparse.Namespace) -> int:
+    a = finish_args(a)
+    bench = Bench(a)
+    record, path = run_and_save(bench, "run")
     if a.docs:
         from bench.report import write_docs
 

@@ -11,11 +11,9 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
-import json
 import os
 import shlex
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -26,7 +24,7 @@ from bench.contenders import Contender
 from bench.convert import to_litdata, to_mds
 from bench.data import DataParams, prepare_dataset
 from bench.peers import S3_CONTENDER_NAMES, S3Ctx, s3_contenders
-from bench.run import QUICK, REPO, Bench, dataset_record, host_info
+from bench.run import QUICK, REPO, Bench, dataset_record, host_info, run_and_save
 from bench.s3store import PortCap, S3Proxy, tree_cpu_seconds
 from shardfs.devtools.seaweed import WeedServer
 
@@ -284,19 +282,7 @@ def finish_args(a: argparse.Namespace) -> argparse.Namespace:
 def s3_command(a: argparse.Namespace) -> int:
     a = finish_args(a)
     bench = S3Bench(a)
-
-    def on_signal(signum, frame):  # every finally runs (tc, mounts, servers)
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    old = signal.signal(signal.SIGTERM, on_signal)
-    try:
-        record = bench.run()
-    finally:
-        signal.signal(signal.SIGTERM, old)
-    path = Path(a.json) if a.json else Path(a.out) / f"s3-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1, default=str))
-    bench.say(f"record written to {path}")
+    record, path = run_and_save(bench, "s3")
     from bench.s3report import summary_lines, write_section
 
     if a.docs:
