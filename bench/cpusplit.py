@@ -44,7 +44,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.node import Mount, drop_caches, make_files, read_all
+from bench.node import (
+    Mount,
+    add_data_arguments,
+    drop_caches,
+    make_files,
+    read_all,
+    replace_section,
+)
 from bench.procs import CLK_TCK
 
 MARK_BEGIN = "<!-- cpusplit: begin -->"
@@ -510,19 +517,11 @@ def render(record: dict, command: str) -> str:
 
 
 def write_docs(page: Path, section: str) -> None:
-    text = page.read_text() if page.exists() else ""
-    if MARK_BEGIN in text and MARK_END in text:
-        head, rest = text.split(MARK_BEGIN, 1)
-        text = head + section + rest.split(MARK_END, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    page.write_text(text)
+    replace_section(page, section, MARK_BEGIN, MARK_END)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--files", type=int, default=20000)
-    p.add_argument("--kb", type=float, default=24.0, help="mean file size in KiB")
-    p.add_argument("--shards", type=int, default=16)
+    add_data_arguments(p)
     p.add_argument("--readers", type=int, default=8, help="reader processes")
     p.add_argument("--workers", default="1,2", help="shardfs --workers values, comma-separated")
     p.add_argument("--sources", default="file,http", help="file and/or http, comma-separated")

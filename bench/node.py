@@ -400,21 +400,35 @@ def write_docs(page: Path, section: str) -> None:
     text = page.read_text() if page.exists() else ""
     inner = section.split(MARK_BEGIN, 1)[1].split(MARK_END, 1)[0]
     if MARK_BEGIN in text and MARK_END in text:
-        head, rest = text.split(MARK_BEGIN, 1)
-        old, tail = rest.split(MARK_END, 1)
+        old = text.split(MARK_BEGIN, 1)[1].split(MARK_END, 1)[0]
         tables = {**_subsections(old), **_subsections(inner)}
         ordered = sorted(tables, key=lambda h: int(h[len(SUBSECTION):].split(")")[0]))
         body = "\n" + "\n".join(tables[h] for h in ordered) + "\n"
-        text = head + MARK_BEGIN + "\n" + body + MARK_END + tail
+        section = MARK_BEGIN + "\n" + body + MARK_END
+    replace_section(page, section, MARK_BEGIN, MARK_END)
+
+
+def replace_section(page: Path, section: str, begin: str, end: str) -> None:
+    """Put `section` (which starts with `begin` and ends with `end`) in place of what stands
+    between those markers on the page, or at its end when they are not there."""
+    text = page.read_text() if page.exists() else ""
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + section + rest.split(end, 1)[1]
     else:
         text = text.rstrip() + "\n\n" + section + "\n"
     page.write_text(text)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_data_arguments(p: argparse.ArgumentParser) -> None:
+    """The generated files' arguments (bench node's; bench cpusplit's too)."""
     p.add_argument("--files", type=int, default=20000)
     p.add_argument("--kb", type=float, default=24.0, help="mean file size in KiB")
     p.add_argument("--shards", type=int, default=16)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_data_arguments(p)
     p.add_argument("--readers", default="1,4,8", help="reader process counts, comma-separated")
     p.add_argument("--workers", type=int, default=1, help="shardfs --workers")
     p.add_argument("--push-pages", choices=("auto", "off"), default="auto",

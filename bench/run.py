@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -127,12 +128,9 @@ class Bench:
                     "reason": "torchdata not installed (pip install -e '.[bench]')"}
         assert self.nginx is not None
         rec: dict = {"status": "ok", "epochs": {}}
-        self.active = c
-        try:
-            self.nginx.reset_log()
-            t = time.monotonic()
-            c.setup(ctx, scenario)
-            rec["setup"] = {"s": round(time.monotonic() - t, 3), **self.traffic()}
+
+        def body() -> None:
+            self.set_up(c, ctx, scenario, rec)
             rec["pid"] = c.pid
             self.say(f"  {c.name}: set up in {rec['setup']['s']:.2f} s "
                      f"({rec['setup']['requests']} requests, "
@@ -157,10 +155,7 @@ class Bench:
                         rec[f"remount_before_{name}_s"] = round(time.monotonic() - t, 3)
                     e = self.one_epoch(c, ctx, name, decode)
                     rec["epochs"][name] = e
-                    if e.get("timed_out"):
-                        rec["status"] = "timeout"
-                        rec["reason"] = (f"{name} epoch stopped after {self.args.epoch_limit:g} s"
-                                         f" ({e['files']} of {ctx.data.files} files)")
+                    if self.timed_out(rec, name, e, ctx):
                         break
             rss = max(peak, procs.peak_rss(c.pid) or 0)
             rec["daemon_peak_rss_bytes"] = rss or None
@@ -168,6 +163,31 @@ class Bench:
             stats = c.stats()
             if stats is not None:
                 rec["final_stats"] = stats
+        return self.guarded(c, rec, body)
+
+    def set_up(self, c: Contender, ctx: Ctx, scenario: str, rec: dict) -> None:
+        """c.setup(ctx, scenario), its time and traffic into rec["setup"]."""
+        assert self.nginx is not None
+        self.nginx.reset_log()
+        t = time.monotonic()
+        c.setup(ctx, scenario)
+        rec["setup"] = {"s": round(time.monotonic() - t, 3), **self.traffic()}
+
+    def timed_out(self, rec: dict, name: str, e: dict, ctx: Ctx) -> bool:
+        """Whether epoch `name` (its record e) hit --epoch-limit; if so rec says so."""
+        if not e.get("timed_out"):
+            return False
+        rec["status"] = "timeout"
+        rec["reason"] = (f"{name} epoch stopped after {self.args.epoch_limit:g} s"
+                         f" ({e['files']} of {ctx.data.files} files)")
+        return True
+
+    def guarded(self, c: Contender, rec: dict, body: Callable[[], None]) -> dict:
+        """Runs body (contender c's set-up and epochs, filling rec): a failure goes into rec,
+        never up; c is torn down and its notes kept whatever happened."""
+        self.active = c
+        try:
+            body()
         except Exception as exc:  # reported, never dropped
             rec["status"] = "failed"
             rec["reason"] = f"{type(exc).__name__}: {exc}".strip()
@@ -449,11 +469,12 @@ def _names(text: str | list, allowed, what: str) -> list[str]:
     return names
 
 
-def run_command(a: argparse.Namespace) -> int:
-    a = finish_args(a)
-    bench = Bench(a)
+def run_and_save(bench: Bench, prefix: str) -> tuple[dict, Path]:
+    """bench.run() with SIGTERM turned into an exception (so every finally runs: tc, mounts,
+    servers), its record written to --json or --out/PREFIX-<time>.json: (record, path)."""
+    a = bench.args
 
-    def on_signal(signum, frame):  # turn SIGTERM into an exception so every finally runs
+    def on_signal(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
     old = signal.signal(signal.SIGTERM, on_signal)
@@ -461,10 +482,18 @@ def run_command(a: argparse.Namespace) -> int:
         record = bench.run()
     finally:
         signal.signal(signal.SIGTERM, old)
-    path = Path(a.json) if a.json else Path(a.out) / f"run-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = (Path(a.json) if a.json
+            else Path(a.out) / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1, default=str))
     bench.say(f"record written to {path}")
+    return record, path
+
+
+def run_command(a: argparse.Namespace) -> int:
+    a = finish_args(a)
+    bench = Bench(a)
+    record, path = run_and_save(bench, "run")
     if a.docs:
         from bench.report import write_docs
 

@@ -11,15 +11,12 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
-import json
 import os
 import shlex
 import shutil
-import signal
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 from bench import procs
@@ -27,7 +24,7 @@ from bench.contenders import Contender
 from bench.convert import to_litdata, to_mds
 from bench.data import DataParams, prepare_dataset
 from bench.peers import S3_CONTENDER_NAMES, S3Ctx, s3_contenders
-from bench.run import QUICK, REPO, Bench, dataset_record, host_info
+from bench.run import QUICK, REPO, Bench, dataset_record, host_info, run_and_save
 from bench.s3store import PortCap, S3Proxy, tree_cpu_seconds
 from shardfs.devtools.seaweed import WeedServer
 
@@ -64,12 +61,9 @@ class S3Bench(Bench):
             return {"status": "n/a", "reason": reason}
         assert self.nginx is not None
         rec: dict = {"status": "ok", "epochs": {}}
-        self.active = c
-        try:
-            self.nginx.reset_log()
-            t = time.monotonic()
-            c.setup(ctx, cache_scenario)
-            rec["setup"] = {"s": round(time.monotonic() - t, 3), **self.traffic()}
+
+        def body() -> None:
+            self.set_up(c, ctx, cache_scenario, rec)
             peak = 0
             epochs = EPOCHS[scenario][: self.args.epochs or None]
             for i, name in enumerate(epochs):
@@ -84,29 +78,12 @@ class S3Bench(Bench):
                 e["server_cpu_s"] = round(w1 - w0 + p1 - p0, 3)
                 e["proxy_cpu_s"] = round(p1 - p0, 3)  # of server_cpu_s
                 rec["epochs"][name] = e
-                if e.get("timed_out"):
-                    rec["status"] = "timeout"
-                    rec["reason"] = (f"{name} epoch stopped after {self.args.epoch_limit:g} s"
-                                     f" ({e['files']} of {ctx.data.files} files)")
+                if self.timed_out(rec, name, e, ctx):
                     break
             rec["daemon_peak_rss_bytes"] = max(peak, procs.peak_rss(c.pid) or 0) or None
             assert self.weed is not None
             rec["server_rss_bytes"] = procs.peak_rss(self.weed.pid, "VmRSS")
-        except Exception as exc:  # reported, never dropped
-            rec["status"] = "failed"
-            rec["reason"] = f"{type(exc).__name__}: {exc}".strip()
-            rec["traceback"] = traceback.format_exc(limit=4)
-            self.say(f"  {c.name}: FAILED: {rec['reason'][:300]}")
-        finally:
-            try:
-                c.teardown()
-            except Exception as exc:
-                rec.setdefault("teardown_error", f"{type(exc).__name__}: {exc}")
-            if c.notes:
-                rec["notes"] = list(c.notes)
-                c.notes.clear()
-            self.active = None
-        return rec
+        return self.guarded(c, rec, body)
 
     def run(self) -> dict:
         a = self.args
@@ -305,19 +282,7 @@ def finish_args(a: argparse.Namespace) -> argparse.Namespace:
 def s3_command(a: argparse.Namespace) -> int:
     a = finish_args(a)
     bench = S3Bench(a)
-
-    def on_signal(signum, frame):  # every finally runs (tc, mounts, servers)
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    old = signal.signal(signal.SIGTERM, on_signal)
-    try:
-        record = bench.run()
-    finally:
-        signal.signal(signal.SIGTERM, old)
-    path = Path(a.json) if a.json else Path(a.out) / f"s3-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1, default=str))
-    bench.say(f"record written to {path}")
+    record, path = run_and_save(bench, "s3")
     from bench.s3report import summary_lines, write_section
 
     if a.docs:

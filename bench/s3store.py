@@ -14,14 +14,12 @@ behind an emulated link.
 
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
-from bench.server import parse_rate
-from shardfs.devtools.nginx import ECHO_MODULE, Nginx
+from bench.server import BandwidthCap
+from shardfs.devtools.nginx import Nginx
 
 
 class S3Proxy(Nginx):
@@ -32,64 +30,27 @@ class S3Proxy(Nginx):
         super().__init__(workdir, workdir, latency_s=latency_s, workers=workers)
         self.upstream_port = upstream_port
 
-    def _config(self, port: int) -> str:
-        w = self.workdir
-        temp_paths = "\n".join(f"    {kind}_temp_path {w / (kind + '_temp')};"
-                               for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
-        proxy = """proxy_pass http://s3;
+    worker_connections = 4096
+    named_location = "s3"
+
+    def _serve(self) -> str:
+        return """proxy_pass http://s3;
             proxy_http_version 1.1;
             proxy_set_header Connection "";
             proxy_set_header Host $http_host;
             proxy_buffering off;
             proxy_request_buffering off;
             proxy_read_timeout 300s;"""
-        if self.latency_s > 0:
-            sleep = f"{max(self.latency_s, 0.001):.3f}"
-            locations = f"""
-        location / {{
-            echo_sleep {sleep};
-            echo_exec @s3;
-        }}
-        location @s3 {{
-            {proxy}
-        }}"""
-            head = f"load_module {ECHO_MODULE};\n"
-        else:
-            locations = f"""
-        location / {{
-            {proxy}
-        }}"""
-            head = ""
-        user = "user root;\n" if os.geteuid() == 0 else ""
-        from shardfs.devtools.nginx import LOG_FORMAT
 
-        return f"""{head}{user}worker_processes {self.workers};
-pid {w / "nginx.pid"};
-error_log {self.error_log_path} warn;
-events {{
-    worker_connections 4096;
-}}
-http {{
-{temp_paths}
-    log_format shardfs {LOG_FORMAT};
-    access_log {self.access_log_path} shardfs;
-    keepalive_timeout 75s;
-    keepalive_requests 100000;
-    client_max_body_size 0;
-    server_tokens off;
+    def _http_settings(self) -> str:
+        return f"""    client_max_body_size 0;
     upstream s3 {{
         server 127.0.0.1:{self.upstream_port};
         keepalive 64;
-    }}
-    server {{
-        listen 127.0.0.1:{port};
-        server_name localhost;{locations}
-    }}
-}}
-"""
+    }}"""
 
 
-class PortCap:
+class PortCap(BandwidthCap):
     """A tbf cap on the packets leaving one TCP port on lo, for the duration of a `with`.
 
     htb root (default class: unshaped) + a class for `sport == port` with tbf under it. Removed
@@ -98,23 +59,11 @@ class PortCap:
 
     def __init__(self, port: int, rate: str | None, burst: str = "1mb",
                  latency: str = "100ms", dev: str = "lo") -> None:
-        self.port, self.rate, self.burst, self.latency, self.dev = port, rate, burst, latency, dev
-        self.active = False
-        self.error: str | None = None
+        super().__init__(rate, burst, latency, dev)
+        self.port = port
 
-    def __enter__(self) -> PortCap:
-        if not self.rate:
-            self.error = "disabled (--no-tc)"
-            return self
-        tc = shutil.which("tc")
-        if tc is None:
-            self.error = "tc not found (apt-get install iproute2)"
-            return self
-        existing = subprocess.run([tc, "qdisc", "show", "dev", self.dev], capture_output=True,
-                                  text=True).stdout
-        if " root " in existing and "noqueue" not in existing:
-            self.error = f"a root qdisc is already set on {self.dev}: {existing.strip()}"
-            return self
+    def _install(self, tc: str) -> str | None:
+        assert self.rate is not None
         d = self.dev
         steps = [
             ["qdisc", "add", "dev", d, "root", "handle", "1:", "htb", "default", "20"],
@@ -130,33 +79,14 @@ class PortCap:
         for i, step in enumerate(steps):
             r = subprocess.run([tc, *step], capture_output=True, text=True)
             if r.returncode != 0:
-                self.error = f"tc {' '.join(step)} failed: {r.stderr.strip()}"
                 if i > 0:
                     subprocess.run([tc, "qdisc", "del", "dev", d, "root"], capture_output=True)
-                return self
-        self.active = True
-        atexit.register(self.remove)
-        return self
+                return f"tc {' '.join(step)} failed: {r.stderr.strip()}"
+        return None
 
-    def remove(self) -> None:
-        if self.active:
-            self.active = False
-            subprocess.run(["tc", "qdisc", "del", "dev", self.dev, "root"], capture_output=True)
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
-
-    def sent_bytes(self) -> int | None:
-        """Bytes the tbf let through (replies from the port), None when uncapped."""
-        if not self.active:
-            return None
-        out = subprocess.run(["tc", "-s", "qdisc", "show", "dev", self.dev],
-                             capture_output=True, text=True).stdout
-        return parse_tbf_sent(out, "10:")
-
-    @property
-    def bytes_per_s(self) -> float | None:
-        return parse_rate(self.rate) if self.active and self.rate else None
+    def _sent_of(self, tc_stats: str) -> int | None:
+        """The tbf's count: replies from the port."""
+        return parse_tbf_sent(tc_stats, "10:")
 
     def describe(self) -> str:
         if self.active:

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 from shardfs.devtools.nginx import AccessRecord, Nginx
 
@@ -42,7 +43,7 @@ class BandwidthCap:
         self.active = False
         self.error: str | None = None
 
-    def __enter__(self) -> BandwidthCap:
+    def __enter__(self) -> Self:
         if not self.rate:
             self.error = "disabled (--no-tc)"
             return self
@@ -56,15 +57,22 @@ class BandwidthCap:
             # Someone else's root qdisc: never replace (or later delete) what is not ours.
             self.error = f"a root qdisc is already set on {self.dev}: {existing.stdout.strip()}"
             return self
-        cmd = [tc, "qdisc", "add", "dev", self.dev, "root", "tbf", "rate", self.rate,
-               "burst", self.burst, "latency", self.latency]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            self.error = f"{' '.join(cmd)} failed: {result.stderr.strip()}"
+        self.error = self._install(tc)
+        if self.error is not None:
             return self
         self.active = True
         atexit.register(self.remove)
         return self
+
+    def _install(self, tc: str) -> str | None:
+        """Adds the qdiscs (lo is free of a root qdisc); why not, or None when done."""
+        assert self.rate is not None
+        cmd = [tc, "qdisc", "add", "dev", self.dev, "root", "tbf", "rate", self.rate,
+               "burst", self.burst, "latency", self.latency]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            return f"{' '.join(cmd)} failed: {result.stderr.strip()}"
+        return None
 
     def remove(self) -> None:
         if self.active:
@@ -84,7 +92,11 @@ class BandwidthCap:
             return None
         out = subprocess.run(["tc", "-s", "qdisc", "show", "dev", self.dev],
                              capture_output=True, text=True).stdout
-        return parse_tc_sent(out)
+        return self._sent_of(out)
+
+    def _sent_of(self, tc_stats: str) -> int | None:
+        """`tc -s qdisc show` output -> the bytes this cap let through."""
+        return parse_tc_sent(tc_stats)
 
     @property
     def bytes_per_s(self) -> float | None:

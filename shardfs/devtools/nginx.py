@@ -209,15 +209,32 @@ class Nginx:
                 parts.append(path.read_text(errors="replace").strip())
         return "\n".join(p for p in parts if p) or "(no output)"
 
+    # -- configuration: a subclass changes what a request is served with (S3Proxy: a proxy) --
+    worker_connections = 1024
+    named_location = "files"  # where a request goes after its echo_sleep
+
+    def _serve(self) -> str:
+        """The directives that answer a request (inside its location)."""
+        files = f"root {self.root};"
+        if self.listings:
+            files += "\n            autoindex on;\n            autoindex_exact_size on;"
+        return files
+
+    def _http_settings(self) -> str:
+        """http-level lines of this server's own (after the common ones)."""
+        return """    default_type application/octet-stream;
+    sendfile on;
+    # Not "tcp_nopush on": behind echo_sleep it leaves ranged responses corked until the
+    # client's delayed ACK (~30 ms more per request for httpx clients).
+    tcp_nopush off;"""
+
     def _config(self, port: int) -> str:
         w = self.workdir
         temp_paths = "\n".join(
             f"    {kind}_temp_path {w / (kind + '_temp')};"
             for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
         )
-        files = f"root {self.root};"
-        if self.listings:
-            files += "\n            autoindex on;\n            autoindex_exact_size on;"
+        serve = self._serve()
         if self.latency_s > 0:
             # echo_sleep is a timer, not a blocking sleep: requests overlap like on a real store.
             # It accepts at most millisecond precision.
@@ -225,16 +242,16 @@ class Nginx:
             locations = f"""
         location / {{
             echo_sleep {sleep};
-            echo_exec @files;
+            echo_exec @{self.named_location};
         }}
-        location @files {{
-            {files}
+        location @{self.named_location} {{
+            {serve}
         }}"""
             head = f"load_module {ECHO_MODULE};\n"
         else:
             locations = f"""
         location / {{
-            {files}
+            {serve}
         }}"""
             head = ""
         # pytest's tmp dirs are 0700, so as root the worker must stay root to read them.
@@ -243,20 +260,16 @@ class Nginx:
 pid {w / "nginx.pid"};
 error_log {self.error_log_path} warn;
 events {{
-    worker_connections 1024;
+    worker_connections {self.worker_connections};
 }}
 http {{
-    default_type application/octet-stream;
 {temp_paths}
     log_format shardfs {LOG_FORMAT};
     access_log {self.access_log_path} shardfs;
-    sendfile on;
-    # Not "tcp_nopush on": behind echo_sleep it leaves ranged responses corked until the
-    # client's delayed ACK (~30 ms more per request for httpx clients).
-    tcp_nopush off;
     keepalive_timeout 75s;
     keepalive_requests 100000;
     server_tokens off;
+{self._http_settings()}
     server {{
         listen 127.0.0.1:{port};
         server_name localhost;{locations}
