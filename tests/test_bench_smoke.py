@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -214,6 +215,11 @@ def test_cpusplit_splits_a_process_by_thread() -> None:
         proc.stdin.write("go\n")
         proc.stdin.flush()
         assert proc.stdout.readline() == "done\n"
+        # join() returns when the kernel clears the thread id; its /proc/PID/task entry can
+        # linger a moment longer, and would then be counted as a live thread.
+        deadline = time.monotonic() + 5
+        while len(os.listdir(f"/proc/{proc.pid}/task")) > 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         after = Snapshot.take([proc.pid])
     finally:
         proc.kill()
