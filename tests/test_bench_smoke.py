@@ -4,9 +4,11 @@ renders, and nothing is left mounted or running. No timing assertions, no tc."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -43,6 +45,38 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
+def _run_bench(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """The bench as a subprocess; past `timeout` it gets SIGTERM first (bench.run turns it into
+    an exception, so its finally blocks stop nginx, SeaweedFS and mounts), then SIGKILL."""
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        raise AssertionError(f"bench ran past {timeout} s: {out[-4000:]}{err[-4000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _leave_nothing_behind(path: Path) -> None:
+    """Unmount and stop (by pid) whatever a bench run left under `path`, then fail if it left
+    anything: a failed run must not leave its mounts or servers to the next test."""
+    mounts = _mounts_under(path)
+    for m in mounts:
+        subprocess.run(["fusermount3", "-u", "-z", m], capture_output=True)
+    procs = _processes_mentioning(str(path))
+    for line in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(line.split(":", 1)[0]), signal.SIGKILL)
+    assert not mounts, mounts
+    assert not procs, procs
+
+
 def test_bench_tiny_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "out"
     record_path = tmp_path / "record.json"
@@ -54,7 +88,7 @@ def test_bench_tiny_end_to_end(tmp_path: Path) -> None:
            "--epoch-limit", "60", "--meta-limit", "60",
            "--out", str(out), "--json", str(record_path), "--docs", str(docs)]
     try:
-        result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=280)
+        result = _run_bench(cmd, timeout=280)
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
         record = json.loads(record_path.read_text())
         assert record["schema"] == "shardfs-bench/1"
@@ -98,11 +132,7 @@ def test_bench_tiny_end_to_end(tmp_path: Path) -> None:
         assert rep.returncode == 0, rep.stderr
         assert "| shardfs |" in again.read_text()
     finally:
-        leftover_mounts = _mounts_under(tmp_path)
-        for m in leftover_mounts:  # clean up before failing, so nothing outlives the test
-            subprocess.run(["fusermount3", "-u", "-z", m], capture_output=True)
-        assert not leftover_mounts, leftover_mounts
-        assert not _processes_mentioning(str(tmp_path)), _processes_mentioning(str(tmp_path))
+        _leave_nothing_behind(tmp_path)
 
 
 def test_bench_resume_scenario(tmp_path: Path) -> None:
@@ -116,7 +146,7 @@ def test_bench_resume_scenario(tmp_path: Path) -> None:
            "--contenders", "webdataset,shardfs,shardfs-lookahead", "--latency-ms", "1",
            "--epoch-limit", "60", "--out", str(tmp_path / "out"), "--json", str(record_path)]
     try:
-        result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=280)
+        result = _run_bench(cmd, timeout=280)
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
         resume = json.loads(record_path.read_text())["scenarios"]["resume"]
         assert resume["webdataset"]["status"] == "n/a" and resume["webdataset"]["reason"]
@@ -126,11 +156,7 @@ def test_bench_resume_scenario(tmp_path: Path) -> None:
             assert half["files"] == 4 and rest["files"] == 8, (half, rest)
             assert rest["resume_union_ok"] and rest["resume_each_once"], rest
     finally:
-        leftover_mounts = _mounts_under(tmp_path)
-        for m in leftover_mounts:
-            subprocess.run(["fusermount3", "-u", "-z", m], capture_output=True)
-        assert not leftover_mounts, leftover_mounts
-        assert not _processes_mentioning(str(tmp_path)), _processes_mentioning(str(tmp_path))
+        _leave_nothing_behind(tmp_path)
 
 
 def test_node_tables_of_other_worker_counts_are_kept(tmp_path: Path):
@@ -255,7 +281,7 @@ def test_bench_s3_tiny_runs_every_installed_peer(tmp_path: Path) -> None:
            "--contenders", ",".join(names), "--out", str(out), "--json", str(record_path),
            "--docs", str(docs)]
     try:
-        result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+        result = _run_bench(cmd, timeout=900)
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
         record = json.loads(record_path.read_text())
         assert record["schema"] == "shardfs-bench-s3/1"
@@ -282,8 +308,4 @@ def test_bench_s3_tiny_runs_every_installed_peer(tmp_path: Path) -> None:
         assert "<!-- s3 scenario: begin -->" in page and "| H100s fed |" in page
         assert "| shardfs |" in page
     finally:
-        leftover_mounts = _mounts_under(tmp_path)
-        for m in leftover_mounts:
-            subprocess.run(["fusermount3", "-u", "-z", m], capture_output=True)
-        assert not leftover_mounts, leftover_mounts
-        assert not _processes_mentioning(str(tmp_path)), _processes_mentioning(str(tmp_path))
+        _leave_nothing_behind(tmp_path)
