@@ -234,16 +234,21 @@ class Volumes:
                           volume.key, exc)
                 self._give_up(volume)
 
-    def _give_up(self, volume: Volume) -> None:
-        """Nobody will serve this mount: close our descriptor and tell the plugin, which
-        closes its own; with no descriptor left the kernel ends the connection, so readers
-        get an error (ENOTCONN) instead of waiting forever. Unpublish cleans up as usual."""
+    @staticmethod
+    def _let_go(volume: Volume) -> None:
+        """Dismiss the volume's spare daemon and close our copy of its FUSE descriptor."""
         if volume.spare is not None:
             volume.spare.dismiss()
             volume.spare = None
         if volume.fd is not None:
             os.close(volume.fd)
             volume.fd = None
+
+    def _give_up(self, volume: Volume) -> None:
+        """Nobody will serve this mount: close our descriptor and tell the plugin, which
+        closes its own; with no descriptor left the kernel ends the connection, so readers
+        get an error (ENOTCONN) instead of waiting forever. Unpublish cleans up as usual."""
+        self._let_go(volume)
         if self.on_give_up is not None:
             self.on_give_up(volume.key)
 
@@ -261,12 +266,7 @@ class Volumes:
         """Close our descriptor (the plugin unmounted already), end the daemon, drop the
         record; the cache stays, marked as used now."""
         volume.released = True
-        if volume.spare is not None:
-            volume.spare.dismiss()
-            volume.spare = None
-        if volume.fd is not None:
-            os.close(volume.fd)
-            volume.fd = None
+        self._let_go(volume)
         if volume.daemon is not None:
             volume.daemon.stop()
             volume.daemon = None
