@@ -429,6 +429,18 @@ def run(cfg: MountConfig, cache: ShardCache, on_ready: Callable[[str], None]) ->
             log.info("unmounted %s", cfg.mountpoint)
 
 
+def _push_would_block_a_restart() -> bool:
+    """Under systemd's fd store, page push is off: the pusher looks files up through the mount,
+    and a daemon killed while such a lookup waits cannot finish dying until a new daemon
+    answers it, while systemd starts the new one only once the old one is gone (a hang). The
+    holder of a plain mount starts the new daemon at once, so it has no such wait."""
+    if keeper() != "systemd":
+        return False
+    log.info("page push is off: the connection is kept by systemd's fd store, and a daemon "
+             "killed mid-push could not be replaced (systemd/README.md)")
+    return True
+
+
 def _mount_visible(cfg: MountConfig) -> bool:
     """Whether the mount is in this process's mount namespace: a --fuse-fd daemon (a CSI
     mounter's) may serve a mount made in another one."""
