@@ -309,3 +309,15 @@ def test_bench_s3_tiny_runs_every_installed_peer(tmp_path: Path) -> None:
         assert "| shardfs |" in page
     finally:
         _leave_nothing_behind(tmp_path)
+
+
+def test_cpusplit_refuses_a_variant_without_its_shim(tmp_path: Path, capsys) -> None:
+    """A --variant tree whose shim is not built for this Python would mount with every
+    request in Python (no C reads, no page push): its passes measure another program, so
+    `bench cpusplit` refuses it and says how to build it."""
+    from bench.cpusplit import main
+
+    (tmp_path / "shardfs" / "fuse").mkdir(parents=True)
+    assert main(["--variant", f"old={tmp_path}", "--sources", "file"]) == 2
+    err = capsys.readouterr().err
+    assert "variant old" in err and "build_ext --inplace" in err and str(tmp_path) in err
