@@ -159,15 +159,11 @@ def split(before: Snapshot, after: Snapshot, roles: dict[int, str], files: int) 
 
 # -- perf ------------------------------------------------------------------------------------
 
-class Perf:
-    """`perf record` of some pids for the length of a pass (no call graphs: cheap)."""
+class Profiler:
+    """A profiler process recording for the length of a pass; SIGINT makes it write out."""
 
-    def __init__(self, pids: list[int], path: Path, freq: int) -> None:
-        self.path = path
-        self.proc = subprocess.Popen(
-            ["perf", "record", "-F", str(freq), "-q", "-o", str(path), "-p",
-             ",".join(map(str, pids))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(0.5)  # perf attaches
+    proc: subprocess.Popen
+    path: Path
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGINT)
@@ -176,6 +172,17 @@ class Perf:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+class Perf(Profiler):
+    """`perf record` of some pids for the length of a pass (no call graphs: cheap)."""
+
+    def __init__(self, pids: list[int], path: Path, freq: int) -> None:
+        self.path = path
+        self.proc = subprocess.Popen(
+            ["perf", "record", "-F", str(freq), "-q", "-o", str(path), "-p",
+             ",".join(map(str, pids))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.5)  # perf attaches
 
 
 def _dso_kind(dso: str) -> str:
@@ -246,7 +253,7 @@ PHASES = [
 ]
 
 
-class PySpy:
+class PySpy(Profiler):
     """`py-spy record` of one process for the length of a pass (no pauses: --nonblocking)."""
 
     def __init__(self, pid: int, path: Path, rate: int) -> None:
@@ -258,14 +265,6 @@ class PySpy:
              "--threads", "--format", "raw", "-o", str(path)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(0.5)
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def pyspy_split(path: Path, main_tid: int) -> dict:
