@@ -32,11 +32,11 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from shardfs.cli.daemonize import READY_PREFIX, STANDBY_LINE
 from shardfs.daemon.mountpoint import is_mounted, unmount
 from shardfs.holder.endings import cgroup_oom_kills, describe
+from shardfs.util.proc import leader_exited
 
 log = logging.getLogger("shardfs.holder")
 
@@ -249,7 +249,7 @@ class Holder:
                     _, status = os.waitpid(self.daemon.proc.pid, 0)
                     self.daemon.proc.returncode = status
                     return status
-                if _leader_dead(self.daemon.proc.pid):
+                if leader_exited(self.daemon.proc.pid):
                     # Its main thread is gone but another is stuck in a FUSE request on this
                     # very mount (its own page pusher, say), which only the next daemon can
                     # answer: the process cannot finish dying before a takeover. Take over now
@@ -391,14 +391,6 @@ class Holder:
 
 
 ZOMBIE_POLL_S = 0.2  # how often to look for a daemon whose main thread is dead
-
-
-def _leader_dead(pid: int) -> bool:
-    """The daemon's main thread has exited (state Z) while the process lingers."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _give_up_rule() -> tuple[int, float]:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import trio
 
+from shardfs.util.proc import leader_exited
+
 log = logging.getLogger(__name__)
 
 
@@ -121,10 +123,13 @@ class ShardCache:
             self._lock_fd = None
             if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES):
                 raise
-            raise CacheError(
-                f"cache dir {self.root} is in use by another shardfs daemon (pid {holder or '?'});"
-                " give each mount its own --cache-dir"
-            ) from None
+            if holder.isdigit() and leader_exited(int(holder)):
+                self._lock_fd = self._replace_lock(int(holder))
+            else:
+                raise CacheError(
+                    f"cache dir {self.root} is in use by another shardfs daemon "
+                    f"(pid {holder or '?'}); give each mount its own --cache-dir"
+                ) from None
         try:
             os.ftruncate(self._lock_fd, 0)
             pwrite_all(self._lock_fd, str(os.getpid()).encode(), 0)
@@ -133,6 +138,26 @@ class ShardCache:
             self._lock_fd = None
             raise CacheError(f"cache dir {self.root} is not usable: {exc.strerror}") from None
         self._adopt_existing()
+
+    def _replace_lock(self, dying: int) -> int:
+        """The lock's holder is dying (leader_exited): killed while a thread of it waits in a
+        FUSE request on its own mount, which only the daemon now starting can answer, so it
+        would hold the lock until this daemon gave up. It runs no more code of its own: take
+        the cache dir over under a new lock file (its lock stays on the old, unlinked one)."""
+        log.warning("cache dir %s: its lock is held by pid %d, which was killed and waits on "
+                    "a FUSE request only this daemon can answer; taking the cache dir over",
+                    self.root, dying)
+        fresh = self.root / f"lock.{os.getpid()}"
+        fd = os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.replace(fresh, self.root / "lock")
+        except OSError as exc:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(fresh)
+            raise CacheError(f"cache dir {self.root} is not usable: {exc.strerror}") from None
+        return fd
 
     def _adopt_existing(self) -> None:
         found = []
