@@ -333,6 +333,7 @@ class Lookahead:
                 queue.popleft()
                 self.stats.skipped += 1
                 self._drop(head, stale=False)
+                self._forget_done(stream)
                 continue
             break
         else:
@@ -456,6 +457,15 @@ class Lookahead:
             self._wake.set()
 
     # -- dropping --------------------------------------------------------------------------
+    @staticmethod
+    def _forget_done(stream: Stream) -> None:
+        """Slots dropped at the front of a stream's order are kept for nothing: an epoch whose
+        entries are all skipped (its shards cached) would otherwise hold a slot per entry until
+        the next reset."""
+        order = stream.order
+        while order and order[0].state == _GONE:
+            order.popleft()
+
     def _expire(self, stream: Stream) -> None:
         """Drop what the stream's reads have left `stale_lag` entries behind."""
         order, horizon = stream.order, stream.cursor - self.policy.stale_lag
