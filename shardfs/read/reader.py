@@ -203,6 +203,7 @@ class Reader:
                 self._forced.add(shard)
                 self._queue[shard] = None
             self._resume.clear()
+            self._start_queued()
             if self.policy.prefetch == "all" and self._dataset_fits():
                 for shard in range(len(self.catalog.shards)):
                     if not self.cache.has(self.catalog.keys[shard]):
