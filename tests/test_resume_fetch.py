@@ -29,7 +29,14 @@ from tests.conftest import Mounter, needs_shim
 from tests.faultproxy import FaultProxy
 from tests.reliability import RandomDataset, make_dataset
 from tests.test_sources import server_without_ranges
-from tests.test_takeover import Readers, kill_and_time, spare_ready, stats, wait_serving_again
+from tests.test_takeover import (
+    Readers,
+    kill_and_time,
+    spare_ready,
+    stats,
+    wait_serving_again,
+    wait_until,
+)
 
 STALL_AT = 3 * BLOCK  # the first daemon's GET stalls here: 3 blocks recorded
 
@@ -299,6 +306,8 @@ def test_kill_9_mid_download_continues_the_shard_from_disk(big, nginx: Nginx,
         assert gap < 5, gap
         wait_serving_again(m.mountpoint, old)
         readers.check(len(big.sha))
+        wait_until(lambda: stats(m.mountpoint)["reader"]["shard_fetches_done"] == 1,
+                   "the continued download to complete")
         after = stats(m.mountpoint)
         r = after["reader"]
         assert after["takeovers"] == 1
