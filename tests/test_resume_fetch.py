@@ -10,6 +10,7 @@ import hashlib
 import os
 import shutil
 import struct
+import subprocess
 import time
 import zlib
 from collections.abc import Awaitable, Callable
@@ -25,7 +26,7 @@ from shardfs.read.cache import ShardCache
 from shardfs.read.partrecord import BLOCK, HEAD
 from shardfs.read.reader import Reader
 from shardfs.sources import Sources
-from tests.conftest import Mounter, needs_shim
+from tests.conftest import SHARDFS, Mounter, needs_shim
 from tests.faultproxy import FaultProxy
 from tests.reliability import RandomDataset, make_dataset
 from tests.test_sources import server_without_ranges
@@ -278,18 +279,21 @@ def test_a_shard_on_a_server_ignoring_range_starts_from_0(big, tmp_path: Path):
 
 # -- a real mount: kill -9 of the daemon mid-download, a spare takes over ---------------------
 @needs_shim
-def test_kill_9_mid_download_continues_the_shard_from_disk(big, nginx: Nginx,
-                                                           mounter: Mounter):
+@pytest.mark.parametrize("how,workers", [("kill-9", "2"), ("restart", "1")])
+def test_a_daemon_ending_mid_download_leaves_it_to_the_next(big, nginx: Nginx,
+                                                            mounter: Mounter, how: str,
+                                                            workers: str):
     """8 reader processes (every file, sha256-checked) while the daemon downloads the one
-    ~20 MiB shard; the GET stalls after 12 MiB and the daemon is SIGKILLed. The spare that
-    takes over continues the download from 12 MiB: 0 read errors, 0 wrong bytes, and what
-    the proxy sends after the kill is the rest of the shard (plus the few members readers
-    may read early), not the whole shard again."""
+    ~22 MiB shard; the GET stalls after 12 MiB and the daemon (with 2 FUSE workers, or
+    alone) is SIGKILLed (or `shardfs restart` replaces it). The daemon that takes over
+    continues the download from 12 MiB: 0 read errors, 0 wrong bytes, and what the proxy
+    sends after the kill is the rest of the shard (plus the few members readers may read
+    early), not the whole shard again."""
     publish_with_index(big, nginx.root / "resume")
     size = big.shards.shards[0].size
     with FaultProxy(nginx.port) as proxy:
         m = mounter.mount([f"{proxy.url}/resume/{big.names[0]}"], None, None, "--no-warm",
-                          "--workers", "1")
+                          "--workers", workers)
         spare_ready(m)
         proxy.stall(120, after_bytes=STALL_AT)  # only whole-shard GETs get that far
         readers = Readers(m.mountpoint, big.sha, seed=7)
@@ -299,12 +303,16 @@ def test_kill_9_mid_download_continues_the_shard_from_disk(big, nginx: Nginx,
             assert time.monotonic() < deadline, "the download never reached the stall"
             time.sleep(0.05)
         before = stats(m.mountpoint)["reader"]
-        probe = m.mountpoint / min(big.sha)
         proxy.clear()  # the next daemon's GET goes through
         proxy.reset_counters()
-        old, gap = kill_and_time(m.mountpoint, probe)
-        assert gap < 5, gap
-        wait_serving_again(m.mountpoint, old)
+        if how == "kill-9":
+            old, gap = kill_and_time(m.mountpoint, m.mountpoint / min(big.sha))
+            assert gap < 5, gap
+            wait_serving_again(m.mountpoint, old)
+        else:
+            result = subprocess.run([*SHARDFS, "restart", str(m.mountpoint)],
+                                    capture_output=True, text=True, timeout=180)
+            assert result.returncode == 0, result.stderr
         readers.check(len(big.sha))
         wait_until(lambda: stats(m.mountpoint)["reader"]["shard_fetches_done"] == 1,
                    "the continued download to complete")
