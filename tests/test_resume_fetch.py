@@ -244,7 +244,7 @@ def test_a_continued_fetch_failing_its_sha256_is_fetched_again_from_0(big, nginx
         proxy.reset_counters()
 
         async def body(reader: Reader, catalog: Catalog) -> None:
-            with trio.fail_after(60):  # continued at start, fetched again, committed
+            with trio.fail_after(30):  # continued at start, fetched again, committed
                 while not reader.cache.has(catalog.keys[0]):
                     await trio.sleep(0.02)
             await read_everything(reader, catalog, big)
@@ -324,6 +324,10 @@ def test_a_daemon_ending_mid_download_leaves_it_to_the_next(big, nginx: Nginx,
         assert r["resume_rejected_bytes"] == 0 and r["eio"] == 0, r
         assert r["shard_bytes"] == size - STALL_AT and r["shard_fetches_done"] == 1, r
         assert range_starts(proxy, big) == [STALL_AT]
+        shown = subprocess.run([*SHARDFS, "stats", str(m.mountpoint)], capture_output=True,
+                               text=True, timeout=60).stdout
+        assert "continued       1 download(s) an earlier daemon left: 12.0 MiB kept" in shown, \
+            shown
         # The proxy sent the rest of the shard and the members read early (the old daemon's
         # last ones may still have been under way), not the shard again.
         sent = proxy.body_bytes
