@@ -258,6 +258,42 @@ def test_a_continued_fetch_failing_its_sha256_is_fetched_again_from_0(big, nginx
     assert (tmp_path / "cache" / "shards" / key).read_bytes() == shard_bytes(big)
 
 
+def test_parts_not_of_this_mount_or_over_budget_are_deleted(big, nginx: Nginx,
+                                                             tmp_path: Path):
+    """A kept part is deleted, not continued, when its shard is not in the new mount (a
+    remount of other shards on the same cache dir: its key is not in the catalog), or when
+    the budget no longer holds it; a record whose part is gone is deleted too."""
+    with FaultProxy(nginx.port) as proxy:
+        interrupted(big, nginx, proxy, tmp_path / "cache")
+        shutil.copy(nginx.root / "resume" / big.names[0], nginx.root / "resume" / "other.tar")
+        shutil.copy(nginx.root / "resume" / f"{big.names[0]}.shardfs.idx",
+                    nginx.root / "resume" / "other.tar.shardfs.idx")
+        reader = run_reader(tmp_path / "cache", f"{proxy.url}/resume/other.tar",
+                            lambda r, c: trio.sleep(0))
+        assert reader.stats.resumed_fetches == 0 and reader.cache.kept == {}
+        assert not list((tmp_path / "cache" / "shards").glob("*.part"))
+        assert not list((tmp_path / "cache" / "parts").iterdir())
+
+        interrupted(big, nginx, proxy, tmp_path / "cache2")
+        cache = ShardCache(tmp_path / "cache2", big.shards.shards[0].size - 1)
+        cache.open()
+        try:
+            assert cache.kept == {} and cache.used == 0
+            assert not list((tmp_path / "cache2" / "shards").glob("*.part"))
+        finally:
+            cache.close()
+
+        interrupted(big, nginx, proxy, tmp_path / "cache3")
+        (part,) = (tmp_path / "cache3" / "shards").glob("*.part")
+        part.unlink()
+        cache = ShardCache(tmp_path / "cache3", 1 << 30)
+        cache.open()
+        try:
+            assert cache.kept == {} and not list((tmp_path / "cache3" / "parts").iterdir())
+        finally:
+            cache.close()
+
+
 def test_a_shard_on_a_server_ignoring_range_starts_from_0(big, tmp_path: Path):
     """A server that answers Range with the whole file (200): the shard is read only whole,
     its fetch keeps no record, and a part it leaves is deleted by the next start."""
