@@ -371,7 +371,7 @@ class ShardCache:
                     if os.fstat(fd).st_size == size:
                         return PartFile(key, size, fd, path, kept, resumed=True)
                     os.close(fd)
-                except FileNotFoundError:
+                except OSError:  # gone, or unreadable: start afresh below
                     pass
             kept.remove()  # not continued: start afresh below
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
