@@ -280,7 +280,9 @@ class _Indexer:
         if cache is not None and self.warm and (
                 compressed or cache.reserve(key, info.size, evict=False)):
             try:
-                part = cache.begin(key, 0 if compressed else info.size)
+                # No record: an indexing scan is not continued by a later start (it
+                # writes the whole shard from byte 0, over a part kept from one, too).
+                part = cache.begin(key, 0 if compressed else info.size, record=False)
             except OSError as exc:
                 self._warm_failed(info, key, None, exc)
         # Warming is optional: a full disk (issue #7) drops the warm copy, never the mount.

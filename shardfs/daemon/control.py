@@ -176,6 +176,10 @@ def format_stats(s: dict[str, Any]) -> str:
         holder = f" (pid {s['holder_pid']})" if s.get("holder_pid") else ""
         lines.append(f"takeovers       {s.get('takeovers', 0)}; connection kept by "
                      f"{s['connection_kept_by']}{holder}")
+    if r.get("resumed_fetches"):  # downloads an earlier daemon left, continued
+        lines.append(f"continued       {r['resumed_fetches']} download(s) an earlier daemon "
+                     f"left: {_fmt_bytes(r['resumed_bytes'])} kept, "
+                     f"{_fmt_bytes(r['resume_rejected_bytes'])} failed their check")
     if "reads_in_flight" in s:  # what `shardfs top` follows live
         cpu = s.get("cpu_s") or {}
         lines.append(f"now             {s['reads_in_flight']} reads waiting (oldest "

@@ -652,6 +652,7 @@ async def _serve_mounted(mounted: Mounted, zygote: Zygote | None,
                                     "a new daemon: ignored (SIGTERM unmounts)")
                         continue
                     mounted.session.leave_mounted = True
+                    mounted.reader.keep_partial = True  # the next daemon continues them
                     log.info("received SIGUSR1: exiting, leaving the mount to the next daemon")
                     break
                 log.info("received %s: unmounting", signal.Signals(signum).name)

@@ -42,6 +42,8 @@ _METRICS = (
      "Member reads instead of waiting on a slow whole-shard fetch"),
     ("shardfs_split_reads", ("reader", "split_reads"), "counter",
      "Reads that split a whole-shard fetch (their file by a GET of its own, fetched once)"),
+    ("shardfs_resumed_bytes", ("reader", "resumed_bytes"), "counter",
+     "Bytes of downloads an earlier daemon left unfinished, kept instead of fetched again"),
     ("shardfs_source_throttled", ("source", "throttled"), "counter",
      "Answers asking to slow down (429, 503 SlowDown)"),
     ("shardfs_source_budget_waits", ("source", "budget_waits"), "counter",
