@@ -13,8 +13,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import struct
+
+log = logging.getLogger("shardfs.holder")
 
 # fuse_in_header: len, opcode, unique, nodeid, uid, gid, pid, total_extlen, padding
 IN_HEADER = struct.Struct("=IIQQIIIHH")
@@ -90,3 +93,64 @@ class Refuser:
             self.fd = -1
         self._buffer = bytearray()
         return self.failed
+
+
+class Gap:
+    """The time without a daemon serving the mount: past the deadline, a Refuser answers its
+    requests with EIO (while nobody else may read the connection)."""
+
+    def __init__(self, fuse_fd: int, started: float, deadline_s: float,
+                 mountpoint: str) -> None:
+        self.fuse_fd = fuse_fd
+        self.started = started
+        self.deadline_s = deadline_s
+        self.mountpoint = mountpoint
+        self.refuser: Refuser | None = None
+        self.failed = 0  # requests answered with EIO in this gap
+        self.said = False
+
+    def due_in(self, now: float) -> float:
+        """Seconds until refusing is due (inf once it is, or while it runs)."""
+        left = self.started + self.deadline_s - now
+        return left if left > 0 and self.refuser is None else float("inf")
+
+    def fds(self) -> list[int]:
+        return [self.refuser.fd] if self.refuser is not None else []
+
+    def refuse_if_due(self, now: float) -> None:
+        if self.refuser is not None or now - self.started < self.deadline_s:
+            return
+        if not self.said:
+            self.said = True
+            log.error("no daemon has served %s for %.1f s (its --deadline is %g s): failing "
+                      "its reads with EIO until a new daemon serves", self.mountpoint,
+                      now - self.started, self.deadline_s)
+        try:
+            self.refuser = Refuser(self.fuse_fd)
+        except OSError as exc:
+            self._give_up_refusing(exc)
+            return
+        self.answer([self.refuser.fd])
+
+    def answer(self, readable: list[int]) -> None:
+        """Fail what is queued if the clone is readable; ConnectionEnded passes through."""
+        if self.refuser is None or self.refuser.fd not in readable:
+            return
+        try:
+            self.refuser.answer_queued()
+        except OSError as exc:  # never the holder's end: the mount outlives this
+            self._give_up_refusing(exc)
+
+    def _give_up_refusing(self, exc: OSError) -> None:
+        log.error("cannot answer the mount's requests (%s): they wait for the next daemon",
+                  exc)
+        self.stop("an error")
+        self.deadline_s = float("inf")
+
+    def stop(self, why: str) -> None:
+        """Stop reading the connection (before a new daemon touches it)."""
+        if self.refuser is not None:
+            self.failed += self.refuser.close()
+            self.refuser = None
+            log.warning("stopped failing reads (%s): %d requests failed with EIO while no "
+                        "daemon served", why, self.failed)

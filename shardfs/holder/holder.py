@@ -51,7 +51,7 @@ from shardfs.cli.daemonize import (
 )
 from shardfs.daemon.mountpoint import is_mounted, unmount
 from shardfs.holder.endings import cgroup_oom_kills, describe
-from shardfs.holder.gap import ConnectionEnded, Refuser
+from shardfs.holder.gap import ConnectionEnded, Gap
 
 log = logging.getLogger("shardfs.holder")
 
@@ -399,8 +399,7 @@ class Holder:
                     gap.refuse_if_due(now)
                 timeout = min(1.0, self.start_timeout_s - (now - started), gap.due_in(now))
                 readable = self._wait([spare.ready_r, *gap.fds()], max(0.0, timeout))
-                if gap.refuser is not None and gap.refuser.fd in readable:
-                    gap.refuser.answer_queued()
+                gap.answer(readable)
             except ConnectionEnded:
                 self._discard(spare)
                 return Outcome.GONE
@@ -509,54 +508,6 @@ class Holder:
             with contextlib.suppress(BlockingIOError):
                 os.read(self._sig_r, 64)
         return [fd for fd in readable if fd != self._sig_r]
-
-
-class Gap:
-    """The time without a daemon serving the mount: past the deadline, a Refuser answers its
-    requests with EIO (while nobody else may read the connection)."""
-
-    def __init__(self, fuse_fd: int, started: float, deadline_s: float,
-                 mountpoint: str) -> None:
-        self.fuse_fd = fuse_fd
-        self.started = started
-        self.deadline_s = deadline_s
-        self.mountpoint = mountpoint
-        self.refuser: Refuser | None = None
-        self.failed = 0  # requests answered with EIO in this gap
-        self.said = False
-
-    def due_in(self, now: float) -> float:
-        """Seconds until refusing is due (inf once it is, or while it runs)."""
-        left = self.started + self.deadline_s - now
-        return left if left > 0 and self.refuser is None else float("inf")
-
-    def fds(self) -> list[int]:
-        return [self.refuser.fd] if self.refuser is not None else []
-
-    def refuse_if_due(self, now: float) -> None:
-        if self.refuser is not None or now - self.started < self.deadline_s:
-            return
-        if not self.said:
-            self.said = True
-            log.error("no daemon has served %s for %.1f s (its --deadline is %g s): failing "
-                      "its reads with EIO until a new daemon serves", self.mountpoint,
-                      now - self.started, self.deadline_s)
-        try:
-            self.refuser = Refuser(self.fuse_fd)
-        except OSError as exc:
-            log.error("cannot answer the mount's requests (%s): they wait for the next "
-                      "daemon", exc)
-            self.deadline_s = float("inf")
-            return
-        self.refuser.answer_queued()
-
-    def stop(self, why: str) -> None:
-        """Stop reading the connection (before a new daemon touches it)."""
-        if self.refuser is not None:
-            self.failed += self.refuser.close()
-            self.refuser = None
-            log.warning("stopped failing reads (%s): %d requests failed with EIO while no "
-                        "daemon served", why, self.failed)
 
 
 ZOMBIE_POLL_S = 0.2  # how often to look for a daemon whose main thread is dead
