@@ -495,6 +495,26 @@ def test_a_takeover_that_never_comes_up_is_given_up_in_bounded_time(data, mounte
         stop_everything(m)
 
 
+@needs_shim
+def test_stopping_the_holder_during_a_hung_takeover(data, mounter: Mounter, monkeypatch):
+    """SIGTERM to the holder while a new daemon hangs before taking over (past the deadline,
+    the holder failing reads): the holder kills it, unmounts and ends; nothing is left."""
+    monkeypatch.setenv("SHARDFS_TAKEOVER_DELAY_S", "1000")
+    m = mounter.mount([data.pattern(f"file://{data.shard_dir}")], None, None, "--no-warm",
+                      "--workers", "1", "--deadline", "1")
+    try:
+        holder = holder_alive(m)
+        os.kill(stats(m.mountpoint)["pid"], signal.SIGKILL)
+        wait_until(lambda: "failing its reads with EIO" in m.log(), "the deadline to pass", 60)
+        os.kill(holder, signal.SIGTERM)
+        wait_until(lambda: not pid_alive(holder), "the holder to end", 30)
+        assert not os.path.ismount(m.mountpoint)
+        assert "stop asked while no daemon serves: the holder ends" in m.log()
+        wait_until(lambda: not _processes_using(m.cache_dir), "every process to end", 30)
+    finally:
+        stop_everything(m)
+
+
 def _processes_using(cache_dir: Path) -> list[int]:
     """Pids whose command line names `cache_dir` (our daemons, spares and holder)."""
     found = []
