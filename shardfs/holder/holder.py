@@ -137,6 +137,7 @@ class Holder:
         self.spare: Child | None = None
         self.deaths: deque[float] = deque()
         self.deaths_in_a_row = 0  # since a daemon last said READY
+        self.lingering: int | None = None  # a dead daemon's process that has not ended yet
         self.deadline_s = deadline_s  # the mount's --deadline: how long a read may wait
         self.start_timeout_s = max(START_TIMEOUT_FLOOR_S, deadline_s)
         self.takeovers = 0
@@ -300,12 +301,13 @@ class Holder:
                     self.daemon.proc.returncode = status
                     return status
                 if _leader_dead(self.daemon.proc.pid):
-                    # Its main thread is gone but another is stuck in a FUSE request on this
-                    # very mount (its own page pusher, say), which only the next daemon can
-                    # answer: the process cannot finish dying before a takeover. Take over now
-                    # (reaped later).
+                    # Its main thread is gone but another is stuck on this very mount (its own
+                    # page pusher's lookup, or behind a reader's request on the same
+                    # directory): the process cannot finish dying until a request is answered
+                    # (see _wait_gone).
                     log.warning("daemon %d died with a thread waiting on the mount itself",
                                 self.daemon.proc.pid)
+                    self.lingering = self.daemon.proc.pid
                     return signal.SIGKILL
         finally:
             os.close(pidfd)
@@ -356,6 +358,11 @@ class Holder:
         to touch the connection)."""
         gap = Gap(self.fuse_fd, gap_started, self.deadline_s, self.mountpoint)
         try:
+            if self.lingering is not None:
+                outcome = self._wait_gone(self.lingering, gap)
+                self.lingering = None
+                if outcome is not None:
+                    return outcome
             while True:
                 spare = self.spare if self.spare is not None else self._start_spare()
                 self.spare = None
@@ -380,6 +387,39 @@ class Holder:
                     return Outcome.GIVE_UP
         finally:
             gap.stop("no new daemon")
+
+    def _wait_gone(self, pid: int, gap: Gap) -> Outcome | None:
+        """A dead daemon's process lingers, a thread of it stuck on the mount. It still holds
+        the cache dir's lock, which the next daemon needs, so no takeover can answer what it
+        waits for: wait until it ends, failing the mount's requests with EIO once the gap has
+        lasted the deadline (which frees it). None: go on with the takeover."""
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return None
+        started = time.monotonic()
+        try:
+            while True:
+                now = time.monotonic()
+                if self.stop_asked:
+                    return Outcome.STOP
+                if now - started >= self.deadline_s + self.start_timeout_s:
+                    log.error("daemon %d still has not ended; trying the takeover anyway", pid)
+                    return None
+                try:
+                    gap.refuse_if_due(now)
+                    readable = self._wait([pidfd, *gap.fds()], min(1.0, gap.due_in(now)))
+                    gap.answer(readable)
+                except ConnectionEnded:
+                    return Outcome.GONE
+                if pidfd in readable:
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitpid(pid, 0)
+                    log.info("daemon %d has ended (%.2f s without a daemon): taking over", pid,
+                             now - gap.started)
+                    return None
+        finally:
+            os.close(pidfd)
 
     def _wait_serving(self, spare: Child, gap: Gap) -> Outcome:
         """Until the spare says READY (SERVING), exits (EXITED) or is not serving within the
