@@ -167,8 +167,10 @@ def check_fuse_fd(args: argparse.Namespace) -> None:
     os.set_inheritable(args.fuse_fd, False)
 
 
-def holder_plan(args: argparse.Namespace) -> tuple[str, str] | None:
-    """(mountpoint, log path) for a holder process to keep the mount's connection, or None:
+def holder_plan(args: argparse.Namespace) -> tuple[str, str, str] | None:
+    """(mountpoint, log path, deadline in seconds) for a holder process to keep the mount's
+    connection (and to fail reads with EIO once a gap without a daemon outlasts the mount's
+    --deadline), or None:
     --no-holder, --fuse-fd (whoever passed it keeps it), or settings the daemon will reject
     with its own message."""
     if args.no_holder or args.fuse_fd is not None:
@@ -183,7 +185,7 @@ def holder_plan(args: argparse.Namespace) -> tuple[str, str] | None:
     cache_dir = Path(settings["cache_dir"]) if settings["cache_dir"] \
         else default_cache_dir(mountpoint)
     log_path = settings["log_file"] or str(cache_dir.resolve() / "shardfs.log")
-    return mountpoint, os.path.abspath(log_path)
+    return mountpoint, os.path.abspath(log_path), repr(settings["deadline"])
 
 
 def adopt_systemd_descriptor(args: argparse.Namespace) -> None:
@@ -200,21 +202,53 @@ def adopt_systemd_descriptor(args: argparse.Namespace) -> None:
 
 def wait_as_standby(args: argparse.Namespace) -> bool:
     """The holder's spare daemon: everything is imported; wait until the holder says "go"
-    (the daemon died, or a restart). False: the holder let us go instead."""
-    from shardfs.cli.daemonize import STANDBY_LINE
+    (the daemon died, or a restart). False: the holder let us go instead. "go ask" keeps the
+    standby pipe open for `ask_holder_to_let_go`."""
+    from shardfs.cli.daemonize import GO_ASKING_LINE, STANDBY_LINE
 
+    args.ask_before_takeover = False
     if args.standby_fd is None:
         return True
     if args.ready_fd is not None:
         os.write(args.ready_fd, STANDBY_LINE.encode())
-    word = b""
-    while len(word) < 3:
-        chunk = os.read(args.standby_fd, 3 - len(word))
-        if not chunk:
-            return False
-        word += chunk
+    word = _read_line(args.standby_fd)
+    if word == GO_ASKING_LINE:
+        args.ask_before_takeover = True
+        return True
     os.close(args.standby_fd)
     return word == b"go\n"
+
+
+def _read_line(fd: int, limit: int = 64) -> bytes:
+    """Bytes up to and including a newline (b"" at end of file), one at a time: nothing past
+    the line is taken off the pipe."""
+    line = b""
+    while not line.endswith(b"\n") and len(line) < limit:
+        chunk = os.read(fd, 1)
+        if not chunk:
+            return b""
+        line += chunk
+    return line
+
+
+def ask_holder_to_let_go(args: argparse.Namespace) -> None:
+    """Just before a spare touches the connection: the holder stops answering requests with
+    EIO (once the gap outlasted --deadline it does) and says so; from then on only this daemon
+    reads the connection. A holder that is gone has nothing to stop."""
+    from shardfs.cli.daemonize import LET_GO_LINE, TAKING_OVER_LINE
+
+    if not getattr(args, "ask_before_takeover", False):
+        return
+    args.ask_before_takeover = False
+    try:
+        os.write(args.ready_fd, TAKING_OVER_LINE.encode())
+        answer = _read_line(args.standby_fd)
+    except OSError:
+        answer = b""
+    finally:
+        os.close(args.standby_fd)
+    if answer != LET_GO_LINE:
+        log.warning("the holder did not answer before the takeover (%r): going on", answer)
 
 
 def open_cache_for_takeover(cache) -> None:
@@ -391,6 +425,7 @@ def run_mount_foreground(args: argparse.Namespace) -> int:
         adopt_systemd_descriptor(args)
         check_fuse_fd(args)
         cfg.fuse_fd, cfg.takeover = args.fuse_fd, args.takeover
+        cfg.before_takeover = lambda: ask_holder_to_let_go(args)
         if cfg.fuse_fd is None:  # else the descriptor's maker mounted it there
             cfg.mountpoint = prepare_mountpoint(cfg.mountpoint, nonempty=settings["nonempty"])
         if not cfg.cache_dir.exists():

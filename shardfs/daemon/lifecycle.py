@@ -86,6 +86,8 @@ class MountConfig:
     # An open /dev/fuse descriptor another process mounted (--fuse-fd); None: mount here.
     fuse_fd: int | None = None
     takeover: bool = False  # the connection's INIT was answered by an earlier daemon
+    # Called just before a takeover first touches the connection (the holder's handshake).
+    before_takeover: Callable[[], None] | None = None
 
     @property
     def log_path(self) -> str:
@@ -384,6 +386,9 @@ def run(cfg: MountConfig, cache: ShardCache, on_ready: Callable[[str], None]) ->
     session = SessionState(keeper=keeper())  # who will keep it (stats may be asked at once)
     if record is not None:
         assert cfg.fuse_fd is not None
+        _test_takeover_delay()
+        if cfg.before_takeover is not None:
+            cfg.before_takeover()
         ops.no_open = _take_over(ops, cfg, record)
         session.takeovers = record.takeovers + 1
         session.mounted_at = record.mounted_at
@@ -466,6 +471,19 @@ def _unmount_taken_over(mountpoint: str) -> None:
         result = unmount(mountpoint, lazy=True)
         if result.returncode != 0:
             log.warning("cannot unmount %s: %s", mountpoint, result.stderr.strip())
+
+
+TAKEOVER_DELAY_ENV = "SHARDFS_TAKEOVER_DELAY_S"  # tests: a takeover that hangs this long
+
+
+def _test_takeover_delay() -> None:
+    """Tests only: a takeover that hangs before it touches the connection, as one stuck on a
+    slow disk would (tests/test_gap.py)."""
+    with contextlib.suppress(ValueError):
+        delay = float(os.environ.get(TAKEOVER_DELAY_ENV, "0"))
+        if delay > 0:
+            log.warning("%s=%g: waiting before the takeover", TAKEOVER_DELAY_ENV, delay)
+            time.sleep(delay)
 
 
 def _take_over(ops: ShardFS, cfg: MountConfig, record: SessionRecord) -> bool:
