@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from shardfs.daemon.workers import worker_address
 from shardfs.devtools.nginx import Nginx
 from tests.conftest import Mounter, needs_shim
 from tests.faultproxy import Fault, FaultProxy
@@ -156,7 +157,7 @@ def test_a_stranger_on_the_worker_socket_is_not_a_worker(nodedata, mounter: Moun
     goes."""
     m = mounter.mount(file_sources(nodedata), None, None, "--no-warm", "--workers", "2")
     before = m.stats()
-    address = "\0" + before["control_socket"].lstrip("@") + "/workers"
+    address = "\0" + worker_address(before["control_socket"], before["pid"])
     for _ in range(3):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.connect(address)

@@ -408,7 +408,7 @@ def run(cfg: MountConfig, cache: ShardCache, on_ready: Callable[[str], None]) ->
                     fuse_session.answer_init()
                 setup = WorkerSetup(ops, states, cache.shards_dir, catalog.keys,
                                     sum(catalog.data_sizes or [s.size for s in catalog.shards]),
-                                    worker_address(cfg.control_socket), cfg.max_tasks)
+                                    worker_address(cfg.control_socket, os.getpid()), cfg.max_tasks)
                 zygote = Zygote(lambda clone: run_worker(setup, clone),
                                 keep_fds=(shim.session_fd(),),
                                 log_path=cfg.log_path if cfg.detached else None)
@@ -473,6 +473,8 @@ def _unmount_taken_over(mountpoint: str) -> None:
             log.warning("cannot unmount %s: %s", mountpoint, result.stderr.strip())
 
 
+# How long a takeover tries to bind the sockets a lingering previous daemon still holds.
+TAKEOVER_SOCKET_WAIT_S = 120.0
 TAKEOVER_DELAY_ENV = "SHARDFS_TAKEOVER_DELAY_S"  # tests: a takeover that hangs this long
 
 
@@ -543,7 +545,7 @@ async def _serve(cfg: MountConfig, cache: ShardCache, catalog: Catalog, ops: Sha
                           shim=ops.no_open)
         mounted.lookahead = attach_lookahead(reader, cfg.lookahead)
         if cfg.push_pages and worth_pushing(ops.no_open, reader.dataset_bytes, cache.budget) \
-                and _mount_visible(cfg):
+                and _mount_visible(cfg) and not _push_would_block_a_restart():
             mounted.pusher = PagePusher(catalog.tree, cache, catalog.keys, cfg.mountpoint)
             reader.on_complete = mounted.pusher.shard_complete
         if zygote is None:
@@ -611,11 +613,19 @@ async def _serve_mounted(mounted: Mounted, zygote: Zygote | None,
             await nursery.start(mounted.reader.run)
             if mounted.pusher is not None:
                 await nursery.start(mounted.pusher.run)
-            await nursery.start(serve_control, cfg.control_socket, mounted.handle)
+            async def start_server(serve: Callable[..., Awaitable[None]], *args: Any) -> None:
+                # A takeover serves first and binds its sockets once the previous daemon has let
+                # go of them (bind_when_free); a first mount has them before it says READY.
+                if cfg.takeover:
+                    nursery.start_soon(partial(serve, patient_s=TAKEOVER_SOCKET_WAIT_S), *args)
+                else:
+                    await nursery.start(serve, *args)
+
+            await start_server(serve_control, cfg.control_socket, mounted.handle)
             if mounted.lookahead is not None:
-                await nursery.start(partial(serve_announcements, allow_other=cfg.allow_other,
-                                            shards_ahead=mounted.reader),
-                                    cfg.lookahead_socket, mounted.lookahead, catalog.tree)
+                await start_server(partial(serve_announcements, allow_other=cfg.allow_other,
+                                           shards_ahead=mounted.reader),
+                                   cfg.lookahead_socket, mounted.lookahead, catalog.tree)
             if zygote is None:
                 async def fuse_main() -> None:
                     await fuse_session.serve(cfg.max_tasks)
@@ -628,8 +638,8 @@ async def _serve_mounted(mounted: Mounted, zygote: Zygote | None,
                     nursery.start_soon(mounted.keep_fast_reads)
             else:
                 pool = WorkerPool(zygote, cfg.workers, mounted.reader,
-                                  worker_address(cfg.control_socket), mounted.snapshot_json,
-                                  lambda: _still_mounted(cfg))
+                                  worker_address(cfg.control_socket, os.getpid()),
+                                  mounted.snapshot_json, lambda: _still_mounted(cfg))
                 mounted.workers = pool
 
                 async def workers_main(*, task_status: trio.TaskStatus[None]

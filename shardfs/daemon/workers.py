@@ -52,9 +52,11 @@ def _parent_of(pid: int) -> int | None:
     return int(stat.rsplit(b")", 1)[1].split()[1])  # the name may hold spaces and ')'
 
 
-def worker_address(control_address: str) -> str:
-    """The workers' socket, beside the control socket (printable form without the '@')."""
-    return control_address.lstrip("@") + "/workers"
+def worker_address(control_address: str, daemon_pid: int) -> str:
+    """The workers' socket, beside the control socket (printable form without the '@'). One
+    per daemon process: a killed daemon that lingers (docs/design.md, "A daemon that cannot
+    finish dying") holds its own until the next daemon's workers answer what it waits on."""
+    return control_address.lstrip("@") + f"/workers.{daemon_pid}"
 
 
 class Zygote:
