@@ -30,6 +30,7 @@ from pathlib import Path
 import trio
 
 from shardfs.read.partrecord import PartRecord
+from shardfs.util.fileio import pwrite_all
 from shardfs.util.proc import leader_exited
 
 log = logging.getLogger(__name__)
@@ -40,21 +41,6 @@ class CacheError(Exception):
 
 
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
-
-
-def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
-    """Write all of `data` at `offset`, or raise OSError.
-
-    os.pwrite() on a filesystem that fills up mid-write writes a part and returns its length
-    without an error. Ignoring that return value left holes of zeros in a shard that readers
-    were then served from its frontier and that commit() made "complete" (issue #7)."""
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        if n <= 0:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        view = view[n:]
-        offset += n
 
 
 def sha256_of(fd: int, size: int) -> hashlib._Hash:

@@ -24,13 +24,14 @@ the fetch completes, where the index has one.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from shardfs.util.fileio import pwrite_all
 
 MAGIC = b"shardfs-part-1\n"
 HEAD = len(MAGIC) + 8
@@ -71,7 +72,7 @@ class PartRecord:
     def create(cls, path: Path, size: int) -> PartRecord:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            _pwrite(fd, MAGIC + _SIZE.pack(size), 0)
+            pwrite_all(fd, MAGIC + _SIZE.pack(size), 0)
         except OSError:
             os.close(fd)
             path.unlink(missing_ok=True)
@@ -100,7 +101,7 @@ class PartRecord:
         return cls(path, fd, size, crcs)
 
     def append(self, crc: int) -> None:
-        _pwrite(self.fd, _CRC.pack(crc), HEAD + 4 * len(self.crcs))
+        pwrite_all(self.fd, _CRC.pack(crc), HEAD + 4 * len(self.crcs))
         self.crcs.append(crc)
 
     def verify_prefix(self, part_fd: int, digest: Any | None = None) -> int:
@@ -133,13 +134,3 @@ class PartRecord:
     def remove(self) -> None:
         self.close()
         self.path.unlink(missing_ok=True)
-
-
-def _pwrite(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        if n <= 0:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        view = view[n:]
-        offset += n

@@ -8,15 +8,22 @@ import os
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds a process has used (all its threads); None if it is gone."""
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of /proc/PID/stat after the command name (state first); None if gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             text = f.read()
     except OSError:
         return None
     # The command name may hold spaces and ')': the fields start after its last ')'.
-    fields = text[text.rfind(b")") + 2:].split()
+    return text[text.rfind(b")") + 2:].split()
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds a process has used (all its threads); None if it is gone."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return None
     return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
@@ -26,10 +33,5 @@ def leader_exited(pid: int) -> bool:
     can answer (the page pusher's lookup through its own mount). Such a process runs no more
     code of its own, but holds its descriptors (the cache dir's lock) until that request is
     answered."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read()
-    except OSError:
-        return False
-    fields = text[text.rfind(b")") + 2:].split()
+    fields = _stat_fields(pid)
     return bool(fields) and fields[0] == b"Z"
