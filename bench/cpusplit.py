@@ -245,7 +245,7 @@ PHASES = [
                                  "fuse/remote.py")),
     ("worker RPC", ("util/rpc.py", "daemon/workers.py")),
     ("C reads' counts (collect)", ("fuse/fastread.py", "note_reads", "read/workingset.py")),
-    ("fetch bookkeeping", ("read/cache.py", "read/reader.py")),
+    ("fetch bookkeeping", ("cache/shardcache.py", "read/reader.py")),
     ("thread hops (trio)", ("trio/_threads.py", "trio/_core/_thread_cache.py",
                             "_wakeup_socketpair.py", "_entry_queue.py")),
     ("FUSE loop (pyfuse3, C drain)", ("_pyfuse3.py",)),

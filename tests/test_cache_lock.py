@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from shardfs.read.cache import CacheError, ShardCache
+from shardfs.cache.shardcache import CacheError, ShardCache
 from shardfs.util.proc import leader_exited
 from tests.test_guards import other_fuse_mount, wait_for
 
@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 HOLD_AND_STALL = """
 import os, sys, threading
 from pathlib import Path
-from shardfs.read.cache import ShardCache
+from shardfs.cache.shardcache import ShardCache
 cache = ShardCache(Path(sys.argv[1]), 1000)
 cache.open()
 threading.Thread(target=os.stat, args=(sys.argv[2],), daemon=True).start()

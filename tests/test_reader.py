@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import trio
 
+from shardfs.cache.shardcache import ShardCache
 from shardfs.catalog.catalog import Catalog, open_catalog
 from shardfs.catalog.shardindex import KIND_FILE
-from shardfs.read.cache import ShardCache
 from shardfs.read.reader import Reader, ReadError, ReadPolicy
 from shardfs.sources import ShardInfo, Source, Sources, SourceSettings, Unreachable
 

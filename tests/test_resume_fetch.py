@@ -1,5 +1,5 @@
 """Whole-shard downloads in flight when a daemon ends continue from what is on disk (issue 25):
-the part file and its record (read/partrecord.py) are kept, the recorded blocks checked, and
+the part file and its record (cache/partrecord.py) are kept, the recorded blocks checked, and
 only the rest is asked for, by a Range request. Real nginx behind the fault proxy (whose log
 shows each GET's Range, and whose byte count shows what was sent); the reader driven alone
 first, then a real mount whose daemon is SIGKILLed mid-download and taken over."""
@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import trio
 
+from shardfs.cache.partrecord import BLOCK, HEAD
+from shardfs.cache.shardcache import ShardCache
 from shardfs.catalog.catalog import Catalog, open_catalog
 from shardfs.catalog.shardindex import KIND_FILE
 from shardfs.devtools.nginx import Nginx
-from shardfs.read.cache import ShardCache
-from shardfs.read.partrecord import BLOCK, HEAD
 from shardfs.read.reader import Reader
 from shardfs.sources import Sources
 from tests.conftest import SHARDFS, Mounter, needs_shim

@@ -255,7 +255,7 @@ def open_cache_for_takeover(cache) -> None:
     """The daemon being replaced may still hold the cache dir for a moment: wait for it."""
     import time
 
-    from shardfs.read.cache import CacheError
+    from shardfs.cache.shardcache import CacheError
 
     deadline = time.monotonic() + TAKEOVER_LOCK_WAIT_S
     while True:
@@ -394,6 +394,7 @@ def _mount_config(s: dict):
 
 def run_mount_foreground(args: argparse.Namespace) -> int:
 
+    from shardfs.cache.shardcache import CacheError, ShardCache
     from shardfs.catalog.catalog import CatalogError
     from shardfs.cli.config import ConfigError
     from shardfs.cli.foreground import check_cache_budget, remove_if_unused
@@ -403,7 +404,6 @@ def run_mount_foreground(args: argparse.Namespace) -> int:
     from shardfs.daemon.mountpoint import MountpointError, prepare_mountpoint
     from shardfs.daemon.notify import sd_notify
     from shardfs.daemon.sessionrecord import RecordError
-    from shardfs.read.cache import CacheError, ShardCache
     from shardfs.sources import SourceError
     from shardfs.util.aioutil import first_error
     from shardfs.util.progress import end_lines

@@ -19,6 +19,7 @@ from typing import Any
 
 import trio
 
+from shardfs.cache.shardcache import ShardCache
 from shardfs.catalog.catalog import Catalog, open_catalog
 from shardfs.catalog.resolve import resolve_sources
 from shardfs.daemon.announce import announce_address, attach_lookahead, serve_announcements
@@ -46,7 +47,6 @@ from shardfs.fuse.worker import (
     resend_unanswered,
     run_worker,
 )
-from shardfs.read.cache import ShardCache
 from shardfs.read.lookahead import Lookahead, LookaheadPolicy
 from shardfs.read.reader import Reader, ReadPolicy
 from shardfs.read.states import ShardStates

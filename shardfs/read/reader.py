@@ -30,13 +30,13 @@ from typing import Any
 import trio
 from cachetools import LRUCache
 
+from shardfs.cache.partrecord import BLOCK, block_crcs
+from shardfs.cache.shardcache import DISK_FULL, ShardCache, pwrite_all, sha256_of
 from shardfs.catalog.catalog import Catalog
 from shardfs.catalog.codecs import CodecError, decompressor
-from shardfs.read.cache import DISK_FULL, ShardCache, pwrite_all, sha256_of
 from shardfs.read.diskread import DiskReads
 from shardfs.read.fetch import NEVER, Fetch, FetchFailed, Get
 from shardfs.read.lookahead import Lookahead
-from shardfs.read.partrecord import BLOCK, block_crcs
 from shardfs.read.states import ShardStates
 from shardfs.read.workingset import WorkingSet
 from shardfs.sources import ShardChanged, SourceError, Sources

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import trio
 
-from shardfs.read.partrecord import PartRecord
+from shardfs.cache.partrecord import PartRecord
 from shardfs.util.fileio import pwrite_all
 from shardfs.util.proc import leader_exited
 
