@@ -22,7 +22,14 @@ from shardfs.daemon.workers import worker_address
 from shardfs.devtools.nginx import Nginx
 from tests.conftest import Mounter, needs_shim
 from tests.faultproxy import Fault, FaultProxy
-from tests.reliability import RandomDataset, make_dataset, pid_alive, read_all
+from tests.reliability import (
+    RandomDataset,
+    drop_pages,
+    make_dataset,
+    pid_alive,
+    read_all,
+    wait_until,
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,27 +50,9 @@ def assert_all_right(ds: RandomDataset, mnt: Path, *, threads: int = 8) -> None:
     assert result.files == len(ds.sha)
 
 
-def wait_until(cond, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def logs(m) -> str:
     """What the daemon said: on the terminal until ready, then in its log file."""
     return m.stderr + m.log()
-
-
-def drop_pages(path: Path) -> None:
-    """Evict one file's pages from the page cache (FUSE files included)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 @needs_shim

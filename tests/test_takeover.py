@@ -26,7 +26,15 @@ from shardfs.devtools.nginx import Nginx
 from tests.conftest import SHARDFS, Mounter, needs_shim
 from tests.faultproxy import FaultProxy
 from tests.fusefd import FuseMount, can_mount
-from tests.reliability import RandomDataset, ReadResult, make_dataset, pid_alive, read_all
+from tests.reliability import (
+    RandomDataset,
+    ReadResult,
+    drop_pages,
+    make_dataset,
+    pid_alive,
+    read_all,
+    wait_until,
+)
 
 needs_root = pytest.mark.skipif(not can_mount(), reason="mount(2) of a FUSE fd needs root")
 
@@ -45,15 +53,6 @@ def report_gap(what: str, seconds: float) -> None:
     """Kill -> next answered read, printed at the end of the run (-s) for docs/reliability.md."""
     GAPS.append((what, seconds))
     print(f"takeover gap: {what}: {seconds:.3f} s")
-
-
-def wait_until(cond, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def assert_all_right(ds: RandomDataset, mnt: Path, threads: int = 8) -> None:
@@ -209,14 +208,6 @@ def read_in_processes(mnt: Path, sha: dict[str, str], processes: int = 8,
 
 def stats(mnt: Path) -> dict:
     return json.loads(os.getxattr(mnt, "user.shardfs.stats"))
-
-
-def drop_pages(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 class Readers:
