@@ -795,6 +795,8 @@ class Reader:
             return
         at = get.pos
         pwrite_all(fetch.part.fd, data, at)  # all of it, or OSError: no holes
+        if get.first_byte is None:  # the GET's rate (Get.eta) is measured from here
+            get.first_byte = time.monotonic()
         get.pos += len(data)
         before = fetch.arrived
         fetch.filled(at, len(data))
