@@ -607,3 +607,22 @@ def test_a_running_fetch_knows_when_a_later_member_arrives(tmp_path: Path,
 
     run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources,
                policy=ReadPolicy(split_fetches=False))
+
+
+def test_a_shard_in_a_file_is_fetched_without_a_resume_record(tmp_path: Path,
+                                                              shards: Shards) -> None:
+    """A whole-shard fetch from file:// keeps no CRC record for a later daemon to continue
+    it from (docs/design.md: checking the kept bytes would read as much as fetching them
+    again); remote shards do (tests/test_resume_fetch.py)."""
+    sources = _SlowSources(delay=0.01)
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        first = shards.order[1][2]
+        assert await read_member(reader, catalog, inodes[first]) == shards.contents[first]
+        assert reader.fetches[1].part.record is None
+        await wait_idle(reader)
+        assert cache.has(catalog.keys[1])
+        assert not list(cache.parts_dir.glob("*.crc"))
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources)
