@@ -223,6 +223,9 @@ class Mounted:
             # OPEN requests: with the shim in effect only the first one (answered ENOSYS)
             "opens": (self.ops.opens if self.ops is not None else 0)
             + (self.workers.opens if self.workers is not None else 0),
+            # IOCTL requests answered in C (Python's open() asks isatty() of each file)
+            "ioctls": shim.ioctls_answered()
+            + (self.workers.ioctls if self.workers is not None else 0),
             "uptime_s": round(time.monotonic() - self.started, 3),
             # daemons that took this mount over from a dead or replaced one (--takeover)
             "takeovers": session.takeovers,

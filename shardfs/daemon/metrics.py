@@ -30,6 +30,8 @@ _METRICS = (
     ("shardfs_workers", ("worker_count",), "gauge", "FUSE worker processes serving"),
     ("shardfs_worker_restarts", ("worker_restarts",), "counter", "Workers replaced"),
     ("shardfs_opens", ("opens",), "counter", "OPEN requests (one, with the shim)"),
+    ("shardfs_ioctls", ("ioctls",), "counter",
+     "IOCTL requests answered in C (Python's open() asks isatty() of each file)"),
     ("shardfs_takeovers", ("takeovers",), "counter",
      "Daemons that took this mount over from a dead or replaced one"),
     ("shardfs_disk_reads_in_c", ("disk_reads", "in_c"), "counter",

@@ -273,6 +273,16 @@ def metadata_in_c() -> bool:
     return _lib is not None and _lib.shardfs_shim_metadata_installed() == 1
 
 
+def ioctls_answered() -> int:
+    """FUSE_IOCTL requests the shim answered in this process (ENOTTY, as a local file does;
+    see _shim_meta.c: Python's open() sends one per file). 0 without the shim."""
+    if _lib is None:
+        return 0
+    fn = _lib.shardfs_shim_ioctls
+    fn.restype = ctypes.c_uint64
+    return int(fn())
+
+
 def process_one() -> int:
     """Receive and answer one FUSE request synchronously (INIT, before forking workers)."""
     if _lib is None:
