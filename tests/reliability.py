@@ -194,13 +194,7 @@ def wait_until(cond, what: str, timeout: float = 20.0) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def drop_pages(path: Path) -> None:
-    """Evict one file's pages from the page cache (FUSE files included)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+
 
 def pid_alive(pid: int) -> bool:
     try:

@@ -20,11 +20,11 @@ import pytest
 
 from shardfs.daemon.workers import worker_address
 from shardfs.devtools.nginx import Nginx
+from shardfs.devtools.pagecache import drop_pages
 from tests.conftest import Mounter, needs_shim
 from tests.faultproxy import Fault, FaultProxy
 from tests.reliability import (
     RandomDataset,
-    drop_pages,
     make_dataset,
     pid_alive,
     read_all,

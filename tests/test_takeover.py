@@ -23,13 +23,13 @@ from pathlib import Path
 import pytest
 
 from shardfs.devtools.nginx import Nginx
+from shardfs.devtools.pagecache import drop_pages
 from tests.conftest import SHARDFS, Mounter, needs_shim
 from tests.faultproxy import FaultProxy
 from tests.fusefd import FuseMount, can_mount
 from tests.reliability import (
     RandomDataset,
     ReadResult,
-    drop_pages,
     make_dataset,
     pid_alive,
     read_all,
