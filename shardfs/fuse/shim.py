@@ -40,6 +40,8 @@ def _load() -> None:
         _lib = ctypes.PyDLL(spec.origin, mode=os.RTLD_NOW | os.RTLD_GLOBAL)
     except OSError as exc:
         load_error = str(exc)
+        return
+    _lib.shardfs_shim_ioctls.restype = ctypes.c_uint64
 
 
 def active() -> bool:
@@ -276,11 +278,7 @@ def metadata_in_c() -> bool:
 def ioctls_answered() -> int:
     """FUSE_IOCTL requests the shim answered in this process (ENOTTY, as a local file does;
     see _shim_meta.c: Python's open() sends one per file). 0 without the shim."""
-    if _lib is None:
-        return 0
-    fn = _lib.shardfs_shim_ioctls
-    fn.restype = ctypes.c_uint64
-    return int(fn())
+    return 0 if _lib is None else int(_lib.shardfs_shim_ioctls())
 
 
 def process_one() -> int:
