@@ -7,9 +7,10 @@ behind an emulated link.
   on over kept-alive upstream connections with the client's Host header, so SigV4 signatures
   made for the proxy's address verify at SeaweedFS. Its access log counts requests and bytes
   per epoch. Its CPU is the "server" CPU, beside SeaweedFS's, never the loader's or daemon's.
-- Bandwidth: `tc` shapes only the replies leaving the proxy's port (an htb class for that
-  source port with the HTTP bench's tbf under it); SeaweedFS's internal traffic (filer,
-  volume server, proxy upstream) on the same loopback is not capped.
+- Bandwidth: `tc` shapes only the replies leaving the proxy's port (bench/server.py's
+  `PortCap`, as for the HTTP bench: an htb class for that source port with the tbf under
+  it); SeaweedFS's internal traffic (filer, volume server, proxy upstream) on the same
+  loopback is not capped.
 """
 
 from __future__ import annotations
