@@ -58,7 +58,7 @@ _FLAG_KEYS = ("cache_dir", "cache_size", "timeout", "deadline", "max_fetches",
               "workers",
               "log_level", "log_file", "metrics_listen", "uid", "gid",
               "s3_endpoint", "s3_region", "s3_profile", "s3_addressing", "ais_endpoint",
-              "hf_endpoint", "gs_endpoint", "request_rate", "lookahead_buffer")
+              "hf_endpoint", "gs_endpoint", "request_rate", "http_client", "lookahead_buffer")
 
 
 def add_mount_arguments(p: argparse.ArgumentParser) -> None:
@@ -127,6 +127,9 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rate", metavar="N",
                    help="at most N requests/s to the sources (default: unlimited until a "
                    "store throttles, then adaptive)")
+    p.add_argument("--http-client", choices=("auto", "httpx"),
+                   help="plain http:// GETs over shardfs's own HTTP/1.1 connections, the rest "
+                   "through httpx (auto, default), or everything through httpx (httpx)")
     p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     add_takeover_arguments(p)
 
@@ -376,7 +379,7 @@ def _mount_config(s: dict):
             s3_region=s["s3_region"], s3_profile=s["s3_profile"],
             s3_addressing=s["s3_addressing"], ais_endpoint=s["ais_endpoint"],
             hf_endpoint=s["hf_endpoint"], gs_endpoint=s["gs_endpoint"],
-            request_rate=s["request_rate"],
+            request_rate=s["request_rate"], http_client=s["http_client"],
             s3_credentials=resolve_credentials(s["credentials"]) or None),
         policy=ReadPolicy(max_fetches=s["max_fetches"],
                           max_member_fetches=s["max_member_fetches"], prefetch=s["prefetch"],
