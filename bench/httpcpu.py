@@ -23,7 +23,7 @@ from pathlib import Path
 import httpcore
 import trio
 
-from shardfs.devtools.nginx import Nginx
+from shardfs.devtools.nginx import Nginx, self_signed_certificate
 from shardfs.sources.base import ShardInfo, SourceSettings
 from shardfs.sources.http import HttpSource
 
@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also this many ranged GETs per client and round (0: none)")
     p.add_argument("--get-kb", type=int, default=110, help="size of each ranged GET, KiB")
     p.add_argument("--inflight", type=int, default=16, help="ranged GETs at once")
+    p.add_argument("--tls", action="store_true",
+                   help="serve https (a self-signed certificate, trusted through SSL_CERT_FILE)")
     p.add_argument("--stdlib", action="store_true",
                    help="also: the standard library's http.client, readinto a 1 MiB buffer, one "
                         "thread per connection, with and without pwrite to a file (a receive "
@@ -138,7 +140,11 @@ def httpcpu_command(args: argparse.Namespace) -> int:
         with served.open("wb") as f:
             for _ in range(args.mb):
                 f.write(os.urandom(1 << 20))
-        with Nginx(root / "www", root / "nginx") as server:
+        tls = None
+        if args.tls:
+            tls = self_signed_certificate(root / "tls")
+            os.environ["SSL_CERT_FILE"] = str(tls[0])  # trusted by httpx and h1 alike
+        with Nginx(root / "www", root / "nginx", tls=tls) as server:
             url = f"{server.url}/shard.bin"
             clients = args.clients.split(",")
             for _ in range(args.rounds):
@@ -156,7 +162,7 @@ def httpcpu_command(args: argparse.Namespace) -> int:
                                          args.get_kb << 10, args.inflight)
                     print(f"ranged GETs of {args.get_kb} KiB, {args.inflight} at once, "
                           f"{client}: {us:.0f} us CPU per GET, {per_s:.0f} GETs/s", flush=True)
-                if args.stdlib:
+                if args.stdlib and not args.tls:
                     sink = os.open(root / "sink", os.O_RDWR | os.O_CREAT, 0o600)
                     try:
                         for label, fd in (("", None), (", pwrite", sink)):

@@ -11,12 +11,13 @@ import socket
 import threading
 from collections.abc import Iterator
 from contextlib import aclosing
+from pathlib import Path
 
 import pytest
 import trio
 
-from shardfs.devtools.nginx import Nginx
-from shardfs.sources import HttpSource, ShardInfo, SourceSettings
+from shardfs.devtools.nginx import Nginx, self_signed_certificate
+from shardfs.sources import HttpSource, ShardInfo, SourceSettings, Unreachable
 from shardfs.sources.h1 import Http11Pool
 from tests.faultproxy import FaultProxy
 from tests.test_sources import FAST, put, with_http
@@ -97,7 +98,11 @@ def odd_server(nginx: Nginx) -> Iterator[str]:
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
             self.wfile.write(b"0\r\n\r\n")
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    class Server(http.server.ThreadingHTTPServer):
+        def handle_error(self, request: object, client_address: object) -> None:
+            pass  # h1 closes the connection after an answer it leaves to httpx
+
+    server = Server(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -117,7 +122,7 @@ def test_answers_h1_does_not_read_go_to_httpx(nginx: Nginx) -> None:
             shard = await source.stat(f"{url}/moved.tar")  # followed by httpx
             assert await read(source, shard, 100, 5000) == data[100:5000]
             h1 = pool(source)
-            assert ("127.0.0.1", int(url.rsplit(":", 1)[1])) in h1.not_ours
+            assert ("http", "127.0.0.1", int(url.rsplit(":", 1)[1])) in h1.not_ours
             assert h1.sent == 1  # the first GET; the origin's others went to httpx directly
 
         with_http(check)
@@ -180,3 +185,47 @@ def test_a_connection_closed_as_it_is_reused_is_replaced_without_a_retry() -> No
 
         with_http(check)
         assert accepted[0] == 4
+
+
+@pytest.fixture
+def https_nginx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Nginx]:
+    """nginx serving https with a self-signed certificate that the process trusts the way
+    httpx does (SSL_CERT_FILE)."""
+    cert, key = self_signed_certificate(tmp_path / "tls")
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    (tmp_path / "www").mkdir()
+    with Nginx(tmp_path / "www", tmp_path / "nginx", tls=(cert, key)) as server:
+        yield server
+
+
+def test_https_gets_go_over_h1_with_httpxs_trust(https_nginx: Nginx) -> None:
+    data = put(https_nginx.root, "a.tar")
+    assert https_nginx.url.startswith("https://")
+
+    async def check(source: HttpSource) -> None:
+        shard = await source.stat(f"{https_nginx.url}/a.tar")
+        for start in range(0, 900_000, 150_000):
+            assert await read(source, shard, start, start + 70_000) == data[start:start + 70_000]
+        h1 = pool(source)
+        assert (h1.sent, h1.opened) == (7, 1)  # one TLS connection carried every GET
+
+    with_http(check)
+
+
+def test_an_untrusted_certificate_fails_as_through_httpx(https_nginx: Nginx,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    put(https_nginx.root, "a.tar")
+    monkeypatch.delenv("SSL_CERT_FILE")
+
+    async def fails(client: str) -> str:
+        source = HttpSource(dataclasses.replace(FAST, http_client=client))
+        try:
+            with pytest.raises(Unreachable) as caught:
+                await source.stat(f"{https_nginx.url}/a.tar")
+        finally:
+            await source.aclose()
+        return str(caught.value)
+
+    # Unreachable both ways (a first contact that fails to connect); h1's message names why.
+    assert "CERTIFICATE_VERIFY_FAILED" in trio.run(fails, "auto")
+    assert "cannot connect" in trio.run(fails, "httpx")

@@ -1,4 +1,4 @@
-"""A lean HTTP/1.1 GET for plain http:// origins, beside httpx.
+"""A lean HTTP/1.1 GET for http:// and https:// origins, beside httpx.
 
 Why: a ranged GET of a 110 KB member cost 1.5-2.9 ms of CPU through httpx's client, httpcore's
 pool and h11 on this project's 2-core machine, against ~0.13-0.27 ms for the same request
@@ -11,17 +11,20 @@ whose body streams from that connection. Callers see the same types and the same
 exceptions (httpx's `ConnectError`, `ReadError`, `RemoteProtocolError`, `ReadTimeout`, ...),
 so HttpSource's retries, validation and messages apply unchanged.
 
-What it leaves to httpx (`HttpSource` sends those there): https, proxies from the
-environment, and any answer this module does not read itself: a redirect, a body without
-Content-Length (chunked), an interim 1xx, folded header lines. Such an answer closes the
-connection, marks the origin, and the same GET (idempotent) is sent again through httpx; the
-origin's later requests go to httpx directly.
+https is TLS over the same connections (trio's SSLStream, as httpcore's trio backend uses,
+with the context httpx would make: `httpx.create_ssl_context()`, so the same CA bundle and
+SSL_CERT_FILE / SSL_CERT_DIR). What it leaves to httpx (`HttpSource` sends those there):
+proxies from the environment, and any answer this module does not read itself: a redirect,
+a body without Content-Length (chunked), an interim 1xx, folded header lines. Such an
+answer closes the connection, marks the origin, and the same GET (idempotent) is sent again
+through httpx; the origin's later requests go to httpx directly.
 """
 
 from __future__ import annotations
 
 import os
 import select
+import ssl
 import time
 from collections.abc import AsyncIterator
 
@@ -30,7 +33,10 @@ import trio
 
 HEAD_LIMIT = 64 << 10  # a response's status line and headers; more is a protocol error
 RECEIVE_BYTES = 1 << 20  # most bytes asked of one receive (a receive returns what arrived)
-PROXY_VARIABLES = ("http_proxy", "all_proxy", "HTTP_PROXY", "ALL_PROXY")
+PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY",
+                   "ALL_PROXY")
+
+Origin = tuple[str, str, int]  # scheme, host, port
 
 
 class _Unanswered(Exception):
@@ -48,18 +54,20 @@ class NotForUs(Exception):
 
 
 def proxy_in_environment() -> bool:
-    """True when httpx would send plain http:// requests through a proxy (it reads these
-    variables by default); this module never does, so it stays out of the way."""
+    """True when httpx would send requests through a proxy (it reads these variables by
+    default); this module never does, so it stays out of the way."""
     return any(os.environ.get(name) for name in PROXY_VARIABLES)
 
 
 class _Connection:
     """One kept-alive TCP connection to an origin."""
 
-    __slots__ = ("buffer", "idle_since", "stream")
+    __slots__ = ("buffer", "idle_since", "socket", "stream")
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+    def __init__(self, stream: trio.SocketStream | trio.SSLStream[trio.SocketStream],
+                 sock: trio.socket.SocketType) -> None:
         self.stream = stream
+        self.socket = sock
         self.buffer = bytearray()  # bytes received past the last response's end
         self.idle_since = 0.0
 
@@ -69,7 +77,7 @@ class _Connection:
         if self.buffer or now - self.idle_since > keep_idle_s:
             return True
         poller = select.poll()
-        poller.register(self.stream.socket.fileno(), select.POLLIN)
+        poller.register(self.socket.fileno(), select.POLLIN)
         return bool(poller.poll(0))
 
     async def aclose(self) -> None:
@@ -80,7 +88,7 @@ class _Body(httpx.AsyncByteStream):
     """A response's body: `length` bytes from the connection; the connection goes back to
     the pool when the body was read to its end, and is closed otherwise."""
 
-    def __init__(self, pool: Http11Pool, origin: tuple[str, int], conn: _Connection,
+    def __init__(self, pool: Http11Pool, origin: Origin, conn: _Connection,
                  length: int, reusable: bool) -> None:
         self._pool = pool
         self._origin = origin
@@ -121,8 +129,8 @@ class _Body(httpx.AsyncByteStream):
 
 
 class Http11Pool:
-    """Kept-alive connections to plain http:// origins, at most `max_connections` in use or
-    idle at once, and the GETs sent over them."""
+    """Kept-alive connections to http:// and https:// origins, at most `max_connections` in
+    use or idle at once, and the GETs sent over them."""
 
     def __init__(self, max_connections: int, timeout: float, keep_idle_s: float = 5.0) -> None:
         self.timeout = timeout
@@ -130,22 +138,22 @@ class Http11Pool:
         # idle longer than this is closed here rather than risked.
         self.keep_idle_s = keep_idle_s
         self._slots = trio.Semaphore(max_connections)
-        self._idle: dict[tuple[str, int], list[_Connection]] = {}
-        self.not_ours: set[tuple[str, int]] = set()  # origins whose answers go to httpx
+        self._idle: dict[Origin, list[_Connection]] = {}
+        self.not_ours: set[Origin] = set()  # origins whose answers go to httpx
+        self._tls: ssl.SSLContext | None = None  # made at the first https:// request
         self.opened = 0  # connections opened (for tests and stats)
         self.sent = 0  # requests sent
 
     def takes(self, request: httpx.Request) -> bool:
         url = request.url
-        return (request.method == "GET" and url.scheme == "http" and not request.content
-                and (url.host, url.port or 80) not in self.not_ours)
+        return (request.method == "GET" and url.scheme in DEFAULT_PORTS
+                and not request.content and _origin(url) not in self.not_ours)
 
     async def send(self, request: httpx.Request) -> httpx.Response:
         """Send `request` (see `takes`) and return its response, its body still to be read.
         Raises NotForUs for an answer this module does not read (the connection is closed
         and the origin marked), else httpx's transport exceptions."""
-        url = request.url
-        origin = (url.host, url.port or 80)
+        origin = _origin(request.url)
         head = _request_head(request)
         await self._slots.acquire()
         conn: _Connection | None = None
@@ -172,7 +180,7 @@ class Http11Pool:
                 await conn.aclose()
             raise
 
-    async def _exchange(self, origin: tuple[str, int], conn: _Connection, head: bytes,
+    async def _exchange(self, origin: Origin, conn: _Connection, head: bytes,
                         request: httpx.Request) -> httpx.Response:
         try:
             with trio.move_on_after(self.timeout) as scope:
@@ -239,7 +247,7 @@ class Http11Pool:
         assert scope.cancelled_caught
         raise httpx.ReadTimeout(f"no bytes for {self.timeout:g} s")
 
-    async def _connection(self, origin: tuple[str, int]) -> tuple[_Connection, bool]:
+    async def _connection(self, origin: Origin) -> tuple[_Connection, bool]:
         idle = self._idle.get(origin)
         now = time.monotonic()
         while idle:
@@ -249,20 +257,38 @@ class Http11Pool:
             await conn.aclose()
         return await self._open(origin), False
 
-    async def _open(self, origin: tuple[str, int]) -> _Connection:
-        host, port = origin
+    async def _open(self, origin: Origin) -> _Connection:
+        scheme, host, port = origin
+        conn = None
         with trio.move_on_after(self.timeout) as scope:
             try:
-                stream = await trio.open_tcp_stream(host, port)
+                tcp = await trio.open_tcp_stream(host, port)
             except OSError as e:
                 raise httpx.ConnectError(f"{e.strerror or e} ({host}:{port})") from e
-        if scope.cancelled_caught:
+            if scheme == "http":
+                conn = _Connection(tcp, tcp.socket)
+            else:
+                if self._tls is None:
+                    self._tls = httpx.create_ssl_context()
+                tls = trio.SSLStream(tcp, self._tls, server_hostname=host,
+                                     https_compatible=True)
+                try:
+                    await tls.do_handshake()
+                except trio.BrokenResourceError as e:
+                    await trio.aclose_forcefully(tcp)
+                    raise httpx.ConnectError(str(e.__cause__ or e)) from e
+                except BaseException:
+                    await trio.aclose_forcefully(tcp)
+                    raise
+                conn = _Connection(tls, tcp.socket)
+        if conn is None:
+            assert scope.cancelled_caught
             raise httpx.ConnectTimeout(f"connecting to {host}:{port} took over "
                                        f"{self.timeout:g} s")
         self.opened += 1
-        return _Connection(stream)
+        return conn
 
-    def release(self, origin: tuple[str, int], conn: _Connection) -> None:
+    def release(self, origin: Origin, conn: _Connection) -> None:
         conn.idle_since = time.monotonic()
         self._idle.setdefault(origin, []).append(conn)
         self._slots.release()
@@ -276,6 +302,13 @@ class Http11Pool:
         for conns in idle.values():
             for conn in conns:
                 await conn.aclose()
+
+
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def _origin(url: httpx.URL) -> Origin:
+    return url.scheme, url.host, url.port or DEFAULT_PORTS[url.scheme]
 
 
 def _request_head(request: httpx.Request) -> bytes:
