@@ -20,7 +20,7 @@ from shardfs.devtools.nginx import Nginx, self_signed_certificate
 from shardfs.sources import HttpSource, ShardInfo, SourceSettings, Unreachable
 from shardfs.sources.h1 import Http11Pool
 from tests.faultproxy import FaultProxy
-from tests.test_sources import FAST, put, with_http
+from tests.test_sources import FAST, SIZE, put, with_http
 
 
 def pool(source: HttpSource) -> Http11Pool:
@@ -229,3 +229,16 @@ def test_an_untrusted_certificate_fails_as_through_httpx(https_nginx: Nginx,
     # Unreachable both ways (a first contact that fails to connect); h1's message names why.
     assert "CERTIFICATE_VERIFY_FAILED" in trio.run(fails, "auto")
     assert "cannot connect" in trio.run(fails, "httpx")
+
+
+def test_https_connections_a_restart_closed_are_replaced(https_nginx: Nginx) -> None:
+    data = put(https_nginx.root, "a.tar")
+
+    async def check(source: HttpSource) -> None:
+        shard = await source.stat(f"{https_nginx.url}/a.tar")
+        assert await read(source, shard, 0, SIZE) == data
+        https_nginx.restart()  # the kept-alive TLS connection is closed under us
+        assert await read(source, shard, 5, 600_000) == data[5:600_000]
+        assert pool(source).opened == 2 and source.stats.errors == 0
+
+    with_http(check)

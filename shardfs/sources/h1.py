@@ -11,9 +11,11 @@ whose body streams from that connection. Callers see the same types and the same
 exceptions (httpx's `ConnectError`, `ReadError`, `RemoteProtocolError`, `ReadTimeout`, ...),
 so HttpSource's retries, validation and messages apply unchanged.
 
-https is TLS over the same connections (trio's SSLStream, as httpcore's trio backend uses,
-with the context httpx would make: `httpx.create_ssl_context()`, so the same CA bundle and
-SSL_CERT_FILE / SSL_CERT_DIR). What it leaves to httpx (`HttpSource` sends those there):
+https is TLS over the same connections, with the context httpx would make
+(`httpx.create_ssl_context()`: the same CA bundle, SSL_CERT_FILE / SSL_CERT_DIR), through the
+ssl module's memory BIOs (`_TlsStream`): each receive decrypts every TLS record that has
+arrived, where trio's SSLStream (which httpcore uses) returns one 16 KiB record per receive,
+5-9 CPU s per GB on this machine. What it leaves to httpx (`HttpSource` sends those there):
 proxies from the environment, and any answer this module does not read itself: a redirect,
 a body without Content-Length (chunked), an interim 1xx, folded header lines. Such an
 answer closes the connection, marks the origin, and the same GET (idempotent) is sent again
@@ -59,12 +61,78 @@ def proxy_in_environment() -> bool:
     return any(os.environ.get(name) for name in PROXY_VARIABLES)
 
 
+class _TlsStream:
+    """TLS over a trio TCP stream (client side), receiving as many records as have arrived.
+
+    The same duties as trio.SSLStream for one request at a time: handshake, `send_all`,
+    `receive_some` (b"" at the end: close_notify or, as browsers and trio's
+    https_compatible mode allow, a bare TCP close) and a forceful close. Transport failures
+    surface as trio.BrokenResourceError, as from a TCP stream; TLS failures as ssl.SSLError."""
+
+    def __init__(self, tcp: trio.SocketStream, context: ssl.SSLContext, host: str) -> None:
+        self.tcp = tcp
+        self._incoming = ssl.MemoryBIO()
+        self._outgoing = ssl.MemoryBIO()
+        self._tls = context.wrap_bio(self._incoming, self._outgoing, server_hostname=host)
+
+    async def do_handshake(self) -> None:
+        while True:
+            try:
+                self._tls.do_handshake()
+            except ssl.SSLWantReadError:
+                await self._flush()
+                if not await self._fill(1 << 16):
+                    raise trio.BrokenResourceError(
+                        "connection closed during the TLS handshake") from None
+                continue
+            await self._flush()
+            return
+
+    async def send_all(self, data: bytes) -> None:
+        self._tls.write(data)
+        await self._flush()
+
+    async def receive_some(self, max_bytes: int) -> bytes:
+        parts: list[bytes] = []
+        got = 0
+        while True:
+            try:
+                while got < max_bytes:
+                    piece = self._tls.read(max_bytes - got)
+                    parts.append(piece)
+                    got += len(piece)
+                return b"".join(parts)
+            except ssl.SSLWantReadError:
+                if parts:
+                    return b"".join(parts)
+                await self._flush()  # what reading produced (a key update's answer)
+                await self._fill(max_bytes)  # at EOF the next read raises, below
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                return b"".join(parts)
+
+    async def aclose(self) -> None:
+        await trio.aclose_forcefully(self.tcp)
+
+    async def _flush(self) -> None:
+        data = self._outgoing.read()
+        if data:
+            await self.tcp.send_all(data)
+
+    async def _fill(self, size: int) -> bool:
+        data = await self.tcp.receive_some(max(size, 1 << 16))
+        if not data:
+            self._incoming.write_eof()
+            return False
+        self._incoming.write(data)
+        return True
+
+
 class _Connection:
     """One kept-alive TCP connection to an origin."""
 
     __slots__ = ("buffer", "idle_since", "socket", "stream")
 
-    def __init__(self, stream: trio.SocketStream | trio.SSLStream[trio.SocketStream],
+    def __init__(self, stream: trio.SocketStream | _TlsStream,
                  sock: trio.socket.SocketType) -> None:
         self.stream = stream
         self.socket = sock
@@ -185,7 +253,7 @@ class Http11Pool:
         try:
             with trio.move_on_after(self.timeout) as scope:
                 await conn.stream.send_all(head)
-        except trio.BrokenResourceError as e:
+        except (trio.BrokenResourceError, ssl.SSLError) as e:
             raise _Unanswered(httpx.WriteError(str(e.__cause__ or e))) from e
         if scope.cancelled_caught:
             raise httpx.WriteTimeout(f"sending a request took over {self.timeout:g} s")
@@ -242,7 +310,7 @@ class Http11Pool:
         with trio.move_on_after(self.timeout) as scope:
             try:
                 return await conn.stream.receive_some(size)
-            except trio.BrokenResourceError as e:
+            except (trio.BrokenResourceError, ssl.SSLError) as e:
                 raise httpx.ReadError(str(e.__cause__ or e)) from e
         assert scope.cancelled_caught
         raise httpx.ReadTimeout(f"no bytes for {self.timeout:g} s")
@@ -270,11 +338,10 @@ class Http11Pool:
             else:
                 if self._tls is None:
                     self._tls = httpx.create_ssl_context()
-                tls = trio.SSLStream(tcp, self._tls, server_hostname=host,
-                                     https_compatible=True)
+                tls = _TlsStream(tcp, self._tls, host)
                 try:
                     await tls.do_handshake()
-                except trio.BrokenResourceError as e:
+                except (trio.BrokenResourceError, ssl.SSLError) as e:
                     await trio.aclose_forcefully(tcp)
                     raise httpx.ConnectError(str(e.__cause__ or e)) from e
                 except BaseException:
