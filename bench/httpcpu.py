@@ -18,6 +18,7 @@ import random
 import resource
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpcore
@@ -66,14 +67,19 @@ async def _receive(client: str, receive: int, url: str, size: int,
         async for piece in source.stream(info, 0, size):
             pieces.append(len(piece))
 
-    cpu0, t0 = _cpu_s(), time.perf_counter()
-    async with trio.open_nursery() as nursery:
-        for _ in range(streams):
-            nursery.start_soon(one)
-    cpu1, t1 = _cpu_s(), time.perf_counter()
+    cpu_s, wall_s = await _timed(one, streams)
     await source.aclose()
     gb = size * streams / 1e9
-    return (cpu1 - cpu0) / gb, gb / (t1 - t0), sum(pieces) / len(pieces)
+    return cpu_s / gb, gb / wall_s, sum(pieces) / len(pieces)
+
+
+async def _timed(task: Callable[[], Awaitable[None]], copies: int) -> tuple[float, float]:
+    """Run `copies` of `task` at once: (CPU seconds of the process, wall seconds)."""
+    cpu0, t0 = _cpu_s(), time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for _ in range(copies):
+            nursery.start_soon(task)
+    return _cpu_s() - cpu0, time.perf_counter() - t0
 
 
 async def _gets(client: str, url: str, size: int, n: int, get: int,
@@ -90,13 +96,9 @@ async def _gets(client: str, url: str, size: int, n: int, get: int,
             async for _ in source.stream(info, start, start + get):
                 pass
 
-    cpu0, t0 = _cpu_s(), time.perf_counter()
-    async with trio.open_nursery() as nursery:
-        for _ in range(inflight):
-            nursery.start_soon(one)
-    cpu1, t1 = _cpu_s(), time.perf_counter()
+    cpu_s, wall_s = await _timed(one, inflight)
     await source.aclose()
-    return (cpu1 - cpu0) / n * 1e6, n / (t1 - t0)
+    return cpu_s / n * 1e6, n / wall_s
 
 
 def _receive_stdlib(port: int, path: str, size: int, streams: int,

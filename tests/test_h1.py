@@ -10,30 +10,21 @@ import http.server
 import socket
 import threading
 from collections.abc import Iterator
-from contextlib import aclosing
 from pathlib import Path
 
 import pytest
 import trio
 
 from shardfs.devtools.nginx import Nginx, self_signed_certificate
-from shardfs.sources import HttpSource, ShardInfo, SourceSettings, Unreachable
+from shardfs.sources import HttpSource, SourceSettings, Unreachable
 from shardfs.sources.h1 import Http11Pool
 from tests.faultproxy import FaultProxy
-from tests.test_sources import FAST, SIZE, put, with_http
+from tests.test_sources import FAST, SIZE, http_server, put, read, with_http
 
 
 def pool(source: HttpSource) -> Http11Pool:
     assert source._h1 is not None, "plain http:// GETs should go over h1's connections"
     return source._h1
-
-
-async def read(source: HttpSource, shard: ShardInfo, start: int, end: int) -> bytes:
-    parts = []
-    async with aclosing(source.stream(shard, start, end)) as chunks:
-        async for chunk in chunks:
-            parts.append(chunk)
-    return b"".join(parts)
 
 
 def test_ranged_gets_share_kept_alive_connections(nginx: Nginx) -> None:
@@ -98,19 +89,8 @@ def odd_server(nginx: Nginx) -> Iterator[str]:
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
             self.wfile.write(b"0\r\n\r\n")
 
-    class Server(http.server.ThreadingHTTPServer):
-        def handle_error(self, request: object, client_address: object) -> None:
-            pass  # h1 closes the connection after an answer it leaves to httpx
-
-    server = Server(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    with http_server(Handler) as url:  # h1 closes a connection after an answer it leaves
+        yield url
 
 
 def test_answers_h1_does_not_read_go_to_httpx(nginx: Nginx) -> None:
