@@ -222,3 +222,18 @@ def test_https_connections_a_restart_closed_are_replaced(https_nginx: Nginx) -> 
         assert pool(source).opened == 2 and source.stats.errors == 0
 
     with_http(check)
+
+
+def test_a_connection_idle_too_long_is_not_reused(nginx: Nginx) -> None:
+    data = put(nginx.root, "a.tar")
+
+    async def check(source: HttpSource) -> None:
+        shard = await source.stat(f"{nginx.url}/a.tar")
+        h1 = pool(source)
+        assert await read(source, shard, 0, 1000) == data[:1000]
+        assert h1.opened == 1  # the stat's connection carried the read
+        h1.keep_idle_s = 0.0  # every idle connection is now too old to trust
+        assert await read(source, shard, 1000, 2000) == data[1000:2000]
+        assert (h1.sent, h1.opened) == (3, 2)
+
+    with_http(check)

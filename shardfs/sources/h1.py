@@ -180,9 +180,8 @@ class _Body(httpx.AsyncByteStream):
                 raise httpx.RemoteProtocolError(
                     f"server closed the connection with {self._left} bytes of the body "
                     "still to come")
-            if len(data) > self._left:  # a server writing past its Content-Length
-                self._reusable = False
-                data = data[: self._left]
+            # Never more than asked: bytes a server writes past its Content-Length stay in
+            # the socket, which makes the connection stale (not reused).
             self._left -= len(data)
             yield data
 
@@ -209,7 +208,7 @@ class Http11Pool:
         self._idle: dict[Origin, list[_Connection]] = {}
         self.not_ours: set[Origin] = set()  # origins whose answers go to httpx
         self._tls: ssl.SSLContext | None = None  # made at the first https:// request
-        self.opened = 0  # connections opened (for tests and stats)
+        self.opened = 0  # connections opened (for tests and benchmarks)
         self.sent = 0  # requests sent
 
     def takes(self, request: httpx.Request) -> bool:
@@ -243,9 +242,10 @@ class Http11Pool:
         except BaseException as exc:
             if isinstance(exc, NotForUs):
                 self.not_ours.add(origin)
-            self._slots.release()  # first: closing raises Cancelled in a cancelled scope
-            if conn is not None:
-                await conn.aclose()
+            if conn is None:
+                self._slots.release()
+            else:
+                await self.discard(conn)
             raise
 
     async def _exchange(self, origin: Origin, conn: _Connection, head: bytes,
