@@ -92,18 +92,24 @@ async def _read(reader: Reader, ref: tuple[int, int, int]) -> bytes:
     return bytes(await reader.read(shard, offset, size, 0, size))
 
 
-def test_announced_members_fill_the_shard_byte_for_byte(tmp_path: Path, shards: Shards) -> None:
+@pytest.mark.parametrize("streams", [0, 2])
+def test_announced_members_fill_the_shard_byte_for_byte(tmp_path: Path, shards: Shards,
+                                                        streams: int) -> None:
     """Every read right, every byte of the shard fetched exactly once (the members' GETs
-    with their headers, the end after the last announcement), the first GETs in read
-    order, and the shard committed with its sha256 checked from the part file."""
+    with their headers, GETs streaming missing runs from the next member no GET brings, the
+    end after the last announcement), the first GETs in read order, and the shard committed
+    with its sha256 checked from the part file."""
     sources = _Sources()
     shard = 3
+    # Streams of 16 KiB: a few members each (the shard is ~150 KiB).
+    policy = LookaheadPolicy(max_requests=4 + streams, fill_parts=True, fill_streams=streams,
+                             fill_stream_span=16 * 1024)
 
     async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
         catalog.sha256[shard] = hashlib.sha256(shards.paths[shard].read_bytes()).hexdigest()
         inodes = file_inodes(catalog)
         async with trio.open_nursery() as nursery:
-            lookahead = await _started(reader, LookaheadPolicy(max_requests=4), nursery)
+            lookahead = await _started(reader, policy, nursery)
             refs = _refs(catalog, inodes, shard)
             stream = lookahead.open_stream()
             assert stream.announce(refs) == (len(refs), 0)
@@ -128,6 +134,9 @@ def test_announced_members_fill_the_shard_byte_for_byte(tmp_path: Path, shards: 
         assert stats.shard_bytes == size and stats.shard_fetches_started == 0
         assert stats.member_fetches == 0 and la.requests == 0, (stats, la)
         assert la.part_entries == len(refs) and la.hole_requests >= 1, la
+        assert (la.stream_requests > 0) == (streams > 0), la
+        if streams:
+            return  # which member a stream starts at depends on when the others land
         # The epoch's first reads, one member per GET (with its header), asked first: the
         # first four GETs in flight are the first four announced (trio starts a batch of
         # tasks in no fixed order).
@@ -151,7 +160,8 @@ def test_a_failed_fill_get_reads_the_members_instead(tmp_path: Path, shards: Sha
     async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
         inodes = file_inodes(catalog)
         async with trio.open_nursery() as nursery:
-            lookahead = await _started(reader, LookaheadPolicy(max_requests=2), nursery)
+            policy = LookaheadPolicy(max_requests=2, fill_parts=True)
+            lookahead = await _started(reader, policy, nursery)
             refs = _refs(catalog, inodes, shard)
             lookahead.open_stream().announce(refs)
             for ref in refs:
@@ -176,7 +186,7 @@ def test_a_filled_shard_whose_digest_differs_is_not_cached(tmp_path: Path,
         catalog.sha256[shard] = hashlib.sha256(b"some other shard").hexdigest()
         inodes = file_inodes(catalog)
         async with trio.open_nursery() as nursery:
-            lookahead = await _started(reader, LookaheadPolicy(), nursery)
+            lookahead = await _started(reader, LookaheadPolicy(fill_parts=True), nursery)
             stream = lookahead.open_stream()
             refs = _refs(catalog, inodes, shard)
             stream.announce(refs)
@@ -201,7 +211,7 @@ def test_over_the_cache_nothing_goes_to_part_files(tmp_path: Path, shards: Shard
     async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
         inodes = file_inodes(catalog)
         async with trio.open_nursery() as nursery:
-            lookahead = attach_lookahead(reader, LookaheadPolicy())
+            lookahead = attach_lookahead(reader, LookaheadPolicy(fill_parts=True))
             assert lookahead is not None
             await nursery.start(lookahead.run)
             refs = _refs(catalog, inodes, shard)

@@ -28,7 +28,8 @@ worker at a time:
   on `reset` (a new epoch) and when the connection closes.
 - Shards the reader serves without help (the shard is cached or being fetched whole,
   compressed shards) are skipped: whole-shard caching stays as it is.
-- When the whole dataset fits the cache (and `fill_parts`), announced members are not held
+- When the whole dataset fits the cache and `fill_parts` is on (`--lookahead-fill on`; off by
+  default: slower on the bench machine, see LookaheadPolicy), announced members are not held
   in RAM: each GET writes its members into their shard's part file (Reader.open_fill), taking
   the bytes before each member (its tar header: read/layout.py) with it, so the members'
   GETs together bring the whole shard but its end; that end, and whatever no announcement
@@ -36,7 +37,9 @@ worker at a time:
   (`last`), are reset or close. The reader commits a shard when every byte is in (sha256
   from the part file). Still in read order, up to `max_requests` GETs in flight, members
   coalesced when they are neighbours in their shard announced within `fill_scan` entries;
-  no byte is fetched twice, and there is no buffer to pace on (the cache holds it all).
+  `fill_streams` of the GETs instead stream a shard's missing bytes from the next announced
+  member that no GET brings yet (few requests for most bytes). No byte is fetched twice, and
+  there is no buffer to pace on (the cache holds it all).
   Otherwise (`fill_parts` off), only the first `fits_head` entries of each epoch are
   fetched here, into RAM, and the rest is left to whole shards.
 """
@@ -86,11 +89,20 @@ class LookaheadPolicy:
     # fetches' frontiers to reach its files (a few duplicate bytes: the shards come whole too).
     fits_head: int = 32
     # When the dataset fits: fetch every announced member into its shard's part file, in
-    # read order (see the module's docstring), instead of the head alone. Coalesce a GET's
-    # member with its shard neighbours announced at most fill_scan entries later (they are
-    # fetched early, not twice: the cache holds them).
-    fill_parts: bool = True
+    # read order (see the module's docstring), instead of the head alone. Off by default:
+    # on the bench's 2 loaded cores it measured 2x slower than whole shards (more GETs, each
+    # ~3 ms of the HTTP client's CPU, and reads served by the daemon until a shard is
+    # complete; docs/benchmarks-notes.md, 2026-11-26). Coalesce a GET's member with its
+    # shard neighbours announced at most fill_scan entries later (they are fetched early,
+    # not twice: the cache holds them).
+    fill_parts: bool = False
     fill_scan: int = 256
+    # Of max_requests, GETs that stream a shard's missing bytes from the next announced
+    # member no GET brings yet, up to fill_stream_span at a time: few requests carry most of
+    # the bytes (a GET costs the HTTP client ~1-3 ms of CPU), while the other GETs fetch
+    # members exactly, in read order, so reads find their bytes.
+    fill_streams: int = 12
+    fill_stream_span: int = 4 * MiB
 
 
 class PartFiller(Protocol):
@@ -146,6 +158,8 @@ class LookaheadStats:
     part_errors: int = 0
     hole_requests: int = 0
     hole_bytes: int = 0
+    stream_requests: int = 0  # of the part GETs, those streaming missing runs (fill_streams)
+    stream_bytes: int = 0
 
 
 class _Slot:
@@ -223,6 +237,7 @@ class Lookahead:
         self._queued: dict[int, list[int]] = {}  # shard -> sorted offsets of unfetched slots
         self._streams: deque[Stream] = deque()  # round robin: the next to fetch for is first
         self._requests = 0
+        self._streaming = 0  # of those, fills' streams (fill_streams)
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._names = itertools.count(1)
@@ -371,16 +386,21 @@ class Lookahead:
         while self._requests < policy.max_requests:
             if self._flush and self._complete_fill(self._flush):
                 continue
+            filling = self._fill_mode() == "on"
+            streams = min(policy.fill_streams, policy.max_requests - 1) if filling else 0
             group = None
             self._paced = False
-            for _ in range(len(self._streams)):
-                stream = self._streams[0]
-                self._streams.rotate(-1)
-                group = self._next_group(stream)
-                if group:
-                    break
+            if self._requests - self._streaming < policy.max_requests - streams:
+                for _ in range(len(self._streams)):
+                    stream = self._streams[0]
+                    self._streams.rotate(-1)
+                    group = self._next_group(stream)
+                    if group:
+                        break
             if group:
                 self._launch(group)
+                continue
+            if self._streaming < streams and self._stream_ahead():
                 continue
             if self._paced and self._reset_mismatched():
                 continue
@@ -643,13 +663,39 @@ class Lookahead:
             only.clear()  # every one of them complete or on its way (or gone)
         return False
 
-    def _start_fill_get(self, fetch: Fetch, start: int, stop: int, *, hole: bool) -> None:
+    def _stream_ahead(self) -> bool:
+        """Start a GET streaming the missing bytes of a shard, from the first announced
+        member (in announcement order, the first streams' first) that no GET brings yet.
+        False: none within the first entries of the queues."""
+        parts = self.parts
+        if parts is None:
+            return False
+        span = self.policy.fill_stream_span
+        for stream in self._streams:
+            for slot in itertools.islice(stream.queue, 512):
+                if slot.state != _QUEUED or self.covered(slot.shard):
+                    continue
+                fetch = parts.open_fill(slot.shard)
+                if fetch is None:
+                    continue
+                lo, hi = parts.extent(slot.shard, slot.start, slot.end)
+                holes = fetch.missing(lo, fetch.size)
+                if not holes or holes[0][0] >= hi:
+                    continue  # its bytes are on their way
+                a, b = holes[0]
+                self._start_fill_get(fetch, a, min(b, a + span), hole=False, streaming=True)
+                return True
+        return False
+
+    def _start_fill_get(self, fetch: Fetch, start: int, stop: int, *, hole: bool,
+                        streaming: bool = False) -> None:
         assert self.parts is not None and self._nursery is not None
         get = self.parts.plan_fill_get(fetch, start, stop)
         self._requests += 1
-        self._nursery.start_soon(self._fill_get, fetch, get, hole)
+        self._streaming += streaming
+        self._nursery.start_soon(self._fill_get, fetch, get, hole, streaming)
 
-    async def _fill_get(self, fetch: Fetch, get: Get, hole: bool) -> None:
+    async def _fill_get(self, fetch: Fetch, get: Get, hole: bool, streaming: bool) -> None:
         assert self.parts is not None
         stats = self.stats
         try:
@@ -660,6 +706,10 @@ class Lookahead:
                         get.start, get.stop, exc)
         finally:
             self._requests -= 1
+            self._streaming -= streaming
+            if streaming:
+                stats.stream_requests += 1
+                stats.stream_bytes += get.pos - get.start
             if hole:
                 stats.hole_requests += 1
                 stats.hole_bytes += get.pos - get.start
