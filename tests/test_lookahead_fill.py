@@ -103,7 +103,7 @@ def test_announced_members_fill_the_shard_byte_for_byte(tmp_path: Path, shards: 
     shard = 3
     # Streams of 16 KiB: a few members each (the shard is ~150 KiB).
     policy = LookaheadPolicy(max_requests=4 + streams, fill_parts=True, fill_streams=streams,
-                             fill_stream_span=16 * 1024)
+                             fill_stream_span=16 * 1024, fill_behind=8)
 
     async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
         catalog.sha256[shard] = hashlib.sha256(shards.paths[shard].read_bytes()).hexdigest()

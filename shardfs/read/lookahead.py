@@ -37,8 +37,9 @@ worker at a time:
   (`last`), are reset or close. The reader commits a shard when every byte is in (sha256
   from the part file). Still in read order, up to `max_requests` GETs in flight, members
   coalesced when they are neighbours in their shard announced within `fill_scan` entries;
-  `fill_streams` of the GETs instead stream a shard's missing bytes from the next announced
-  member that no GET brings yet (few requests for most bytes). No byte is fetched twice, and
+  `fill_streams` of the GETs instead stream a shard's missing bytes from an announced member
+  `fill_behind` entries or more behind the next, that no GET brings yet (few requests for
+  most bytes; the members read soon still come by their own GETs). No byte is fetched twice, and
   there is no buffer to pace on (the cache holds it all).
   Otherwise (`fill_parts` off), only the first `fits_head` entries of each epoch are
   fetched here, into RAM, and the rest is left to whole shards.
@@ -103,6 +104,9 @@ class LookaheadPolicy:
     # members exactly, in read order, so reads find their bytes.
     fill_streams: int = 12
     fill_stream_span: int = 4 * MiB
+    # Streams start this many entries behind the next one to fetch: the members read soon
+    # come by their own GETs, and a read seldom waits for a stream to reach its member.
+    fill_behind: int = 256
 
 
 class PartFiller(Protocol):
@@ -665,15 +669,21 @@ class Lookahead:
 
     def _stream_ahead(self) -> bool:
         """Start a GET streaming the missing bytes of a shard, from the first announced
-        member (in announcement order, the first streams' first) that no GET brings yet.
-        False: none within the first entries of the queues."""
+        member fill_behind entries or more behind a stream's next (in announcement order,
+        the first streams' first) that no GET brings yet. False: none among the 64 entries
+        looked at."""
         parts = self.parts
         if parts is None:
             return False
-        span = self.policy.fill_stream_span
+        span, behind = self.policy.fill_stream_span, self.policy.fill_behind
         for stream in self._streams:
-            for slot in itertools.islice(stream.queue, 512):
+            front = None
+            for slot in itertools.islice(stream.queue, behind + 64):
                 if slot.state != _QUEUED or self.covered(slot.shard):
+                    continue
+                if front is None:
+                    front = slot.pos
+                if slot.pos - front < behind:
                     continue
                 fetch = parts.open_fill(slot.shard)
                 if fetch is None:
