@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import subprocess
+import tarfile
 import time
 import warnings
 from pathlib import Path
@@ -425,6 +426,14 @@ def test_dataset_fits_the_cache_members_fill_their_shards_in_read_order(dataset,
             assert end == first, (name, spans)  # no gap, no overlap
         assert spans[-1][1] == (dataset.shard_dir / name).stat().st_size
     assert len(ranges) == la["part_requests"] + la["hole_requests"]
+    # The members' GETs took their tar headers: the last GETs brought only the shards' ends
+    # (end-of-archive blocks and record padding), after every file was asked for.
+    ends = 0
+    for name in by_shard:
+        with tarfile.open(dataset.shard_dir / name) as tar:
+            last = max(t.offset_data + t.size for t in tar.getmembers())
+        ends += (dataset.shard_dir / name).stat().st_size - (last + 511) // 512 * 512
+    assert la["hole_bytes"] == ends, (la, ends)
     assert la["stream_requests"] < la["part_requests"], la
     # Read order: the epoch's first file came with the first GETs (nginx logs GETs as they
     # end, 16 in flight).

@@ -410,7 +410,8 @@ class Lookahead:
                 continue
             # Nothing announced left to fetch and every stream's epoch announced to its end
             # (or no stream left): the fills' ends come now.
-            if all(s.last for s in self._streams) and self._complete_fill(None):
+            if not self._queued and all(s.last for s in self._streams) and \
+                    self._complete_fill(None):
                 continue
             return
 
