@@ -208,3 +208,29 @@ def test_arena_allocates_frees_and_joins_runs():
         assert bytes(arena.view[:3]) == bytes(3) and arena.gen(0) == 3  # freed three times
     finally:
         arena.close()
+
+
+def test_skipped_entries_are_not_kept(tmp_path: Path):
+    """An epoch whose shards the reader serves by itself (here: all of them, as when the
+    dataset is cached) skips every entry; the stream keeps no slot for them."""
+    paths, members, _ = make_shards(tmp_path)
+
+    async def main() -> None:
+        sources = Sources()
+        try:
+            la = Lookahead(await shard_infos(sources, paths), sources, LookaheadPolicy(),
+                           covered=lambda shard: True)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(la.run)
+                stream = la.open_stream()
+                stream.announce(members)
+                with trio.fail_after(10):
+                    while la.stats.skipped < len(members):
+                        await trio.sleep(0.01)
+                assert len(stream.order) == 0 and stream.live == 0
+                assert la.stats.requests == 0
+                nursery.cancel_scope.cancel()
+        finally:
+            await sources.aclose()
+
+    trio.run(main)

@@ -435,6 +435,7 @@ class Lookahead:
                 queue.popleft()
                 self.stats.skipped += 1
                 self._drop(head, stale=False)
+                self._forget_done(stream)
                 continue
             break
         else:
@@ -625,9 +626,7 @@ class Lookahead:
         for slot in group:
             self._drop(slot, stale=False)
         self.stats.part_entries += len(group)
-        order = group[0].stream.order
-        while order and order[0].state == _GONE:  # nothing to keep for them
-            order.popleft()
+        self._forget_done(group[0].stream)
         for a, b in fetch.missing(lo, hi):
             self._start_fill_get(fetch, a, b, hole=False)
 
@@ -730,6 +729,15 @@ class Lookahead:
             self._wake.set()
 
     # -- dropping --------------------------------------------------------------------------
+    @staticmethod
+    def _forget_done(stream: Stream) -> None:
+        """Slots dropped at the front of a stream's order are kept for nothing: an epoch
+        whose entries are all skipped (its shards cached) or fetched into part files would
+        otherwise hold a slot per entry until the next reset."""
+        order = stream.order
+        while order and order[0].state == _GONE:
+            order.popleft()
+
     def _expire(self, stream: Stream) -> None:
         """Drop what the stream's reads have left `stale_lag` entries behind."""
         order, horizon = stream.order, stream.cursor - self.policy.stale_lag
