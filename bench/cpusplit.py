@@ -39,6 +39,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -158,15 +159,11 @@ def split(before: Snapshot, after: Snapshot, roles: dict[int, str], files: int) 
 
 # -- perf ------------------------------------------------------------------------------------
 
-class Perf:
-    """`perf record` of some pids for the length of a pass (no call graphs: cheap)."""
+class Profiler:
+    """A profiler process recording for the length of a pass; SIGINT makes it write out."""
 
-    def __init__(self, pids: list[int], path: Path, freq: int) -> None:
-        self.path = path
-        self.proc = subprocess.Popen(
-            ["perf", "record", "-F", str(freq), "-q", "-o", str(path), "-p",
-             ",".join(map(str, pids))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(0.5)  # perf attaches
+    proc: subprocess.Popen
+    path: Path
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGINT)
@@ -175,6 +172,17 @@ class Perf:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+class Perf(Profiler):
+    """`perf record` of some pids for the length of a pass (no call graphs: cheap)."""
+
+    def __init__(self, pids: list[int], path: Path, freq: int) -> None:
+        self.path = path
+        self.proc = subprocess.Popen(
+            ["perf", "record", "-F", str(freq), "-q", "-o", str(path), "-p",
+             ",".join(map(str, pids))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.5)  # perf attaches
 
 
 def _dso_kind(dso: str) -> str:
@@ -237,7 +245,7 @@ PHASES = [
                                  "fuse/remote.py")),
     ("worker RPC", ("util/rpc.py", "daemon/workers.py")),
     ("C reads' counts (collect)", ("fuse/fastread.py", "note_reads", "read/workingset.py")),
-    ("fetch bookkeeping", ("read/cache.py", "read/reader.py")),
+    ("fetch bookkeeping", ("cache/shardcache.py", "read/reader.py")),
     ("thread hops (trio)", ("trio/_threads.py", "trio/_core/_thread_cache.py",
                             "_wakeup_socketpair.py", "_entry_queue.py")),
     ("FUSE loop (pyfuse3, C drain)", ("_pyfuse3.py",)),
@@ -245,7 +253,7 @@ PHASES = [
 ]
 
 
-class PySpy:
+class PySpy(Profiler):
     """`py-spy record` of one process for the length of a pass (no pauses: --nonblocking)."""
 
     def __init__(self, pid: int, path: Path, rate: int) -> None:
@@ -257,14 +265,6 @@ class PySpy:
              "--threads", "--format", "raw", "-o", str(path)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(0.5)
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def pyspy_split(path: Path, main_tid: int) -> dict:
@@ -323,6 +323,21 @@ class Variant:
             saved[key] = os.environ.get(key)
             os.environ[key] = value
         return saved
+
+
+    def missing_shim(self) -> str | None:
+        """Why this variant's mounts would run without the pyfuse3 shim, or None. A tree
+        without `_shim` built for this Python mounts anyway, all requests in Python (no C
+        reads, no page push, `--workers` unused): measured so on the 16-core machine once,
+        ~5,000 files/s against ~30,000 with the shim, and taken for the code's cost."""
+        if not self.path:
+            return None
+        built = Path(self.path, "shardfs", "fuse", "_shim" + sysconfig.get_config_var(
+            "EXT_SUFFIX"))
+        if built.exists():
+            return None
+        return (f"{built} is not there: run `python setup.py build_ext --inplace` in "
+                f"{self.path} with this Python")
 
 
 def _restore(saved: dict[str, str | None]) -> None:
@@ -401,7 +416,8 @@ def _print(rec: dict) -> None:
           f"{rec['files_per_s']:.0f} files/s; µs/file: all {rec['all_us_per_file']}, daemon "
           f"process {rec['daemon_process_us_per_file']}, serial (daemon main thread) "
           f"{rec['serial_us_per_file']} -> bound {rec['bound_files_per_s']} files/s; pushed / "
-          f"opened first {_pushed(rec)}", flush=True)
+          f"opened first {_pushed(rec)}; shim {(rec.get('stats') or {}).get('shim', '?')}",
+          flush=True)
     for role, proc in rec["split"].items():
         threads = ", ".join(f"{n} {t['user']}+{t['system']}"
                             for n, t in proc["threads"].items())
@@ -547,6 +563,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def cpusplit_command(args: argparse.Namespace, argv: list[str]) -> int:
     args.workers = [int(x) for x in str(args.workers).split(",")]
     args.variant = [Variant.parse(v) for v in args.variant] or [Variant("this")]
+    for variant in args.variant:
+        why = variant.missing_shim()
+        if why:
+            print(f"bench cpusplit: variant {variant.name}: {why}", file=sys.stderr)
+            return 2
     args.sources = [s.strip() for s in str(args.sources).split(",")]
     args.push_pages = [s.strip() for s in str(args.push_pages).split(",")]
     if set(args.push_pages) - {"auto", "off"}:

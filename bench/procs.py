@@ -9,6 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from shardfs.devtools.pagecache import drop_pages
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -117,12 +119,8 @@ def drop_from_page_cache(root: Path) -> int:
     for dirpath, _, names in os.walk(root):
         for name in names:
             try:
-                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+                drop_pages(os.path.join(dirpath, name))
             except OSError:
                 continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                n += 1
-            finally:
-                os.close(fd)
+            n += 1
     return n

@@ -31,7 +31,7 @@ from bench.contenders import (
     all_contenders,
 )
 from bench.data import DataParams, prepare_dataset, prepare_meta
-from bench.server import BandwidthCap, Traffic, listing_nginx
+from bench.server import BandwidthCap, PortCap, Traffic, listing_nginx
 from shardfs.devtools.nginx import Nginx
 
 SCHEMA = "shardfs-bench/1"
@@ -334,7 +334,7 @@ class Bench:
             if small is not None:
                 ctxs["small"] = dataclasses.replace(
                     ctx, data=small, fits_cache_bytes=max(2 * small.shard_bytes, 64 << 20))
-            with BandwidthCap(None if a.no_tc else a.rate, burst=a.burst) as cap:
+            with PortCap(self.nginx.port, None if a.no_tc else a.rate, burst=a.burst) as cap:
                 self.cap = cap
                 record["link"] = {"cap": cap.describe(), "active": cap.active,
                                   "bytes_per_s": cap.bytes_per_s, "rate": a.rate,

@@ -25,7 +25,8 @@ from bench.convert import to_litdata, to_mds
 from bench.data import DataParams, prepare_dataset
 from bench.peers import S3_CONTENDER_NAMES, S3Ctx, s3_contenders
 from bench.run import QUICK, REPO, Bench, dataset_record, host_info, run_and_save
-from bench.s3store import PortCap, S3Proxy, tree_cpu_seconds
+from bench.s3store import S3Proxy, tree_cpu_seconds
+from bench.server import PortCap
 from shardfs.devtools.seaweed import WeedServer
 
 SCHEMA = "shardfs-bench-s3/1"

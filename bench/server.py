@@ -109,6 +109,67 @@ class BandwidthCap:
         return f"uncapped: {self.error}"
 
 
+class PortCap(BandwidthCap):
+    """A tbf cap on the packets leaving one TCP port on lo (the server's replies), for the
+    duration of a `with`: a full-duplex link, where requests do not queue behind the replies
+    that fill it (with BandwidthCap's one FIFO for both directions they did: a member GET's
+    first byte came ~45 ms after it was asked for at nginx's 20 ms, against ~33 ms with this
+    cap; docs/benchmarks-notes.md), and other loopback traffic goes by uncapped.
+
+    htb root (default class: unshaped) + a class for `sport == port` with tbf under it. Removed
+    in __exit__ and at interpreter exit; a root qdisc that is not ours is never touched (the
+    run then goes uncapped and says why)."""
+
+    def __init__(self, port: int, rate: str | None, burst: str = "1mb",
+                 latency: str = "100ms", dev: str = "lo") -> None:
+        super().__init__(rate, burst, latency, dev)
+        self.port = port
+
+    def _install(self, tc: str) -> str | None:
+        assert self.rate is not None
+        d = self.dev
+        steps = [
+            ["qdisc", "add", "dev", d, "root", "handle", "1:", "htb", "default", "20"],
+            ["class", "add", "dev", d, "parent", "1:", "classid", "1:10", "htb", "rate",
+             "100gbit", "quantum", "200000"],
+            ["class", "add", "dev", d, "parent", "1:", "classid", "1:20", "htb", "rate",
+             "100gbit", "quantum", "200000"],
+            ["qdisc", "add", "dev", d, "parent", "1:10", "handle", "10:", "tbf", "rate",
+             self.rate, "burst", self.burst, "latency", self.latency],
+            ["filter", "add", "dev", d, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+             "match", "ip", "sport", str(self.port), "0xffff", "flowid", "1:10"],
+        ]
+        for i, step in enumerate(steps):
+            r = subprocess.run([tc, *step], capture_output=True, text=True)
+            if r.returncode != 0:
+                if i > 0:
+                    subprocess.run([tc, "qdisc", "del", "dev", d, "root"], capture_output=True)
+                return f"tc {' '.join(step)} failed: {r.stderr.strip()}"
+        return None
+
+    def _sent_of(self, tc_stats: str) -> int | None:
+        """The tbf's count: replies from the port."""
+        return parse_tbf_sent(tc_stats, "10:")
+
+    def describe(self) -> str:
+        if self.active:
+            return (f"tc tbf rate {self.rate} burst {self.burst} latency {self.latency} on "
+                    f"{self.dev}, replies from port {self.port} only")
+        return f"uncapped: {self.error}"
+
+
+def parse_tbf_sent(text: str, handle: str) -> int | None:
+    """`tc -s qdisc show` -> the "Sent N bytes" of the qdisc with `handle` (e.g. "10:")."""
+    mine = False
+    for line in text.splitlines():
+        words = line.split()
+        if line.startswith("qdisc "):
+            mine = len(words) >= 3 and words[2] == handle
+        elif mine and len(words) >= 3 and words[0] == "Sent" and words[2] == "bytes":
+            return int(words[1])
+    return None
+
+
 def parse_tc_sent(text: str) -> int | None:
     """`tc -s qdisc show` output -> the root qdisc's "Sent N bytes" (None if absent)."""
     for line in text.splitlines():

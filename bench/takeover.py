@@ -28,6 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from shardfs.devtools.pagecache import drop_pages
 from shardfs.pack import pack
 
 
@@ -48,14 +49,6 @@ def _make_data(root: Path, files: int, seed: int) -> tuple[Path, dict[str, str],
 
 def _stats(mnt: Path) -> dict:
     return json.loads(os.getxattr(mnt, "user.shardfs.stats"))
-
-
-def _drop(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _spare_standing_by(holder: int) -> bool:
@@ -98,7 +91,7 @@ def _round(mnt: Path, sha: dict[str, str], probe: Path, kill: bool) -> tuple[flo
             raise SystemExit("the spare daemon never stood by")
         time.sleep(0.05)
     for rel in sha:
-        _drop(mnt / rel)
+        drop_pages(mnt / rel)
     errors: list = []
     wrong: list = []
     readers = threading.Thread(target=_read_all, args=(mnt, sha, errors, wrong))
@@ -106,7 +99,7 @@ def _round(mnt: Path, sha: dict[str, str], probe: Path, kill: bool) -> tuple[flo
     time.sleep(0.2)
     before = _stats(mnt)
     old = [before["pid"], *before["workers"]]
-    _drop(probe)
+    drop_pages(probe)
     began = time.monotonic()
     if kill:
         os.kill(before["pid"], signal.SIGKILL)

@@ -8,6 +8,7 @@
         proxy.refuse_connections(); proxy.accept_connections()
         proxy.clear()
         proxy.requests                      # what clients sent (method, target, headers)
+        proxy.body_bytes                    # response body bytes sent to clients
 
 One thread accepts, one thread serves each client connection (bounded); each request goes
 to the upstream on a fresh connection, so faults never leave the upstream in an odd state.
@@ -72,6 +73,7 @@ class FaultProxy:
         self.max_connections = max_connections
         self.connections_accepted = 0
         self.faults_injected = 0
+        self.body_bytes = 0
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._release = threading.Event()  # set: stalls in progress end now
@@ -197,6 +199,7 @@ class FaultProxy:
             self._log.clear()
             self.connections_accepted = 0
             self.faults_injected = 0
+            self.body_bytes = 0
 
     # -- internals: connections --------------------------------------------------------------
 
@@ -372,6 +375,8 @@ class FaultProxy:
             piece, pending = pending[:room], pending[room:]
             client.sendall(piece)
             sent += len(piece)
+            with self._lock:
+                self.body_bytes += len(piece)
         return True
 
 

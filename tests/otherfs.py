@@ -3,7 +3,10 @@
     python tests/otherfs.py MOUNTPOINT      # mounts as fuse.otherfs; exits once unmounted
 
 One read-only file, `hello.txt`. It is mounted with its own FUSE subtype (`fuse.otherfs` in
-/proc/mounts) through pyfuse3, as any other FUSE filesystem would be.
+/proc/mounts) through pyfuse3, as any other FUSE filesystem would be. A lookup of `stall` is
+never answered (until the filesystem is unmounted): a process whose thread looks it up waits
+in the kernel, as a daemon's thread waits on its own mount when nobody serves it
+(`OTHERFS_STALL_MARK=PATH`: the file written when such a lookup arrives).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import pyfuse3
 import trio
 
 NAME = b"hello.txt"
+STALL = b"stall"
 DATA = b"not shardfs\n"
 FSTYPE = "fuse.otherfs"
 
@@ -38,6 +42,12 @@ class OtherFS(pyfuse3.Operations):
 
     async def lookup(self, parent_inode: int, name: bytes, ctx: object = None
                      ) -> pyfuse3.EntryAttributes:
+        if parent_inode == pyfuse3.ROOT_INODE and name == STALL:
+            mark = os.environ.get("OTHERFS_STALL_MARK")
+            if mark:  # tells a test that the lookup arrived (and will never be answered)
+                with open(mark, "w") as f:
+                    f.write(str(ctx.pid) if ctx is not None else "?")
+            await trio.sleep_forever()
         if parent_inode != pyfuse3.ROOT_INODE or name != NAME:
             raise pyfuse3.FUSEError(errno.ENOENT)
         return await self.getattr(self.FILE)

@@ -183,6 +183,19 @@ def daemon_rss_kb(pid: int) -> int:
     raise AssertionError(f"no VmRSS for pid {pid}")
 
 
+
+def wait_until(cond, what: str, timeout: float = 20.0) -> None:
+    """Poll `cond` every 50 ms until it holds; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+
+
 def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -1,5 +1,6 @@
-"""bench/server.py's BandwidthCap on the real loopback: what it counts as crossing the link,
-and that the qdisc it adds is gone afterwards."""
+"""bench/server.py's link caps on the real loopback: what they count as crossing the link,
+that PortCap shapes only one port's replies, and that the qdiscs they add are gone
+afterwards."""
 
 from __future__ import annotations
 
@@ -10,28 +11,37 @@ import threading
 
 import pytest
 
-from bench.server import BandwidthCap, parse_tc_sent
+from bench.server import BandwidthCap, PortCap, parse_tc_sent
 
 N = 4 << 20
 
 
-def _send_over_loopback(n: int) -> int:
-    """Send n bytes from one local TCP socket to another; the bytes received."""
-    server = socket.create_server(("127.0.0.1", 0))
+def _send_over_loopback(n: int, server: socket.socket | None = None, *,
+                        reply: bool = False) -> int:
+    """Send n bytes between two local TCP sockets, from the client to the listening socket
+    (or, with `reply`, from the listening socket's side to the client); the bytes received."""
+    server = server or socket.create_server(("127.0.0.1", 0))
     got = 0
 
-    def receive() -> None:
+    def serve() -> None:
         nonlocal got
         conn, _ = server.accept()
         with conn:
+            if reply:
+                conn.sendall(b"x" * n)
+                return
             while chunk := conn.recv(1 << 16):
                 got += len(chunk)
 
-    receiver = threading.Thread(target=receive)
-    receiver.start()
+    thread = threading.Thread(target=serve)
+    thread.start()
     with socket.create_connection(server.getsockname()) as client:
-        client.sendall(b"x" * n)
-    receiver.join(timeout=30)
+        if reply:
+            while chunk := client.recv(1 << 16):
+                got += len(chunk)
+        else:
+            client.sendall(b"x" * n)
+    thread.join(timeout=30)
     server.close()
     return got
 
@@ -54,6 +64,28 @@ def test_sent_bytes_count_what_crossed_the_cap() -> None:
     assert N <= after - before < 2 * N  # the payload, plus headers and acks
     assert "tbf" not in _qdisc()  # removed on leaving the block
     assert cap.sent_bytes() is None  # uncapped now: nothing to count
+
+
+@pytest.mark.skipif(shutil.which("tc") is None, reason="tc not installed (iproute2)")
+def test_a_port_cap_counts_only_that_ports_replies() -> None:
+    """`bench run` and `bench s3` shape only the server's replies: bytes sent *to* the port
+    (requests) and other loopback traffic pass by the tbf."""
+    server = socket.create_server(("127.0.0.1", 0))
+    with PortCap(server.getsockname()[1], "10gbit") as cap:
+        if not cap.active:
+            server.close()
+            pytest.skip(f"no cap on lo here: {cap.error}")
+        assert "htb" in _qdisc() and "tbf" in _qdisc()
+        before = cap.sent_bytes()
+        assert _send_over_loopback(N, server, reply=True) == N  # replies from the port
+        replied = cap.sent_bytes()
+        other = socket.create_server(("127.0.0.1", 0))
+        assert _send_over_loopback(N, other) == N  # not from the port: unshaped, uncounted
+        after = cap.sent_bytes()
+    assert before is not None and replied is not None and after is not None
+    assert N <= replied - before < 2 * N
+    assert after - replied < N // 4  # at most the first connection's closing packets
+    assert "tbf" not in _qdisc() and "htb" not in _qdisc()
 
 
 def test_parse_tc_sent_reads_the_root_counter() -> None:

@@ -77,6 +77,9 @@ def _leave_nothing_behind(path: Path) -> None:
     assert not procs, procs
 
 
+# The bench runs ~10 contenders one after the other: ~100 s on a quiet 2-core machine, past
+# 280 s at a load average of 14. A hung bench still ends: _run_bench's timeout, then pytest's.
+@pytest.mark.timeout(720)
 def test_bench_tiny_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "out"
     record_path = tmp_path / "record.json"
@@ -88,7 +91,7 @@ def test_bench_tiny_end_to_end(tmp_path: Path) -> None:
            "--epoch-limit", "60", "--meta-limit", "60",
            "--out", str(out), "--json", str(record_path), "--docs", str(docs)]
     try:
-        result = _run_bench(cmd, timeout=280)
+        result = _run_bench(cmd, timeout=600)
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
         record = json.loads(record_path.read_text())
         assert record["schema"] == "shardfs-bench/1"
@@ -135,6 +138,7 @@ def test_bench_tiny_end_to_end(tmp_path: Path) -> None:
         _leave_nothing_behind(tmp_path)
 
 
+@pytest.mark.timeout(720)
 def test_bench_resume_scenario(tmp_path: Path) -> None:
     """Half an epoch, then a new process resumes it from the StatefulDataLoader state (the
     scenario's pair is not cut by --epochs 1); the halves are the uninterrupted epoch."""
@@ -146,7 +150,7 @@ def test_bench_resume_scenario(tmp_path: Path) -> None:
            "--contenders", "webdataset,shardfs,shardfs-lookahead", "--latency-ms", "1",
            "--epoch-limit", "60", "--out", str(tmp_path / "out"), "--json", str(record_path)]
     try:
-        result = _run_bench(cmd, timeout=280)
+        result = _run_bench(cmd, timeout=600)
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
         resume = json.loads(record_path.read_text())["scenarios"]["resume"]
         assert resume["webdataset"]["status"] == "n/a" and resume["webdataset"]["reason"]
@@ -261,6 +265,7 @@ def test_cpusplit_splits_a_process_by_thread() -> None:
     assert (v.name, v.path, v.env) == ("new", "/tmp/x", {"SHARDFS_LINGER_US": "0", "A": "b"})
     assert Variant.parse("this=").path is None
 
+@pytest.mark.timeout(1020)  # past _run_bench's 900 s, so its clean-up runs first
 def test_bench_s3_tiny_runs_every_installed_peer(tmp_path: Path) -> None:
     """`bench s3` at a tiny size, no tc: SeaweedFS behind the latency proxy, shardfs over
     s3:// and every peer that is installed read the whole dataset in the cold epoch; a peer
@@ -309,3 +314,15 @@ def test_bench_s3_tiny_runs_every_installed_peer(tmp_path: Path) -> None:
         assert "| shardfs |" in page
     finally:
         _leave_nothing_behind(tmp_path)
+
+
+def test_cpusplit_refuses_a_variant_without_its_shim(tmp_path: Path, capsys) -> None:
+    """A --variant tree whose shim is not built for this Python would mount with every
+    request in Python (no C reads, no page push): its passes measure another program, so
+    `bench cpusplit` refuses it and says how to build it."""
+    from bench.cpusplit import main
+
+    (tmp_path / "shardfs" / "fuse").mkdir(parents=True)
+    assert main(["--variant", f"old={tmp_path}", "--sources", "file"]) == 2
+    err = capsys.readouterr().err
+    assert "variant old" in err and "build_ext --inplace" in err and str(tmp_path) in err

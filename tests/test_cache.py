@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from shardfs.read.cache import CacheError, ShardCache, pwrite_all, shard_key
+from shardfs.cache.shardcache import CacheError, ShardCache, pwrite_all, shard_key
 
 
 @pytest.fixture
@@ -322,10 +322,10 @@ def test_pwrite_all_completes_short_writes(tmp_path: Path, monkeypatch) -> None:
 
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
     try:
-        monkeypatch.setattr("shardfs.read.cache.os.pwrite", short)
+        monkeypatch.setattr("shardfs.cache.shardcache.os.pwrite", short)
         pwrite_all(fd, b"0123456789", 5)
         assert calls == [5, 8, 11, 14]
-        monkeypatch.setattr("shardfs.read.cache.os.pwrite", lambda fd, data, offset: 0)
+        monkeypatch.setattr("shardfs.cache.shardcache.os.pwrite", lambda fd, data, offset: 0)
         with pytest.raises(OSError) as info:
             pwrite_all(fd, b"x", 0)
         assert info.value.errno == errno.ENOSPC
@@ -345,7 +345,7 @@ def test_disk_full_lowers_the_budget_and_evicts(tmp_path: Path, opened: list[Sha
     class Full:
         f_bavail, f_frsize = 0, 4096
 
-    monkeypatch.setattr("shardfs.read.cache.os.statvfs", lambda path: Full())
+    monkeypatch.setattr("shardfs.cache.shardcache.os.statvfs", lambda path: Full())
     assert cache.disk_full() == held  # what the disk holds: the shards there, no more
     assert cache.budget == held and cache.used <= cache.budget
     assert cache.disk_full() == held  # idempotent

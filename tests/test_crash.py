@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import trio
 
+from shardfs.cache.shardcache import shard_key
 from shardfs.daemon.mountpoint import is_stale
 from shardfs.devtools.nginx import Nginx
-from shardfs.read.cache import shard_key
 from shardfs.sources import HttpSource
 from tests.conftest import Mounter
 from tests.faultproxy import Fault, FaultProxy

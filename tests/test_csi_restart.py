@@ -114,10 +114,9 @@ def test_plugin_and_mounter_containers_die_without_a_read_error(
             kubelet.wait_ready()
             wait_for(lambda: node.mounter.text().count("synced with the plugin") >= 2,
                      30, "the new plugin's sync", node.logs)
-            # The new plugin knows the volume: a second pod is a bind of the same mount.
-            t0 = time.monotonic()
+            # The new plugin knows the volume: a second pod is a bind of the same mount (one
+            # FUSE mount, one mounter record), not a second mount.
             other = kubelet.publish("pod-b", "data", "ds", attrs)
-            assert time.monotonic() - t0 < 1.0
             assert node_mount_count(node) == 1 and len(mounter_records(node)) == 1
 
             # 2. The mounter's container dies (with the daemon): the plugin holds the FUSE

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from shardfs.devtools.nginx import Nginx
+from shardfs.devtools.pagecache import drop_pages
 from tests.conftest import Mount, Mounter
 from tests.faultproxy import Fault, FaultProxy
 from tests.reliability import (
@@ -55,11 +56,7 @@ def assert_clean(result: ReadResult, ds: RandomDataset, names: list[str] | None 
 def reread_from_daemon(path: Path) -> tuple[str, int]:
     """Read a file bypassing the kernel's page cache for it (keep_cache would otherwise
     answer a repeated read without asking the daemon)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_pages(path)
     return read_file(path)
 
 

@@ -295,16 +295,19 @@ def test_session_token_and_secret_are_never_shown(kind: str, role_store: RoleSto
 
 
 @contextmanager
-def other_fuse_mount(path: Path) -> Iterator[None]:
-    """tests/otherfs.py mounted at `path` (fuse.otherfs), unmounted again whatever happens."""
+def other_fuse_mount(path: Path, env: dict[str, str] | None = None
+                     ) -> Iterator[subprocess.Popen]:
+    """tests/otherfs.py mounted at `path` (fuse.otherfs), unmounted again whatever happens;
+    yields its process (killing it ends the connection: requests waiting on it fail)."""
     path.mkdir()
     proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("otherfs.py")),
-                             str(path)], stdin=subprocess.DEVNULL)
+                             str(path)], stdin=subprocess.DEVNULL,
+                            env={**os.environ, **(env or {})})
     try:
         wait_for(lambda: mounted_fstype(str(path)) is not None or proc.poll() is not None,
                  "otherfs never mounted", timeout=20)
         assert proc.poll() is None, f"otherfs exited with {proc.returncode}"
-        yield
+        yield proc
     finally:
         if mounted_fstype(str(path)) is not None:
             subprocess.run(["fusermount3", "-u", str(path)], check=False)

@@ -16,7 +16,7 @@ import trio
 
 from shardfs.catalog.catalog import Catalog
 from shardfs.daemon.announce import attach_lookahead
-from shardfs.read.cache import ShardCache
+from shardfs.cache.shardcache import ShardCache
 from shardfs.read.lookahead import Lookahead, LookaheadPolicy
 from shardfs.read.reader import Reader
 from shardfs.sources import ShardInfo, Source, Sources, SourceSettings, Unreachable

@@ -5,10 +5,12 @@ both ways, compared entry by entry (real mounts, real kernel requests)."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import io
 import os
 import stat
 import tarfile
+import termios
 from pathlib import Path
 
 import pytest
@@ -123,3 +125,26 @@ def test_metadata_in_c_is_served_by_every_worker(shards: list[str], mounter: Mou
     Path("/proc/sys/vm/drop_caches").write_text("2\n")
     assert _snapshot(m.mountpoint) == first
     assert (m.mountpoint / "a" / "b" / "c" / "deep.txt").read_bytes() == b"deep"
+
+
+@needs_shim
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_pythons_open_is_answered_in_c(shards: list[str], mounter: Mounter, workers: str):
+    """Python's open() asks isatty() (TCGETS) of each file it opens with default buffering:
+    one FUSE_IOCTL per open, which the kernel never stops sending. The shim answers it
+    (ENOTTY, as a local file does) without a trip through pyfuse3's loop, by the daemon alone
+    and by each worker (their counts reach the stats)."""
+    m = mounter.mount(shards, None, None, "--no-warm", "--workers", workers)
+    names = sorted(os.listdir(m.mountpoint / "big"))[:300]
+    before = m.stats()["ioctls"]
+    for name in names:
+        with open(m.mountpoint / "big" / name, "rb") as f:  # default buffering: isatty()
+            f.read()
+    fd = os.open(m.mountpoint / "a" / "run.sh", os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as exc:
+            fcntl.ioctl(fd, termios.TCGETS, bytes(64))
+        assert exc.value.errno == errno.ENOTTY
+    finally:
+        os.close(fd)
+    assert m.stats()["ioctls"] - before >= len(names) + 1

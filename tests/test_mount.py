@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from shardfs.devtools.pagecache import drop_pages
 from tests.conftest import Dataset, Mounter, brace, shard_names, stop_foreground
 
 
@@ -186,9 +187,7 @@ def test_small_cache_evicts_and_stays_within_budget(dataset, nginx, mounter: Mou
         for rel in order:
             assert (m.mountpoint / rel).read_bytes() == files[rel], rel
         for rel in order:  # the second pass must reach the daemon, not the page cache
-            fd = os.open(m.mountpoint / rel, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
+            drop_pages(m.mountpoint / rel)
     deadline = time.monotonic() + 30
     while m.stats()["shards_fetching"] and time.monotonic() < deadline:
         time.sleep(0.05)  # a read returns once its bytes are in; its fetch ends a bit later

@@ -18,10 +18,18 @@ from pathlib import Path
 
 import pytest
 
+from shardfs.daemon.workers import worker_address
 from shardfs.devtools.nginx import Nginx
+from shardfs.devtools.pagecache import drop_pages
 from tests.conftest import Mounter, needs_shim
 from tests.faultproxy import Fault, FaultProxy
-from tests.reliability import RandomDataset, make_dataset, pid_alive, read_all
+from tests.reliability import (
+    RandomDataset,
+    make_dataset,
+    pid_alive,
+    read_all,
+    wait_until,
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,27 +50,9 @@ def assert_all_right(ds: RandomDataset, mnt: Path, *, threads: int = 8) -> None:
     assert result.files == len(ds.sha)
 
 
-def wait_until(cond, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def logs(m) -> str:
     """What the daemon said: on the terminal until ready, then in its log file."""
     return m.stderr + m.log()
-
-
-def drop_pages(path: Path) -> None:
-    """Evict one file's pages from the page cache (FUSE files included)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 @needs_shim
@@ -156,7 +146,7 @@ def test_a_stranger_on_the_worker_socket_is_not_a_worker(nodedata, mounter: Moun
     goes."""
     m = mounter.mount(file_sources(nodedata), None, None, "--no-warm", "--workers", "2")
     before = m.stats()
-    address = "\0" + before["control_socket"].lstrip("@") + "/workers"
+    address = "\0" + worker_address(before["control_socket"], before["pid"])
     for _ in range(3):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.connect(address)

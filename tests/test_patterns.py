@@ -97,7 +97,7 @@ def test_huge_range_fails_fast() -> None:
     began = time.monotonic()
     with pytest.raises(PatternError, match="too large"):
         expand_braces("s{0..99999999999}")
-    assert time.monotonic() - began < 1
+    assert time.monotonic() - began < 5  # building them would take minutes
 
 
 def test_huge_product_of_groups_fails_before_building_it() -> None:
@@ -106,7 +106,7 @@ def test_huge_product_of_groups_fails_before_building_it() -> None:
     began = time.monotonic()
     with pytest.raises(PatternError, match="more than"):
         expand_braces("{0..9999}-{0..9999}")
-    assert time.monotonic() - began < 1
+    assert time.monotonic() - began < 5  # building them would take minutes
 
 
 def test_pattern_error_is_a_value_error() -> None:

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import trio
 
+from shardfs.cache.shardcache import ShardCache
 from shardfs.catalog.catalog import Catalog, open_catalog
 from shardfs.catalog.shardindex import KIND_FILE
-from shardfs.read.cache import ShardCache
+from shardfs.read.fetch import MIN_RATE_BYTES
 from shardfs.read.reader import Reader, ReadError, ReadPolicy
 from shardfs.sources import ShardInfo, Source, Sources, SourceSettings, Unreachable
 
@@ -578,3 +579,50 @@ def test_a_split_of_a_large_member_takes_the_block_the_read_is_in(tmp_path: Path
 
     run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources,
                policy=ReadPolicy(split_fetches=True, member_block=BLOCK))
+
+
+def test_a_running_fetch_knows_when_a_later_member_arrives(tmp_path: Path,
+                                                           shards: Shards) -> None:
+    """Once a whole-shard GET has brought MIN_RATE_BYTES, the fetch estimates when a later
+    member's bytes arrive (Fetch.eta, from the GET's measured rate): a read judges from it
+    whether to wait or read its member at once. (From session 9 to 13 the GETs' first byte
+    was never noted, so every estimate was None and every such read waited ~2 round trips
+    first.)"""
+    sources = _SlowSources(delay=0.01)  # ~400 KB/s
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        first, last = shards.order[1][2], shards.order[1][-2]
+        assert await read_member(reader, catalog, inodes[first]) == shards.contents[first]
+        fetch = reader.fetches[1]
+        with trio.fail_after(10):
+            while fetch.arrived < MIN_RATE_BYTES + 4096:
+                await trio.sleep(0.005)
+        ref = catalog.tree.file_ref(inodes[last])
+        assert not fetch.has(ref.offset, ref.offset + ref.size)
+        eta = fetch.eta(ref.offset, ref.offset + ref.size)
+        assert eta is not None and eta > 0, eta
+        assert await read_member(reader, catalog, inodes[last]) == shards.contents[last]
+        await wait_idle(reader)
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources,
+               policy=ReadPolicy(split_fetches=False))
+
+
+def test_a_shard_in_a_file_is_fetched_without_a_resume_record(tmp_path: Path,
+                                                              shards: Shards) -> None:
+    """A whole-shard fetch from file:// keeps no CRC record for a later daemon to continue
+    it from (docs/design.md: checking the kept bytes would read as much as fetching them
+    again); remote shards do (tests/test_resume_fetch.py)."""
+    sources = _SlowSources(delay=0.01)
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        first = shards.order[1][2]
+        assert await read_member(reader, catalog, inodes[first]) == shards.contents[first]
+        assert reader.fetches[1].part.record is None
+        await wait_idle(reader)
+        assert cache.has(catalog.keys[1])
+        assert not list(cache.parts_dir.glob("*.crc"))
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources)

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from shardfs.devtools.nginx import Nginx
+from shardfs.devtools.pagecache import drop_pages
 from tests.conftest import Mounter
 from tests.faultproxy import Fault, FaultProxy
 from tests.reliability import (
@@ -90,11 +91,7 @@ LONG_RANDOM = SoakPlan(files=8000, mean_kb=4, shard_kb=2048, budget_shards=10, e
 def read_uncached(path: Path) -> tuple[str, int]:
     """Read a file past the kernel's page cache (keep_cache would otherwise serve later
     epochs without asking the daemon): a dataset larger than RAM behaves like this."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_pages(path)
     return read_file(path)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from shardfs.cache.shardcache import ShardCache
 from shardfs.catalog.catalog import open_catalog
 from shardfs.catalog.shardindex import (
     INDEX_FORMAT,
@@ -34,7 +35,6 @@ from shardfs.catalog.sparse import (
 )
 from shardfs.catalog.tar import Member
 from shardfs.catalog.tree import Tree, build_tree
-from shardfs.read.cache import ShardCache
 from shardfs.read.reader import Reader
 from shardfs.read.sparse import read_sparse
 from shardfs.sources import Sources

@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import hashlib
 import json
 import multiprocessing
 import os
@@ -21,10 +23,18 @@ from pathlib import Path
 import pytest
 
 from shardfs.devtools.nginx import Nginx
+from shardfs.devtools.pagecache import drop_pages
 from tests.conftest import SHARDFS, Mounter, needs_shim
 from tests.faultproxy import FaultProxy
 from tests.fusefd import FuseMount, can_mount
-from tests.reliability import RandomDataset, ReadResult, make_dataset, pid_alive, read_all
+from tests.reliability import (
+    RandomDataset,
+    ReadResult,
+    make_dataset,
+    pid_alive,
+    read_all,
+    wait_until,
+)
 
 needs_root = pytest.mark.skipif(not can_mount(), reason="mount(2) of a FUSE fd needs root")
 
@@ -43,15 +53,6 @@ def report_gap(what: str, seconds: float) -> None:
     """Kill -> next answered read, printed at the end of the run (-s) for docs/reliability.md."""
     GAPS.append((what, seconds))
     print(f"takeover gap: {what}: {seconds:.3f} s")
-
-
-def wait_until(cond, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def assert_all_right(ds: RandomDataset, mnt: Path, threads: int = 8) -> None:
@@ -207,14 +208,6 @@ def read_in_processes(mnt: Path, sha: dict[str, str], processes: int = 8,
 
 def stats(mnt: Path) -> dict:
     return json.loads(os.getxattr(mnt, "user.shardfs.stats"))
-
-
-def drop_pages(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 class Readers:
@@ -380,6 +373,139 @@ def test_a_daemon_that_keeps_dying_is_given_up(data, mounter: Mounter, monkeypat
     assert not _processes_using(m.cache_dir)
 
 
+# -- reads during the gap: bounded by --deadline ----------------------------------------------
+def timed_read(path: Path) -> tuple[float, OSError | None, bytes]:
+    """Read a file; (seconds it took, the error or None, the bytes)."""
+    start = time.monotonic()
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        return time.monotonic() - start, exc, b""
+    return time.monotonic() - start, None, data
+
+
+def read_in_background(path: Path) -> tuple[threading.Thread, list]:
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(timed_read(path)), daemon=True)
+    thread.start()
+    return thread, out
+
+
+def stop_everything(m) -> None:
+    """Teardown for a mount whose holder may be stuck in a gap: the mount detached, then
+    every process of ours named by its cache dir killed by pid."""
+    if os.path.ismount(m.mountpoint):
+        subprocess.run(["fusermount3", "-u", "-z", str(m.mountpoint)], capture_output=True)
+    for pid in _processes_using(m.cache_dir):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@needs_shim
+def test_reads_in_a_gap_longer_than_the_deadline_fail_then_work_again(data, mounter: Mounter,
+                                                                      monkeypatch):
+    """The new daemon hangs 12 s before taking over (SHARDFS_TAKEOVER_DELAY_S); with
+    `--deadline 2` a reader blocked in the gap gets EIO once the gap passed the deadline (not
+    after the takeover, which would have answered it), a read after that fails at once, and
+    once the new daemon serves every file reads right again."""
+    monkeypatch.setenv("SHARDFS_TAKEOVER_DELAY_S", "12")
+    m = mounter.mount([data.pattern(f"file://{data.shard_dir}")], None, None, "--no-warm",
+                      "--workers", "1", "--deadline", "2")
+    try:
+        names = sorted(data.sha, key=lambda n: -data.sizes[n])  # not an empty one
+        for name in names[:3]:
+            (m.mountpoint / name).stat()  # looked up now: the reads below need only READ
+            drop_pages(m.mountpoint / name)
+        spare_ready(m)
+        old = stats(m.mountpoint)
+        os.kill(old["pid"], signal.SIGKILL)
+        killed = time.monotonic()
+        thread, out = read_in_background(m.mountpoint / names[0])
+        thread.join(60)
+        assert not thread.is_alive(), "a read in the gap hangs"
+        (elapsed, error, _), = out
+        assert isinstance(error, OSError) and error.errno == errno.EIO, (error, elapsed)
+        failed_after = time.monotonic() - killed
+        assert failed_after >= 2 * 0.9, failed_after  # not before the deadline
+        assert stats_pid_or_none(m.mountpoint) is None  # no daemon answered it: the holder
+        elapsed, error, _ = timed_read(m.mountpoint / names[1])
+        assert isinstance(error, OSError) and error.errno == errno.EIO
+        wait_until(lambda: stats_pid_or_none(m.mountpoint) not in (None, old["pid"]),
+                   "a new daemon", 120)
+        new = stats(m.mountpoint)
+        assert new["takeovers"] == 1 and new["holder_pid"] == old["holder_pid"]
+        _, error, body = timed_read(m.mountpoint / names[2])
+        assert error is None and hashlib.sha256(body).hexdigest() == data.sha[names[2]]
+        assert_all_right(data, m.mountpoint)
+        log = m.log()
+        assert "its --deadline is 2 s): failing its reads with EIO" in log
+        assert "requests failed with EIO while no daemon served" in log
+        print(f"reads during a 12 s gap, --deadline 2: EIO after {failed_after:.2f} s")
+    finally:
+        stop_everything(m)
+
+
+def stats_pid_or_none(mnt: Path) -> int | None:
+    """The serving daemon's pid, or None where the stats fail (no daemon: the holder's EIO)."""
+    try:
+        return stats(mnt)["pid"]
+    except OSError:
+        return None
+
+
+@needs_shim
+def test_a_takeover_that_never_comes_up_is_given_up_in_bounded_time(data, mounter: Mounter,
+                                                                    monkeypatch):
+    """Every new daemon hangs (SHARDFS_TAKEOVER_DELAY_S=1000): readers get EIO after
+    `--deadline 1`, and with the give-up rule at 2 deaths (the kill, then one takeover not
+    serving within the start timeout of max(30 s, deadline)) the holder detaches the mount
+    and ends instead of leaving readers waiting forever."""
+    monkeypatch.setenv("SHARDFS_TAKEOVER_DELAY_S", "1000")
+    monkeypatch.setenv("SHARDFS_HOLDER_GIVE_UP", "2/1")  # a 1 s window: only 'in a row' fires
+    m = mounter.mount([data.pattern(f"file://{data.shard_dir}")], None, None, "--no-warm",
+                      "--workers", "1", "--deadline", "1")
+    try:
+        name = max(data.sha, key=lambda n: data.sizes[n])
+        (m.mountpoint / name).stat()
+        drop_pages(m.mountpoint / name)
+        holder = holder_alive(m)
+        os.kill(stats(m.mountpoint)["pid"], signal.SIGKILL)
+        killed = time.monotonic()
+        _, error, _ = timed_read(m.mountpoint / name)
+        assert isinstance(error, OSError) and error.errno == errno.EIO, error
+        wait_until(lambda: not pid_alive(holder), "the holder to give up", 120)
+        given_up = time.monotonic() - killed
+        assert not os.path.ismount(m.mountpoint)
+        log = m.log()
+        assert "not serving within the start timeout of 30 s: killed" in log
+        assert "2 deaths in a row with no daemon serving in between (start timeout 30 s), " \
+            "giving up: detaching the mount" in log
+        wait_until(lambda: not _processes_using(m.cache_dir), "every process to end", 30)
+        print(f"a takeover that never comes up: given up after {given_up:.1f} s")
+    finally:
+        stop_everything(m)
+
+
+@needs_shim
+def test_stopping_the_holder_during_a_hung_takeover(data, mounter: Mounter, monkeypatch):
+    """SIGTERM to the holder while a new daemon hangs before taking over (past the deadline,
+    the holder failing reads): the holder kills it, unmounts and ends; nothing is left."""
+    monkeypatch.setenv("SHARDFS_TAKEOVER_DELAY_S", "1000")
+    m = mounter.mount([data.pattern(f"file://{data.shard_dir}")], None, None, "--no-warm",
+                      "--workers", "1", "--deadline", "1")
+    try:
+        holder = holder_alive(m)
+        os.kill(stats(m.mountpoint)["pid"], signal.SIGKILL)
+        wait_until(lambda: "failing its reads with EIO" in m.log(), "the deadline to pass", 60)
+        os.kill(holder, signal.SIGTERM)
+        wait_until(lambda: not pid_alive(holder), "the holder to end", 30)
+        assert not os.path.ismount(m.mountpoint)
+        assert "stop asked while no daemon serves: the holder ends" in m.log()
+        wait_until(lambda: not _processes_using(m.cache_dir), "every process to end", 30)
+    finally:
+        stop_everything(m)
+
+
 def _processes_using(cache_dir: Path) -> list[int]:
     """Pids whose command line names `cache_dir` (our daemons, spares and holder)."""
     found = []
@@ -525,17 +651,17 @@ def test_systemd_fd_store_keeps_the_mount(data, tmp_path: Path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     cmd = [*SHARDFS, "mount", data.pattern(f"file://{data.shard_dir}"), str(mnt),
-           "--cache-dir", str(tmp_path / "cache"), "--workers", "1", "--no-warm", "-f",
-           # a page push looks files up through the mount: killed mid-lookup, the daemon
-           # cannot finish dying until a new one answers, and systemd (like this stand-in)
-           # waits for it to die first (systemd/README.md)
-           "--push-pages", "off"]
+           "--cache-dir", str(tmp_path / "cache"), "--workers", "1", "--no-warm", "-f"]
     systemd = SystemdStandin(tmp_path, cmd)
     try:
         systemd.start()
         systemd.wait_ready()
         assert list(systemd.stored) == ["shardfs-fuse"]
         assert stats(mnt)["connection_kept_by"] == "systemd"
+        # Page push is off by itself here: killed mid-lookup through the mount, the daemon
+        # could not finish dying until a new one answered, and systemd (like this stand-in)
+        # starts the new one only once the old one is gone (systemd/README.md).
+        assert stats(mnt)["pages_pushed"] is None
         readers = Readers(mnt, data.sha, seed=7)
         time.sleep(0.3)
         assert systemd.proc is not None

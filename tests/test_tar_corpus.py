@@ -29,13 +29,13 @@ from pathlib import Path
 import pytest
 import trio
 
+from shardfs.cache.shardcache import ShardCache, shard_key
 from shardfs.catalog.catalog import Catalog, scan_local_file, stat_all
 from shardfs.catalog.codecs import CodecError, codec_for
 from shardfs.catalog.shardindex import KIND_DIR, KIND_FILE, KIND_LINK, ShardIndex
 from shardfs.catalog.sparse import SparseMap
 from shardfs.catalog.tar import TarError, _symlink_inside
 from shardfs.catalog.tree import ROOT, Tree, build_tree
-from shardfs.read.cache import ShardCache, shard_key
 from shardfs.read.reader import Reader
 from shardfs.read.sparse import read_sparse
 from shardfs.sources import Sources

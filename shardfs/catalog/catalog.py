@@ -25,6 +25,7 @@ from urllib.parse import unquote, urlsplit
 
 import trio
 
+from shardfs.cache.shardcache import DISK_FULL, PartFile, ShardCache, pwrite_all, shard_key
 from shardfs.catalog.archives import ArchiveError, index_archive, shard_format
 from shardfs.catalog.codecs import CodecError, Decompressor, codec_for, decompressor
 from shardfs.catalog.shardindex import (
@@ -36,7 +37,6 @@ from shardfs.catalog.shardindex import (
 )
 from shardfs.catalog.tar import TarError, TarScanner
 from shardfs.catalog.tree import TREE_FORMAT, Tree
-from shardfs.read.cache import DISK_FULL, PartFile, ShardCache, pwrite_all, shard_key
 from shardfs.sources import ShardInfo, Source, SourceError, Sources
 from shardfs.util.aioutil import first_error
 from shardfs.util.sizes import format_size
@@ -280,7 +280,9 @@ class _Indexer:
         if cache is not None and self.warm and (
                 compressed or cache.reserve(key, info.size, evict=False)):
             try:
-                part = cache.begin(key, 0 if compressed else info.size)
+                # No record: an indexing scan is not continued by a later start (it
+                # writes the whole shard from byte 0, over a part kept from one, too).
+                part = cache.begin(key, 0 if compressed else info.size, record=False)
             except OSError as exc:
                 self._warm_failed(info, key, None, exc)
         # Warming is optional: a full disk (issue #7) drops the warm copy, never the mount.

@@ -188,6 +188,7 @@ OPTIONS: dict[str, Option] = {o.key: o for o in (
     Option("hf_endpoint", _str, None, "a URL, e.g. https://huggingface.co"),
     Option("gs_endpoint", _str, None, "a URL, e.g. https://storage.googleapis.com"),
     Option("request_rate", _rate, None, "requests per second > 0"),
+    Option("http_client", _choice("auto", "httpx"), "auto", "auto or httpx"),
 )}
 
 # Generic mount(8)/fstab options that mean nothing to shardfs (it is always read-only).

@@ -12,6 +12,13 @@ import sys
 
 READY_PREFIX = "READY "
 STANDBY_LINE = "STANDBY\n"  # a holder's spare daemon, waiting to take over
+# The holder's "go" to its spare (issue 25, reads during the gap): take over, but before touching
+# the connection say TAKING_OVER_LINE on the ready pipe and wait for LET_GO_LINE on the standby
+# pipe: the holder may be answering the mount's requests with EIO meanwhile, and stops first.
+# A plain "go\n" (the CSI mounter's) takes over at once.
+GO_ASKING_LINE = b"go ask\n"
+TAKING_OVER_LINE = "TAKING-OVER\n"
+LET_GO_LINE = b"ok\n"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 CHILD_CLEANUP_S = 30.0  # the daemon unmounts and releases the cache in well under a second
 
@@ -53,11 +60,11 @@ def _fuse_fd(argv: list[str]) -> tuple[int, ...]:
     return ()
 
 
-def run_daemon(argv: list[str], holder: tuple[str, str] | None = None) -> int:
+def run_daemon(argv: list[str], holder: tuple[str, str, str] | None = None) -> int:
     """Start `shardfs mount ARGV -f` as a detached child; return once the mount is ready (0),
     failed (the child's status), or the user interrupted the wait (130). `holder`:
-    (mountpoint, log path): the child is a holder process (shardfs/holder/), which starts
-    the daemon and keeps its FUSE connection."""
+    (mountpoint, log path, deadline): the child is a holder process (shardfs/holder/), which
+    starts the daemon and keeps its FUSE connection."""
     read_fd, write_fd = os.pipe()
     cmd = [sys.executable, "-m", "shardfs", *argv, "--foreground", "--ready-fd", str(write_fd)]
     if holder is not None:

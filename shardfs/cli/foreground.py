@@ -31,7 +31,7 @@ def check_cache_budget(cache_dir: Path, budget: int) -> None:
 
 # What ShardCache.open() creates in an empty cache dir; a cache dir holding nothing else
 # (no shard, index or tree) has no value and is removed when the mount that made it fails.
-_LAYOUT_DIRS = ("shards", "index", "trees")
+_LAYOUT_DIRS = ("shards", "index", "trees", "parts")
 _LAYOUT_FILES = ("lock", "shardfs.log")
 
 

@@ -58,7 +58,8 @@ _FLAG_KEYS = ("cache_dir", "cache_size", "timeout", "deadline", "max_fetches",
               "workers",
               "log_level", "log_file", "metrics_listen", "uid", "gid",
               "s3_endpoint", "s3_region", "s3_profile", "s3_addressing", "ais_endpoint",
-              "hf_endpoint", "gs_endpoint", "request_rate", "lookahead_buffer", "lookahead_fill")
+              "hf_endpoint", "gs_endpoint", "request_rate", "http_client", "lookahead_buffer",
+              "lookahead_fill")
 
 
 def add_mount_arguments(p: argparse.ArgumentParser) -> None:
@@ -132,6 +133,9 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rate", metavar="N",
                    help="at most N requests/s to the sources (default: unlimited until a "
                    "store throttles, then adaptive)")
+    p.add_argument("--http-client", choices=("auto", "httpx"),
+                   help="plain http:// GETs over shardfs's own HTTP/1.1 connections, the rest "
+                   "through httpx (auto, default), or everything through httpx (httpx)")
     p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     add_takeover_arguments(p)
 
@@ -172,8 +176,10 @@ def check_fuse_fd(args: argparse.Namespace) -> None:
     os.set_inheritable(args.fuse_fd, False)
 
 
-def holder_plan(args: argparse.Namespace) -> tuple[str, str] | None:
-    """(mountpoint, log path) for a holder process to keep the mount's connection, or None:
+def holder_plan(args: argparse.Namespace) -> tuple[str, str, str] | None:
+    """(mountpoint, log path, deadline in seconds) for a holder process to keep the mount's
+    connection (and to fail reads with EIO once a gap without a daemon outlasts the mount's
+    --deadline), or None:
     --no-holder, --fuse-fd (whoever passed it keeps it), or settings the daemon will reject
     with its own message."""
     if args.no_holder or args.fuse_fd is not None:
@@ -188,7 +194,7 @@ def holder_plan(args: argparse.Namespace) -> tuple[str, str] | None:
     cache_dir = Path(settings["cache_dir"]) if settings["cache_dir"] \
         else default_cache_dir(mountpoint)
     log_path = settings["log_file"] or str(cache_dir.resolve() / "shardfs.log")
-    return mountpoint, os.path.abspath(log_path)
+    return mountpoint, os.path.abspath(log_path), repr(settings["deadline"])
 
 
 def adopt_systemd_descriptor(args: argparse.Namespace) -> None:
@@ -205,28 +211,60 @@ def adopt_systemd_descriptor(args: argparse.Namespace) -> None:
 
 def wait_as_standby(args: argparse.Namespace) -> bool:
     """The holder's spare daemon: everything is imported; wait until the holder says "go"
-    (the daemon died, or a restart). False: the holder let us go instead."""
-    from shardfs.cli.daemonize import STANDBY_LINE
+    (the daemon died, or a restart). False: the holder let us go instead. "go ask" keeps the
+    standby pipe open for `ask_holder_to_let_go`."""
+    from shardfs.cli.daemonize import GO_ASKING_LINE, STANDBY_LINE
 
+    args.ask_before_takeover = False
     if args.standby_fd is None:
         return True
     if args.ready_fd is not None:
         os.write(args.ready_fd, STANDBY_LINE.encode())
-    word = b""
-    while len(word) < 3:
-        chunk = os.read(args.standby_fd, 3 - len(word))
-        if not chunk:
-            return False
-        word += chunk
+    word = _read_line(args.standby_fd)
+    if word == GO_ASKING_LINE:
+        args.ask_before_takeover = True
+        return True
     os.close(args.standby_fd)
     return word == b"go\n"
+
+
+def _read_line(fd: int, limit: int = 64) -> bytes:
+    """Bytes up to and including a newline (b"" at end of file), one at a time: nothing past
+    the line is taken off the pipe."""
+    line = b""
+    while not line.endswith(b"\n") and len(line) < limit:
+        chunk = os.read(fd, 1)
+        if not chunk:
+            return b""
+        line += chunk
+    return line
+
+
+def ask_holder_to_let_go(args: argparse.Namespace) -> None:
+    """Just before a spare touches the connection: the holder stops answering requests with
+    EIO (once the gap outlasted --deadline it does) and says so; from then on only this daemon
+    reads the connection. A holder that is gone has nothing to stop."""
+    from shardfs.cli.daemonize import LET_GO_LINE, TAKING_OVER_LINE
+
+    if not getattr(args, "ask_before_takeover", False):
+        return
+    args.ask_before_takeover = False
+    try:
+        os.write(args.ready_fd, TAKING_OVER_LINE.encode())
+        answer = _read_line(args.standby_fd)
+    except OSError:
+        answer = b""
+    finally:
+        os.close(args.standby_fd)
+    if answer != LET_GO_LINE:
+        log.warning("the holder did not answer before the takeover (%r): going on", answer)
 
 
 def open_cache_for_takeover(cache) -> None:
     """The daemon being replaced may still hold the cache dir for a moment: wait for it."""
     import time
 
-    from shardfs.read.cache import CacheError
+    from shardfs.cache.shardcache import CacheError
 
     deadline = time.monotonic() + TAKEOVER_LOCK_WAIT_S
     while True:
@@ -347,7 +385,7 @@ def _mount_config(s: dict):
             s3_region=s["s3_region"], s3_profile=s["s3_profile"],
             s3_addressing=s["s3_addressing"], ais_endpoint=s["ais_endpoint"],
             hf_endpoint=s["hf_endpoint"], gs_endpoint=s["gs_endpoint"],
-            request_rate=s["request_rate"],
+            request_rate=s["request_rate"], http_client=s["http_client"],
             s3_credentials=resolve_credentials(s["credentials"]) or None),
         policy=ReadPolicy(max_fetches=s["max_fetches"],
                           max_member_fetches=s["max_member_fetches"], prefetch=s["prefetch"],
@@ -366,6 +404,7 @@ def _mount_config(s: dict):
 
 def run_mount_foreground(args: argparse.Namespace) -> int:
 
+    from shardfs.cache.shardcache import CacheError, ShardCache
     from shardfs.catalog.catalog import CatalogError
     from shardfs.cli.config import ConfigError
     from shardfs.cli.foreground import check_cache_budget, remove_if_unused
@@ -375,7 +414,6 @@ def run_mount_foreground(args: argparse.Namespace) -> int:
     from shardfs.daemon.mountpoint import MountpointError, prepare_mountpoint
     from shardfs.daemon.notify import sd_notify
     from shardfs.daemon.sessionrecord import RecordError
-    from shardfs.read.cache import CacheError, ShardCache
     from shardfs.sources import SourceError
     from shardfs.util.aioutil import first_error
     from shardfs.util.progress import end_lines
@@ -397,6 +435,7 @@ def run_mount_foreground(args: argparse.Namespace) -> int:
         adopt_systemd_descriptor(args)
         check_fuse_fd(args)
         cfg.fuse_fd, cfg.takeover = args.fuse_fd, args.takeover
+        cfg.before_takeover = lambda: ask_holder_to_let_go(args)
         if cfg.fuse_fd is None:  # else the descriptor's maker mounted it there
             cfg.mountpoint = prepare_mountpoint(cfg.mountpoint, nonempty=settings["nonempty"])
         if not cfg.cache_dir.exists():

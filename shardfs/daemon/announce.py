@@ -41,7 +41,7 @@ import trio
 
 from shardfs.catalog.shardindex import KIND_FILE
 from shardfs.catalog.tree import Tree
-from shardfs.daemon.control import control_address, peer_credentials
+from shardfs.daemon.control import bind_when_free, control_address, peer_credentials
 from shardfs.read.lookahead import Lookahead, LookaheadPolicy, Stream
 from shardfs.read.reader import Reader
 from shardfs.sources import SourceError
@@ -111,11 +111,14 @@ def resolver(tree: Tree) -> Callable[[str], tuple[int, int, int] | None]:
 
 async def serve_announcements(address: str, lookahead: Lookahead, tree: Tree, *,
                               allow_other: bool, shards_ahead: ShardsAhead,
+                              patient_s: float = 0.0,
                               task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                               ) -> None:
     """Run the Lookahead and answer announcing connections until cancelled."""
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    await sock.bind("\0" + address[1:])
+    if not await bind_when_free(sock, address, patient_s):
+        sock.close()
+        return
     sock.listen(64)
     listener = trio.SocketListener(sock)
     resolve = resolver(tree)

@@ -11,6 +11,7 @@ inside the mounted tree.
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import logging
@@ -64,11 +65,39 @@ def uid_allowed(uid: int) -> bool:
     return uid in (0, os.getuid())
 
 
-async def serve_control(address: str, handler: Handler, *,
+async def bind_when_free(sock: trio.socket.SocketType, address: str, patient_s: float) -> bool:
+    """Bind `sock` to a socket address of ours; if another process has it, try again for up to
+    `patient_s` seconds. A takeover waits so: a killed daemon that lingers (a thread of it
+    waits on the mount, docs/design.md "A daemon that cannot finish dying") holds its sockets
+    until this daemon answers that request, so the new daemon serves first and binds when the
+    old one lets go. False if it never did (logged)."""
+    waited = 0.0
+    while True:
+        try:
+            await sock.bind(_sockaddr(address))
+            if waited:
+                log.info("socket %s bound after %.1f s", address, waited)
+            return True
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or waited >= patient_s:
+                if not patient_s:
+                    raise
+                log.error("cannot bind %s (%s): serving without it", address, exc.strerror)
+                return False
+            if not waited:
+                log.warning("socket %s is still held by the previous daemon: binding it once "
+                            "that one is gone", address)
+        await trio.sleep(0.05)
+        waited += 0.05
+
+
+async def serve_control(address: str, handler: Handler, *, patient_s: float = 0.0,
                         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Answer requests on the control socket until cancelled."""
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    await sock.bind(_sockaddr(address))
+    if not await bind_when_free(sock, address, patient_s):
+        sock.close()
+        return
     sock.listen(16)
     listener = trio.SocketListener(sock)
     try:
@@ -176,6 +205,10 @@ def format_stats(s: dict[str, Any]) -> str:
         holder = f" (pid {s['holder_pid']})" if s.get("holder_pid") else ""
         lines.append(f"takeovers       {s.get('takeovers', 0)}; connection kept by "
                      f"{s['connection_kept_by']}{holder}")
+    if r.get("resumed_fetches"):  # downloads an earlier daemon left, continued
+        lines.append(f"continued       {r['resumed_fetches']} download(s) an earlier daemon "
+                     f"left: {_fmt_bytes(r['resumed_bytes'])} kept, "
+                     f"{_fmt_bytes(r['resume_rejected_bytes'])} failed their check")
     if "reads_in_flight" in s:  # what `shardfs top` follows live
         cpu = s.get("cpu_s") or {}
         lines.append(f"now             {s['reads_in_flight']} reads waiting (oldest "

@@ -19,6 +19,7 @@ from typing import Any
 
 import trio
 
+from shardfs.cache.shardcache import ShardCache
 from shardfs.catalog.catalog import Catalog, open_catalog
 from shardfs.catalog.resolve import resolve_sources
 from shardfs.daemon.announce import announce_address, attach_lookahead, serve_announcements
@@ -46,7 +47,6 @@ from shardfs.fuse.worker import (
     resend_unanswered,
     run_worker,
 )
-from shardfs.read.cache import ShardCache
 from shardfs.read.lookahead import Lookahead, LookaheadPolicy
 from shardfs.read.reader import Reader, ReadPolicy
 from shardfs.read.states import ShardStates
@@ -86,6 +86,8 @@ class MountConfig:
     # An open /dev/fuse descriptor another process mounted (--fuse-fd); None: mount here.
     fuse_fd: int | None = None
     takeover: bool = False  # the connection's INIT was answered by an earlier daemon
+    # Called just before a takeover first touches the connection (the holder's handshake).
+    before_takeover: Callable[[], None] | None = None
 
     @property
     def log_path(self) -> str:
@@ -221,6 +223,9 @@ class Mounted:
             # OPEN requests: with the shim in effect only the first one (answered ENOSYS)
             "opens": (self.ops.opens if self.ops is not None else 0)
             + (self.workers.opens if self.workers is not None else 0),
+            # IOCTL requests answered in C (Python's open() asks isatty() of each file)
+            "ioctls": shim.ioctls_answered()
+            + (self.workers.ioctls if self.workers is not None else 0),
             "uptime_s": round(time.monotonic() - self.started, 3),
             # daemons that took this mount over from a dead or replaced one (--takeover)
             "takeovers": session.takeovers,
@@ -384,6 +389,9 @@ def run(cfg: MountConfig, cache: ShardCache, on_ready: Callable[[str], None]) ->
     session = SessionState(keeper=keeper())  # who will keep it (stats may be asked at once)
     if record is not None:
         assert cfg.fuse_fd is not None
+        _test_takeover_delay()
+        if cfg.before_takeover is not None:
+            cfg.before_takeover()
         ops.no_open = _take_over(ops, cfg, record)
         session.takeovers = record.takeovers + 1
         session.mounted_at = record.mounted_at
@@ -403,7 +411,7 @@ def run(cfg: MountConfig, cache: ShardCache, on_ready: Callable[[str], None]) ->
                     fuse_session.answer_init()
                 setup = WorkerSetup(ops, states, cache.shards_dir, catalog.keys,
                                     sum(catalog.data_sizes or [s.size for s in catalog.shards]),
-                                    worker_address(cfg.control_socket), cfg.max_tasks)
+                                    worker_address(cfg.control_socket, os.getpid()), cfg.max_tasks)
                 zygote = Zygote(lambda clone: run_worker(setup, clone),
                                 keep_fds=(shim.session_fd(),),
                                 log_path=cfg.log_path if cfg.detached else None)
@@ -427,6 +435,18 @@ def run(cfg: MountConfig, cache: ShardCache, on_ready: Callable[[str], None]) ->
             log.info("left %s mounted for the next daemon", cfg.mountpoint)
         else:
             log.info("unmounted %s", cfg.mountpoint)
+
+
+def _push_would_block_a_restart() -> bool:
+    """Under systemd's fd store, page push is off: the pusher looks files up through the mount,
+    and a daemon killed while such a lookup waits cannot finish dying until a new daemon
+    answers it, while systemd starts the new one only once the old one is gone (a hang). The
+    holder of a plain mount starts the new daemon at once, so it has no such wait."""
+    if keeper() != "systemd":
+        return False
+    log.info("page push is off: the connection is kept by systemd's fd store, and a daemon "
+             "killed mid-push could not be replaced (systemd/README.md)")
+    return True
 
 
 def _mount_visible(cfg: MountConfig) -> bool:
@@ -454,6 +474,21 @@ def _unmount_taken_over(mountpoint: str) -> None:
         result = unmount(mountpoint, lazy=True)
         if result.returncode != 0:
             log.warning("cannot unmount %s: %s", mountpoint, result.stderr.strip())
+
+
+# How long a takeover tries to bind the sockets a lingering previous daemon still holds.
+TAKEOVER_SOCKET_WAIT_S = 120.0
+TAKEOVER_DELAY_ENV = "SHARDFS_TAKEOVER_DELAY_S"  # tests: a takeover that hangs this long
+
+
+def _test_takeover_delay() -> None:
+    """Tests only: a takeover that hangs before it touches the connection, as one stuck on a
+    slow disk would (tests/test_gap.py)."""
+    with contextlib.suppress(ValueError):
+        delay = float(os.environ.get(TAKEOVER_DELAY_ENV, "0"))
+        if delay > 0:
+            log.warning("%s=%g: waiting before the takeover", TAKEOVER_DELAY_ENV, delay)
+            time.sleep(delay)
 
 
 def _take_over(ops: ShardFS, cfg: MountConfig, record: SessionRecord) -> bool:
@@ -513,7 +548,7 @@ async def _serve(cfg: MountConfig, cache: ShardCache, catalog: Catalog, ops: Sha
                           shim=ops.no_open)
         mounted.lookahead = attach_lookahead(reader, cfg.lookahead)
         if cfg.push_pages and worth_pushing(ops.no_open, reader.dataset_bytes, cache.budget) \
-                and _mount_visible(cfg):
+                and _mount_visible(cfg) and not _push_would_block_a_restart():
             mounted.pusher = PagePusher(catalog.tree, cache, catalog.keys, cfg.mountpoint)
             reader.on_complete = mounted.pusher.shard_complete
         if zygote is None:
@@ -581,11 +616,19 @@ async def _serve_mounted(mounted: Mounted, zygote: Zygote | None,
             await nursery.start(mounted.reader.run)
             if mounted.pusher is not None:
                 await nursery.start(mounted.pusher.run)
-            await nursery.start(serve_control, cfg.control_socket, mounted.handle)
+            async def start_server(serve: Callable[..., Awaitable[None]], *args: Any) -> None:
+                # A takeover serves first and binds its sockets once the previous daemon has let
+                # go of them (bind_when_free); a first mount has them before it says READY.
+                if cfg.takeover:
+                    nursery.start_soon(partial(serve, patient_s=TAKEOVER_SOCKET_WAIT_S), *args)
+                else:
+                    await nursery.start(serve, *args)
+
+            await start_server(serve_control, cfg.control_socket, mounted.handle)
             if mounted.lookahead is not None:
-                await nursery.start(partial(serve_announcements, allow_other=cfg.allow_other,
-                                            shards_ahead=mounted.reader),
-                                    cfg.lookahead_socket, mounted.lookahead, catalog.tree)
+                await start_server(partial(serve_announcements, allow_other=cfg.allow_other,
+                                           shards_ahead=mounted.reader),
+                                   cfg.lookahead_socket, mounted.lookahead, catalog.tree)
             if zygote is None:
                 async def fuse_main() -> None:
                     await fuse_session.serve(cfg.max_tasks)
@@ -598,8 +641,8 @@ async def _serve_mounted(mounted: Mounted, zygote: Zygote | None,
                     nursery.start_soon(mounted.keep_fast_reads)
             else:
                 pool = WorkerPool(zygote, cfg.workers, mounted.reader,
-                                  worker_address(cfg.control_socket), mounted.snapshot_json,
-                                  lambda: _still_mounted(cfg))
+                                  worker_address(cfg.control_socket, os.getpid()),
+                                  mounted.snapshot_json, lambda: _still_mounted(cfg))
                 mounted.workers = pool
 
                 async def workers_main(*, task_status: trio.TaskStatus[None]
@@ -640,6 +683,7 @@ async def _serve_mounted(mounted: Mounted, zygote: Zygote | None,
                                     "a new daemon: ignored (SIGTERM unmounts)")
                         continue
                     mounted.session.leave_mounted = True
+                    mounted.reader.keep_partial = True  # the next daemon continues them
                     log.info("received SIGUSR1: exiting, leaving the mount to the next daemon")
                     break
                 log.info("received %s: unmounting", signal.Signals(signum).name)

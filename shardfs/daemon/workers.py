@@ -52,9 +52,11 @@ def _parent_of(pid: int) -> int | None:
     return int(stat.rsplit(b")", 1)[1].split()[1])  # the name may hold spaces and ')'
 
 
-def worker_address(control_address: str) -> str:
-    """The workers' socket, beside the control socket (printable form without the '@')."""
-    return control_address.lstrip("@") + "/workers"
+def worker_address(control_address: str, daemon_pid: int) -> str:
+    """The workers' socket, beside the control socket (printable form without the '@'). One
+    per daemon process: a killed daemon that lingers (docs/design.md, "A daemon that cannot
+    finish dying") holds its own until the next daemon's workers answer what it waits on."""
+    return control_address.lstrip("@") + f"/workers.{daemon_pid}"
 
 
 class Zygote:
@@ -257,6 +259,7 @@ class WorkerPool:
         self._flushed: dict[int, trio.Event] = {}  # pid -> set when its notes are in
         self.restarts = 0
         self.opens = 0  # OPEN requests the workers answered
+        self.ioctls = 0  # IOCTL requests their shims answered
         self._all_serving = trio.Event()
         self._sharing: set[Channel] = set()  # workers that map the lookahead arena
         self._unmounted = trio.Event()
@@ -378,9 +381,10 @@ class WorkerPool:
 
     def _note_reads(self, pid: int | None, shards: list[int], nbytes: int, cache_hits: int,
                     frontier_hits: int, inline: int, threaded: int, in_c: int,
-                    opens: int) -> None:
+                    opens: int, ioctls: int) -> None:
         self.reader.note_reads(("worker", pid), shards, nbytes, cache_hits, frontier_hits)
         self.opens += opens
+        self.ioctls += ioctls
         self.reader.disk.inline += inline
         self.reader.disk.threaded += threaded
         self.reader.disk.in_c += in_c

@@ -76,6 +76,35 @@ int shardfs_shim_metadata_installed(void)
     return meta_installed;
 }
 
+/*
+ * FUSE_IOCTL. Python's open() with default buffering asks isatty() (TCGETS) of every file
+ * it opens, so each open through the mount in a training loader (torchvision's pil_loader,
+ * open(path, "rb")) sends one FUSE_IOCTL, and the kernel never stops sending them (fs/fuse/
+ * ioctl.c keeps no "not implemented" flag, unlike OPEN or FLUSH). pyfuse3 has no ioctl
+ * handler: libfuse answered ENOSYS (which the kernel turns into ENOTTY), but only after the
+ * request had gone back to pyfuse3's loop, ~40-100 us of Python per file. Answered here, in
+ * drain_in_c, with ENOTTY, as a file on a local disk answers. Only when the session has no
+ * ioctl handler of its own (ioctl_here).
+ */
+static int ioctl_here;
+static uint64_t ioctls_answered;
+
+static void meta_ioctl(fuse_req_t req, fuse_ino_t ino, int cmd, void *arg,
+                       struct fuse_file_info *fi, unsigned flags, const void *in_buf,
+                       size_t in_bufsz, size_t out_bufsz)
+{
+    (void)ino, (void)cmd, (void)arg, (void)fi, (void)flags, (void)in_buf, (void)in_bufsz,
+        (void)out_bufsz;
+    __atomic_add_fetch(&ioctls_answered, 1, __ATOMIC_RELAXED);
+    reply_err(req, ENOTTY);
+}
+
+/* FUSE_IOCTL requests this process answered (Python: shim.ioctls_answered()). */
+uint64_t shardfs_shim_ioctls(void)
+{
+    return __atomic_load_n(&ioctls_answered, __ATOMIC_RELAXED);
+}
+
 static int meta_valid(fuse_ino_t ino)
 {
     return ino >= 1 && ino <= meta.entries;
@@ -328,6 +357,10 @@ static void meta_install(struct fuse_lowlevel_ops *ops, size_t op_size)
     ops->releasedir = meta_releasedir;
     ops->forget = meta_forget;
     ops->forget_multi = meta_forget_multi;
+    if (ops->ioctl == NULL) {
+        ops->ioctl = meta_ioctl;
+        ioctl_here = 1;
+    }
     meta_installed = 1;
 }
 
@@ -485,6 +518,10 @@ static int drain_in_c(struct fuse_session *se, struct fuse_buf *buf, int len,
     case FUSE_RELEASEDIR:
     case FUSE_FORGET:
     case FUSE_BATCH_FORGET:
+        break;
+    case FUSE_IOCTL:
+        if (!ioctl_here)
+            return 0;
         break;
     case FUSE_READ: {
         if ((size_t)len < sizeof(*in) + sizeof(struct fuse_read_in))

@@ -41,9 +41,9 @@ from pathlib import Path
 import pyfuse3  # after the shim: shardfs.fuse's __init__ loads it first
 import trio
 
+from shardfs.cache.shardcache import ShardCache
 from shardfs.catalog.tree import Tree
 from shardfs.fuse import shim
-from shardfs.read.cache import ShardCache
 
 log = logging.getLogger(__name__)
 

@@ -40,6 +40,8 @@ def _load() -> None:
         _lib = ctypes.PyDLL(spec.origin, mode=os.RTLD_NOW | os.RTLD_GLOBAL)
     except OSError as exc:
         load_error = str(exc)
+        return
+    _lib.shardfs_shim_ioctls.restype = ctypes.c_uint64
 
 
 def active() -> bool:
@@ -271,6 +273,12 @@ def push(fd: int, entries: array, first: int, count: int, parent: array, mountpo
 def metadata_in_c() -> bool:
     """True once the mounted session answers metadata requests in the shim."""
     return _lib is not None and _lib.shardfs_shim_metadata_installed() == 1
+
+
+def ioctls_answered() -> int:
+    """FUSE_IOCTL requests the shim answered in this process (ENOTTY, as a local file does;
+    see _shim_meta.c: Python's open() sends one per file). 0 without the shim."""
+    return 0 if _lib is None else int(_lib.shardfs_shim_ioctls())
 
 
 def process_one() -> int:

@@ -104,6 +104,7 @@ async def _serve(setup: WorkerSetup) -> None:
     ops.reader = reader
     ops.fast = reader.fast = FastReads(setup.states, setup.shards_dir, setup.keys)
     reader.opens = lambda: ops.opens
+    reader.ioctls = shim.ioctls_answered
 
     async def stats_json() -> bytes:
         return (await caller.call("stats"))[1]

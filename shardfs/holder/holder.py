@@ -13,10 +13,17 @@ the mount over; then it starts the next spare. `shardfs restart` (SIGUSR1 to the
 starts a fresh spare with the code installed now, and once it stands by, has the daemon exit
 without unmounting (SIGUSR1) and the spare take over.
 
+While no daemon serves (from a death until the next daemon says READY) readers' requests wait
+in the kernel; once that gap has lasted the mount's --deadline, the holder answers them with
+EIO (gap.py) until the next daemon is about to touch the connection: the spare asks first
+(TAKING-OVER on its ready pipe) and the holder stops reading before it answers "ok".
+
 The daemon stopping by itself (status 0: SIGTERM, `shardfs umount`, `fusermount3 -u`) ends
 the holder, which unmounts if the mount is still there. SIGTERM/SIGINT/SIGHUP to the holder
 stop the daemon the same way. A daemon that keeps dying is not restarted forever: after
-MAX_DEATHS deaths within DEATH_WINDOW_S the holder detaches the mount and exits.
+MAX_DEATHS deaths within DEATH_WINDOW_S, or MAX_DEATHS in a row with no daemon serving in
+between (a takeover that never comes up: each try is a death after the start timeout), the
+holder detaches the mount and exits.
 """
 
 from __future__ import annotations
@@ -32,11 +39,19 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
+from enum import Enum
 
-from shardfs.cli.daemonize import READY_PREFIX, STANDBY_LINE
+from shardfs.cli.daemonize import (
+    GO_ASKING_LINE,
+    LET_GO_LINE,
+    READY_PREFIX,
+    STANDBY_LINE,
+    TAKING_OVER_LINE,
+)
 from shardfs.daemon.mountpoint import is_mounted, unmount
 from shardfs.holder.endings import cgroup_oom_kills, describe
+from shardfs.holder.gap import ConnectionEnded, Gap
+from shardfs.util.proc import leader_exited
 
 log = logging.getLogger("shardfs.holder")
 
@@ -44,7 +59,11 @@ HOLDER_FD_ENV = "SHARDFS_HOLDER_FD"  # shardfs/daemon/handover.py reads these
 HOLDER_PID_ENV = "SHARDFS_HOLDER_PID"
 # Give up after this many daemon deaths within this many seconds (SHARDFS_HOLDER_GIVE_UP="N/S").
 MAX_DEATHS, DEATH_WINDOW_S = 5, 60.0
-START_TIMEOUT_S = 120.0  # a takeover that is not serving by then counts as a death
+# A takeover not serving within max(this, --deadline) counts as a death (then MAX_DEATHS in a
+# row give up). Takeovers measure 0.03-0.3 s with a spare, 1-4 s starting Python on loaded
+# cores, plus up to 10 s waiting for the old daemon's cache lock: 30 s is 3x the worst of it.
+START_TIMEOUT_FLOOR_S = 30.0
+DEFAULT_DEADLINE_S = 60.0  # the mount's --deadline default (shardfs/cli/config.py)
 STOP_TIMEOUT_S = 60.0
 # The spare starts this long after a daemon is ready, not at once: it would compete for the
 # CPU with the daemon's own start, and mounts that end within seconds (tests, scripts) never
@@ -61,6 +80,8 @@ class Child:
     standby_w: int = -1  # spares only: "go\n" starts the takeover
     lines: bytes = b""
     standing_by: bool = False
+    taking_over: bool = False  # asked to touch the connection (after "go ask")
+    let_go: bool = False  # ... and was told "ok": from then on only it reads the connection
     ready: bool = False
     summary: str = ""
     started: float = field(default_factory=time.monotonic)
@@ -79,6 +100,8 @@ class Child:
             text = line.decode(errors="replace")
             if text + "\n" == STANDBY_LINE:
                 self.standing_by = True
+            elif text + "\n" == TAKING_OVER_LINE:
+                self.taking_over = True
             elif text.startswith(READY_PREFIX):
                 self.ready, self.summary = True, text[len(READY_PREFIX):]
         return True
@@ -91,8 +114,20 @@ class Child:
         self.ready_r = self.standby_w = -1
 
 
+class Outcome(Enum):
+    """How a wait for a new daemon ended."""
+
+    SERVING = "serving"
+    GIVE_UP = "give up"
+    STOP = "stop"  # SIGTERM/SIGINT/SIGHUP to the holder meanwhile
+    GONE = "gone"  # the mount was unmounted meanwhile
+    EXITED = "exited"  # the new daemon ended before serving (tried again)
+    TIMED_OUT = "timed out"  # ... or did not serve within the start timeout (tried again)
+
+
 class Holder:
-    def __init__(self, argv: list[str], mountpoint: str, log_path: str, ready_fd: int) -> None:
+    def __init__(self, argv: list[str], mountpoint: str, log_path: str, ready_fd: int,
+                 deadline_s: float = DEFAULT_DEADLINE_S) -> None:
         self.argv = argv  # `mount SOURCE... MOUNTPOINT [options]`, as the user gave it
         self.mountpoint = mountpoint
         self.log_path = log_path
@@ -101,6 +136,9 @@ class Holder:
         self.daemon: Child | None = None
         self.spare: Child | None = None
         self.deaths: deque[float] = deque()
+        self.deaths_in_a_row = 0  # since a daemon last said READY
+        self.deadline_s = deadline_s  # the mount's --deadline: how long a read may wait
+        self.start_timeout_s = max(START_TIMEOUT_FLOOR_S, deadline_s)
         self.takeovers = 0
         self.spare_due = 0.0  # when to start the next spare (monotonic)
         self.restart_asked = False  # SIGUSR1 (shardfs restart), not acted on yet
@@ -210,14 +248,16 @@ class Holder:
                     return self._stop()
                 self._restart()
                 continue
+            gap_started = time.monotonic()  # no daemon serves from here on
             daemon = self.daemon
             daemon.close()
             if self.handing_over:  # shardfs restart: the spare stands by
                 self.handing_over = False
                 log.info("daemon %d %s for the restart", daemon.proc.pid,
                          describe(status, oom_kills_before=None))
-                if not self._go():
-                    return self._finish(1, give_up=True)
+                outcome = self._go(gap_started)
+                if outcome is not Outcome.SERVING:
+                    return self._end(outcome)
                 continue
             if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
                 log.info("daemon %d stopped; the holder ends too", daemon.proc.pid)
@@ -226,8 +266,18 @@ class Holder:
                 log.info("daemon %d %s and the mount is gone; the holder ends",
                          daemon.proc.pid, describe(status, oom_kills_before=oom_before))
                 return self._finish(0)
-            if not self._take_over(daemon, status, oom_before):
-                return self._finish(1, give_up=True)
+            outcome = self._take_over(daemon, status, oom_before, gap_started)
+            if outcome is not Outcome.SERVING:
+                return self._end(outcome)
+
+    def _end(self, outcome: Outcome) -> int:
+        if outcome is Outcome.STOP:
+            log.info("stop asked while no daemon serves: the holder ends")
+            return self._finish(0)
+        if outcome is Outcome.GONE:
+            log.info("the mount %s is gone; the holder ends", self.mountpoint)
+            return self._finish(0)
+        return self._finish(1, give_up=True)
 
     def _wait_daemon(self) -> int | None:
         """Wait until the daemon ends (its wait status) or a signal asks for something."""
@@ -249,11 +299,12 @@ class Holder:
                     _, status = os.waitpid(self.daemon.proc.pid, 0)
                     self.daemon.proc.returncode = status
                     return status
-                if _leader_dead(self.daemon.proc.pid):
-                    # Its main thread is gone but another is stuck in a FUSE request on this
-                    # very mount (its own page pusher, say), which only the next daemon can
-                    # answer: the process cannot finish dying before a takeover. Take over now
-                    # (reaped later).
+                if leader_exited(self.daemon.proc.pid):
+                    # Its main thread is gone but another is stuck on this very mount (its own
+                    # page pusher's lookup, or behind a reader's request on the same
+                    # directory), which only the next daemon can answer: the process cannot
+                    # finish dying before a takeover. Take over now (the new daemon takes the
+                    # cache dir's lock over; the process is reaped later).
                     log.warning("daemon %d died with a thread waiting on the mount itself",
                                 self.daemon.proc.pid)
                     return signal.SIGKILL
@@ -273,50 +324,120 @@ class Holder:
             self.spare.close()
             self.spare = self._start_spare()
 
-    def _take_over(self, dead: Child, status: int, oom_before: int | None) -> bool:
-        """The daemon died with the mount in place: count it, and have a spare take over.
-        False: give up."""
+    def _take_over(self, dead: Child, status: int, oom_before: int | None,
+                   gap_started: float) -> Outcome:
+        """The daemon died with the mount in place: count it, and have a spare take over."""
+        how = describe(status, oom_kills_before=oom_before)
+        too_many = self._count_death()
+        if too_many:
+            log.error("daemon %d %s: %s, giving up: detaching the mount %s", dead.proc.pid,
+                      how, too_many, self.mountpoint)
+            return Outcome.GIVE_UP
+        log.warning("daemon %d %s; a new daemon takes the mount over", dead.proc.pid, how)
+        return self._go(gap_started)
+
+    def _count_death(self) -> str | None:
+        """Count a death (a daemon that died, or one that could not take over); why to give
+        up, or None."""
         now = time.monotonic()
         self.deaths.append(now)
         while self.deaths and now - self.deaths[0] > self.window_s:
             self.deaths.popleft()
-        how = describe(status, oom_kills_before=oom_before)
+        self.deaths_in_a_row += 1
         if len(self.deaths) >= self.max_deaths:
-            log.error("daemon %d %s: %d deaths within %.0f s, giving up: detaching the mount "
-                      "%s", dead.proc.pid, how, len(self.deaths), self.window_s,
-                      self.mountpoint)
-            return False
-        log.warning("daemon %d %s; a new daemon takes the mount over", dead.proc.pid, how)
-        return self._go()
+            return f"{len(self.deaths)} deaths within {self.window_s:.0f} s"
+        if self.deaths_in_a_row >= self.max_deaths:
+            return (f"{self.deaths_in_a_row} deaths in a row with no daemon serving in between "
+                    f"(start timeout {self.start_timeout_s:.0f} s)")
+        return None
 
-    def _go(self) -> bool:
-        """Have the spare take over; wait until it serves. False: give up."""
-        while True:
-            spare = self.spare if self.spare is not None else self._start_spare()
-            self.spare = None
-            os.write(spare.standby_w, b"go\n")
-            started = time.monotonic()
-            while not spare.ready and time.monotonic() - started < START_TIMEOUT_S:
-                if self._wait([spare.ready_r], 1.0) and not spare.read_lines():
-                    break
-            if spare.ready:
-                self.takeovers += 1
-                self.daemon = spare
-                log.info("daemon %d took the mount over in %.2f s (takeover %d of this holder)",
-                         spare.proc.pid, time.monotonic() - started, self.takeovers)
-                self.spare_due = time.monotonic() + SPARE_DELAY_S
-                return True
-            if spare.proc.poll() is None:
-                spare.proc.kill()
-            status = spare.proc.wait()
-            spare.close()
-            self.deaths.append(time.monotonic())
-            log.error("the new daemon %d could not take the mount over (%s)", spare.proc.pid,
-                      describe(status, oom_kills_before=None))
-            if len(self.deaths) >= self.max_deaths:
-                log.error("%d failed daemons within %.0f s, giving up: detaching the mount %s",
-                          len(self.deaths), self.window_s, self.mountpoint)
-                return False
+    def _go(self, gap_started: float) -> Outcome:
+        """Have the spare take over and wait until it serves; meanwhile, once the gap has
+        lasted the deadline, answer the mount's requests with EIO (until a new daemon is about
+        to touch the connection)."""
+        gap = Gap(self.fuse_fd, gap_started, self.deadline_s, self.mountpoint)
+        try:
+            while True:
+                spare = self.spare if self.spare is not None else self._start_spare()
+                self.spare = None
+                started = time.monotonic()
+                outcome = self._wait_serving(spare, gap) if self._tell(spare, GO_ASKING_LINE) \
+                    else Outcome.EXITED
+                if outcome is Outcome.SERVING:
+                    self._serving(spare, started, gap)
+                if outcome not in (Outcome.EXITED, Outcome.TIMED_OUT):
+                    return outcome
+                status = self._discard(spare)
+                log.error("the new daemon %d could not take the mount over (%s)", spare.proc.pid,
+                          f"not serving within the start timeout of {self.start_timeout_s:.0f} "
+                          "s: killed" if outcome is Outcome.TIMED_OUT
+                          else describe(status, oom_kills_before=None))
+                if not is_mounted(self.mountpoint):
+                    return Outcome.GONE
+                too_many = self._count_death()
+                if too_many:
+                    log.error("%s, giving up: detaching the mount %s", too_many,
+                              self.mountpoint)
+                    return Outcome.GIVE_UP
+        finally:
+            gap.stop("no new daemon")
+
+    def _wait_serving(self, spare: Child, gap: Gap) -> Outcome:
+        """Until the spare says READY (SERVING), exits (EXITED) or is not serving within the
+        start timeout (TIMED_OUT), the holder is asked to stop (STOP) or the mount ends
+        (GONE). Once the gap has lasted the deadline and until the spare asks to touch the
+        connection, the holder answers the mount's requests with EIO."""
+        started = time.monotonic()
+        while not spare.ready:
+            now = time.monotonic()
+            if now - started >= self.start_timeout_s:
+                return Outcome.TIMED_OUT
+            if self.stop_asked:
+                self._discard(spare)
+                return Outcome.STOP
+            try:
+                if not spare.taking_over:  # it has not touched the connection: ours to answer
+                    gap.refuse_if_due(now)
+                timeout = min(1.0, self.start_timeout_s - (now - started), gap.due_in(now))
+                readable = self._wait([spare.ready_r, *gap.fds()], max(0.0, timeout))
+                gap.answer(readable)
+            except ConnectionEnded:
+                self._discard(spare)
+                return Outcome.GONE
+            if spare.ready_r in readable and not spare.read_lines():
+                return Outcome.EXITED  # end of file
+            if spare.taking_over and not spare.let_go:
+                gap.stop(f"daemon {spare.proc.pid} takes the connection")
+                spare.let_go = True  # every request the holder read is answered
+                if not self._tell(spare, LET_GO_LINE):
+                    return Outcome.EXITED
+        return Outcome.SERVING
+
+    def _discard(self, spare: Child) -> int:
+        """Kill a new daemon that will not serve (if it still runs); its wait status."""
+        if spare.proc.poll() is None:
+            spare.proc.kill()
+        status = spare.proc.wait()
+        spare.close()
+        return status
+
+    def _tell(self, spare: Child, line: bytes) -> bool:
+        """Write to the spare's standby pipe; False if it is gone."""
+        try:
+            os.write(spare.standby_w, line)
+        except OSError:
+            return False
+        return True
+
+    def _serving(self, spare: Child, started: float, gap: Gap) -> None:
+        self.takeovers += 1
+        self.deaths_in_a_row = 0
+        self.daemon = spare
+        failed = f"; {gap.failed} requests failed with EIO" if gap.failed else ""
+        log.info("daemon %d took the mount over in %.2f s (takeover %d of this holder; "
+                 "%.2f s without a daemon%s)", spare.proc.pid, time.monotonic() - started,
+                 self.takeovers, time.monotonic() - gap.started, failed)
+        self.spare_due = time.monotonic() + SPARE_DELAY_S
 
     def _restart(self) -> None:
         """`shardfs restart`: a fresh spare (the code installed now), then the old daemon
@@ -393,14 +514,6 @@ class Holder:
 ZOMBIE_POLL_S = 0.2  # how often to look for a daemon whose main thread is dead
 
 
-def _leader_dead(pid: int) -> bool:
-    """The daemon's main thread has exited (state Z) while the process lingers."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def _give_up_rule() -> tuple[int, float]:
     text = os.environ.get("SHARDFS_HOLDER_GIVE_UP", "")
     with contextlib.suppress(ValueError):
@@ -410,11 +523,12 @@ def _give_up_rule() -> tuple[int, float]:
 
 
 def main(argv: list[str]) -> int:
-    """python -m shardfs.holder READY_FD MOUNTPOINT LOG_PATH mount SOURCE... MOUNTPOINT ..."""
-    ready_fd, mountpoint, log_path, *daemon_argv = argv
+    """python -m shardfs.holder READY_FD MOUNTPOINT LOG_PATH DEADLINE mount SOURCE... ...
+    (DEADLINE: the mount's --deadline in seconds, as shardfs/cli/config.py parsed it)"""
+    ready_fd, mountpoint, log_path, deadline, *daemon_argv = argv
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    holder = Holder(daemon_argv, mountpoint, log_path, int(ready_fd))
+    holder = Holder(daemon_argv, mountpoint, log_path, int(ready_fd), float(deadline))
     holder.install_signals()
     code = holder.first_daemon()
     if code is not None:

@@ -1,3 +1,4 @@
-"""The read path's policy and storage: the read-ahead reader (what to fetch, when, how much) and
-the shard cache on local disk (budget, eviction, crash safety). Owned by the daemon process.
+"""The read path's policy: the read-ahead reader (what to fetch, when, how much), its fetches,
+working set and announced reads. The shard cache on disk it fetches into is `shardfs.cache`.
+Owned by the daemon process.
 """

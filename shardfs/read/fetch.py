@@ -18,6 +18,7 @@ import time
 import trio
 
 MIN_RATE_BYTES = 64 * 1024  # a GET's rate is judged only after this many bytes
+NEVER = 1 << 62
 
 
 class Get:
@@ -61,6 +62,9 @@ class Fetch:
         # GETs come and go, and it completes when every byte is in.
         self.fill = False
         self.nursery: trio.Nursery | None = None  # runs the GETs a split adds
+        # Once `arrived` reaches this, the next blocks of the prefix are recorded in the part's
+        # record (Reader._record_blocks); NEVER: no record, or recording under way.
+        self.record_due = NEVER
         self._runs: list[list[int]] = []  # [start, end) on disk, sorted, apart
         # (end, seq, start, event), a heap by end: while the bytes come as one frontier, a
         # chunk wakes exactly the waiters it reaches and looks at no other.

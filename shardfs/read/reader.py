@@ -24,18 +24,19 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Hashable, Iterable, Sequence
-from contextlib import aclosing
+from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 from cachetools import LRUCache
 
+from shardfs.cache.partrecord import BLOCK, block_crcs
+from shardfs.cache.shardcache import DISK_FULL, ShardCache, pwrite_all, sha256_of
 from shardfs.catalog.catalog import Catalog
 from shardfs.catalog.codecs import CodecError, decompressor
-from shardfs.read.cache import DISK_FULL, ShardCache, pwrite_all, sha256_of
 from shardfs.read.diskread import DiskReads
-from shardfs.read.fetch import Fetch, FetchFailed, Get
+from shardfs.read.fetch import NEVER, Fetch, FetchFailed, Get
 from shardfs.read.layout import ShardLayout
 from shardfs.read.lookahead import Lookahead
 from shardfs.read.states import ShardStates
@@ -111,6 +112,12 @@ class ReaderStats:
     fills_started: int = 0
     fills_done: int = 0
     shard_bytes: int = 0
+    # Whole-shard fetches an earlier daemon left unfinished (kill -9, restart), continued
+    # from the bytes its part file holds: the bytes kept (not fetched again), and the bytes
+    # its record claimed that failed their CRC check (fetched again).
+    resumed_fetches: int = 0
+    resumed_bytes: int = 0
+    resume_rejected_bytes: int = 0
     fetch_errors: int = 0
     eio: int = 0
 
@@ -183,12 +190,30 @@ class Reader:
         # Reads being answered, by arrival (dicts keep insertion order: the first is oldest).
         self._active: dict[int, float] = {}
         self._read_seq = 0
+        # Set when the daemon exits for a new one to take the mount over (shardfs restart):
+        # fetches in flight leave their part files for it to continue, instead of deleting
+        # them.
+        self.keep_partial = False
+        # Part files an earlier daemon left (cache.kept): continued at run() if their shard
+        # is in this mount and can be fetched by ranges; the others are deleted now.
+        self._resume: list[int] = []
+        for key in cache.kept:
+            ranged = [s for s in self._shards_of_key.get(key, ()) if not self.whole_only[s]]
+            if ranged and not cache.has(key):
+                self._resume.append(ranged[0])
+            else:
+                cache.drop_kept(key)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the background fetch tasks; runs until cancelled."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            for shard in self._resume:  # downloads in flight when the last daemon ended
+                self._forced.add(shard)
+                self._queue[shard] = None
+            self._resume.clear()
+            self._start_queued()
             if self.policy.prefetch == "all" and self._dataset_fits():
                 for shard in range(len(self.catalog.shards)):
                     if not self.cache.has(self.catalog.keys[shard]):
@@ -641,7 +666,12 @@ class Reader:
         if not self.cache.reserve(key, self.sizes[shard]):
             return None  # no room without evicting shards in use: member reads instead
         try:
-            part = self.cache.begin(key, self.sizes[shard])
+            # A shard read only whole (compressed, or its server ignores Range) cannot be
+            # continued from the middle: no record, so a new daemon starts it from 0. Nor is
+            # one in a file worth a record: checking the kept bytes would read as much as
+            # fetching them again, and the CRCs cost ~0.5 ms of CPU per MiB here.
+            record = not self.whole_only[shard] and not self.sources.is_local(info.url)
+            part = self.cache.begin(key, self.sizes[shard], record=record)
         except OSError as exc:
             self.cache.abort(None, key)
             log.warning("cannot cache %s (%s); reading its members directly", info.url, exc)
@@ -740,10 +770,14 @@ class Reader:
         digest = hashlib.sha256() if expected else None
         codec = self.codecs[shard]
         began = time.monotonic()
+        again = False  # fetch it again from byte 0 (a continued fetch that did not check out)
         try:
             plain = decompressor(codec) if codec else None
 
             first = fetch.gets[0]
+            if fetch.part.resumed:  # bytes an earlier daemon wrote: checked, then kept
+                first.start = first.pos = await self._resume_part(fetch, digest)
+            fetch.record_due = self._next_record(fetch)
 
             def append_from_thread(piece: bytes) -> None:
                 trio.from_thread.run_sync(self._write, fetch, first, piece)
@@ -766,7 +800,9 @@ class Reader:
                 batch: list[bytes] = []
                 batched = 0
                 source = self.sources.for_url(info.url)
-                async with aclosing(source.stream(info, 0, info.size)) as chunks:
+                if first.start >= info.size:  # all written before the last daemon ended
+                    return
+                async with aclosing(source.stream(info, first.start, info.size)) as chunks:
                     async for chunk in chunks:
                         self.stats.shard_bytes += len(chunk)
                         if plain is None:
@@ -811,26 +847,94 @@ class Reader:
             log.info("fetched shard %s: %d bytes in %.2f s (%.1f MB/s)", info.url, info.size,
                      took, info.size / max(took, 1e-6) / 1e6)
         except (SourceError, OSError, CodecError) as exc:
-            self.stats.fetch_errors += 1
-            self.failed.add(shard)
-            if isinstance(exc, ShardChanged):
-                self._mismatched.add(shard)
-            log.error("fetching shard %s failed: %s", info.url, exc)
-            fetch.fail(exc)
+            again = isinstance(exc, ShardChanged) and fetch.part.resumed
+            if again:
+                # The bytes kept from the earlier daemon may be what differs (they passed
+                # their CRCs, but the sha256 or size did not): fetch the shard again from 0
+                # before judging it; waiters read their members meanwhile (not EIO).
+                log.warning("continued fetch of shard %s failed its check (%s): fetching it "
+                            "again from byte 0", info.url, exc)
+                fetch.fail(OSError(f"{info.url}: fetched again from byte 0"))
+            else:
+                self.stats.fetch_errors += 1
+                self.failed.add(shard)
+                if isinstance(exc, ShardChanged):
+                    self._mismatched.add(shard)
+                log.error("fetching shard %s failed: %s", info.url, exc)
+                fetch.fail(exc)
             self.cache.abort(fetch.part, key)
             self.states.gone(shard)
             if isinstance(exc, OSError) and exc.errno in DISK_FULL:
                 self.cache.disk_full()  # fit the budget to the disk; waiters read members
         except BaseException as exc:  # cancelled at shutdown: release waiters, drop the part
             fetch.fail(exc)
-            self.cache.abort(fetch.part, key)
+            if self.keep_partial:  # unless a new daemon takes the mount over: it goes on
+                self.cache.leave(fetch.part)
+            else:
+                self.cache.abort(fetch.part, key)
             self.states.gone(shard)
             raise
         finally:
             del self.fetches[shard]
             self._forced.discard(shard)
             self._ahead.pop(shard, None)  # fetched (or failed): no longer awaited ahead
+            if again:
+                self._forced.add(shard)
+                self._queue[shard] = None
             self._start_queued()
+
+    async def _resume_part(self, fetch: Fetch, digest: Any | None) -> int:
+        """A part file an earlier daemon left: check the blocks its record claims against
+        their CRCs (feeding `digest` the bytes that pass), and count the prefix that passes
+        as arrived. Returns where the rest of the shard is to be fetched from."""
+        record = fetch.part.record
+        assert record is not None
+        claimed = record.claimed
+        kept = await trio.to_thread.run_sync(record.verify_prefix, fetch.part.fd, digest,
+                                             thread_name=HASH_THREAD)
+        stats = self.stats
+        stats.resumed_fetches += 1
+        stats.resumed_bytes += kept
+        stats.resume_rejected_bytes += claimed - kept
+        if kept:
+            fetch.filled(0, kept)
+            self.states.arrived(fetch.shard, kept)
+        log.info("continuing the fetch of shard %s from byte %d of %d%s",
+                 self.catalog.shards[fetch.shard].url, kept, fetch.size,
+                 f" ({claimed - kept} bytes recorded failed their check)" if kept < claimed
+                 else "")
+        return kept
+
+    @staticmethod
+    def _next_record(fetch: Fetch) -> int:
+        """Where the prefix must reach for the part's record to take its next block."""
+        record = fetch.part.record
+        if record is None:
+            return NEVER
+        due = (len(record.crcs) + 1) * BLOCK
+        return due if due < fetch.size else NEVER  # the last block: the fetch commits soon
+
+    async def _record_blocks(self, fetch: Fetch) -> None:
+        """Append the CRCs of the prefix's complete blocks not recorded yet to the part's
+        record (read back from the part file in a thread, so the record never claims bytes
+        not written), so that a daemon taking over continues the fetch from there."""
+        record = fetch.part.record
+        assert record is not None
+        while fetch.failed is None:
+            start = len(record.crcs) * BLOCK
+            stop = min(fetch.arrived, fetch.size - 1) // BLOCK * BLOCK
+            if stop <= start:
+                break
+            try:
+                crcs = await trio.to_thread.run_sync(block_crcs, fetch.part.fd, start, stop,
+                                                     thread_name=HASH_THREAD)
+                for crc in crcs:
+                    record.append(crc)
+            except OSError as exc:  # e.g. a full disk: the fetch goes on, unrecorded
+                log.warning("cannot record the progress of a fetch (%s): a daemon taking "
+                            "over fetches it from %d", exc, len(record.crcs) * BLOCK)
+                return
+        fetch.record_due = self._next_record(fetch)
 
     async def _guard_get(self, fetch: Fetch, get: Coroutine[Any, Any, None]) -> None:
         """Run one GET of a fetch; its failure ends them all (and the fetch, with that
@@ -872,11 +976,17 @@ class Reader:
             return
         at = get.pos
         pwrite_all(fetch.part.fd, data, at)  # all of it, or OSError: no holes
+        if get.first_byte is None:  # the GET's rate (Get.eta) is measured from here
+            get.first_byte = time.monotonic()
         get.pos += len(data)
         before = fetch.arrived
         fetch.filled(at, len(data))
         if fetch.arrived != before:
             self.states.arrived(fetch.shard, fetch.arrived)  # written, then announced
+            if fetch.arrived >= fetch.record_due and fetch.nursery is not None:
+                fetch.record_due = NEVER  # until this round of recording is done
+                with suppress(RuntimeError):  # RuntimeError: the fetch is ending
+                    fetch.nursery.start_soon(self._record_blocks, fetch)
 
     def warm(self, shards: list[int]) -> dict[str, int | list[int]]:
         """Queue whole-shard fetches (for `shardfs warm`) for as many shards as the budget holds.

@@ -79,6 +79,12 @@ class Sources:
         # One request budget for the whole mount, shared by every kind of source.
         self.budget = RequestBudget(self.settings.request_rate, self.settings.request_burst)
 
+    @staticmethod
+    def is_local(url: str) -> bool:
+        """A shard in a file (local disk, a parallel filesystem): reading it again costs
+        what reading back bytes already fetched would."""
+        return urlsplit(url).scheme.lower() == "file"
+
     def for_url(self, url: str) -> Source:
         scheme = urlsplit(url).scheme.lower()
         kind = "http" if scheme == "https" else scheme

@@ -27,6 +27,7 @@ from shardfs.sources.base import (
     check_span,
 )
 from shardfs.sources.budget import RequestBudget
+from shardfs.sources.h1 import Http11Pool, NotForUs, proxy_in_environment
 
 GONE = frozenset({403, 404, 410})
 RETRYABLE = frozenset({408, 429})  # plus every 5xx
@@ -189,6 +190,10 @@ class HttpSource:
             headers={"Accept-Encoding": "identity", "User-Agent": f"shardfs/{__version__}"},
             follow_redirects=True,
         )
+        # Plain http:// GETs go over connections of our own (sources/h1.py: a tenth of
+        # httpx's CPU per request); https, proxies and unusual answers stay with httpx.
+        self._h1 = None if s.http_client == "httpx" or proxy_in_environment() \
+            else Http11Pool(s.max_connections, s.timeout)
 
     def take_over(self, earlier: HttpSource) -> None:
         """Continue where `earlier` (closed, of an earlier event loop) stopped: servers that
@@ -196,6 +201,8 @@ class HttpSource:
         self.answered |= earlier.answered
 
     async def aclose(self) -> None:
+        if self._h1 is not None:
+            await self._h1.aclose()
         await self._client.aclose()
 
     # -- stat ---------------------------------------------------------------------------------
@@ -359,6 +366,17 @@ class HttpSource:
     def _request(self, url: str, headers: dict[str, str]) -> _Attempt:
         return _Attempt(self, url, lambda: self._build_request(url, headers))
 
+    async def _send(self, request: httpx.Request) -> httpx.Response:
+        """Send a built request: over our own HTTP/1.1 connections where they take it,
+        through httpx otherwise (and for an answer they leave to httpx: sent again)."""
+        h1 = self._h1
+        if h1 is not None and h1.takes(request):
+            try:
+                return await h1.send(request)
+            except NotForUs:
+                pass
+        return await self._client.send(request, stream=True)
+
     def _build_request(self, url: str, headers: dict[str, str]) -> httpx.Request:
         """The GET for `url`; built anew for every attempt. Subclasses map URLs to requests
         and sign them here (S3), so a retry carries a fresh signature."""
@@ -410,7 +428,7 @@ class _Attempt:
         request = None
         try:
             request = self._build()
-            self._resp = await src._client.send(request, stream=True)
+            self._resp = await src._send(request)
         except (httpx.UnsupportedProtocol, httpx.InvalidURL) as e:
             src.stats.errors += 1
             raise SourceError(f"{self._url}: {e}") from e

@@ -3,12 +3,15 @@
 Layout under the cache dir:
     lock                 flock()ed by the one daemon using this cache dir
     shards/KEY           a complete shard (KEY = hash of the shard's identity: URL+size+ETag)
-    shards/KEY.part      a shard being fetched; never taken for complete (removed at start-up)
+    shards/KEY.part      a shard being fetched; never taken for complete
+    parts/KEY.crc        how much of KEY.part is written, a CRC-32 per 4 MiB (partrecord.py)
     index/KEY.idx        a shard's member index
     trees/KEY.tree       the merged namespace for one list of shards
 
 A shard only gets its final name after all its bytes were written and fdatasync()ed, so a
-crash or kill -9 at any point leaves at most a `.part` file, which the next start deletes.
+crash or kill -9 at any point leaves at most a `.part` file. The next start keeps a `.part`
+whose record is sound (same size; the record's blocks are checked against the file when its
+fetch resumes, reader.py) and deletes any other.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ from pathlib import Path
 
 import trio
 
+from shardfs.cache.partrecord import PartRecord
+from shardfs.util.fileio import pwrite_all
+from shardfs.util.proc import leader_exited
+
 log = logging.getLogger(__name__)
 
 
@@ -34,21 +41,6 @@ class CacheError(Exception):
 
 
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
-
-
-def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
-    """Write all of `data` at `offset`, or raise OSError.
-
-    os.pwrite() on a filesystem that fills up mid-write writes a part and returns its length
-    without an error. Ignoring that return value left holes of zeros in a shard that readers
-    were then served from its frontier and that commit() made "complete" (issue #7)."""
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        if n <= 0:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        view = view[n:]
-        offset += n
 
 
 def sha256_of(fd: int, size: int) -> hashlib._Hash:
@@ -83,6 +75,11 @@ class PartFile:
     size: int
     fd: int
     path: Path
+    # How much of the shard is written, block by block (None: not kept, e.g. a shard read
+    # only whole). A part left by an earlier daemon comes with its record: the blocks it
+    # claims are checked before use (PartRecord.verify_prefix).
+    record: PartRecord | None = None
+    resumed: bool = False  # an earlier daemon's part file, continued
 
 
 class ShardCache:
@@ -92,9 +89,13 @@ class ShardCache:
         self.shards_dir = root / "shards"
         self.index_dir = root / "index"
         self.trees_dir = root / "trees"
+        self.parts_dir = root / "parts"
         self._complete: OrderedDict[str, CachedShard] = OrderedDict()  # LRU order, oldest first
         self._reserved: dict[str, int] = {}  # in-progress fetches: key -> bytes reserved
         self._pins: dict[str, int] = {}  # key -> readers waiting on it; never evicted meanwhile
+        # `.part` files an earlier daemon left with a sound record: reserved (counted in the
+        # budget) until the reader continues them (begin) or drops them (drop_kept).
+        self._kept: dict[str, PartRecord] = {}
         self._lock_fd: int | None = None
         self.evictions = 0
         self.evicted_bytes = 0
@@ -104,7 +105,8 @@ class ShardCache:
     def open(self) -> None:
         """Create the layout, take the lock, drop crash leftovers, adopt complete shards."""
         try:
-            for d in (self.root, self.shards_dir, self.index_dir, self.trees_dir):
+            for d in (self.root, self.shards_dir, self.index_dir, self.trees_dir,
+                      self.parts_dir):
                 d.mkdir(parents=True, exist_ok=True)
             self._lock_fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
@@ -121,10 +123,13 @@ class ShardCache:
             self._lock_fd = None
             if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES):
                 raise
-            raise CacheError(
-                f"cache dir {self.root} is in use by another shardfs daemon (pid {holder or '?'});"
-                " give each mount its own --cache-dir"
-            ) from None
+            if holder.isdigit() and leader_exited(int(holder)):
+                self._lock_fd = self._replace_lock(int(holder))
+            else:
+                raise CacheError(
+                    f"cache dir {self.root} is in use by another shardfs daemon "
+                    f"(pid {holder or '?'}); give each mount its own --cache-dir"
+                ) from None
         try:
             os.ftruncate(self._lock_fd, 0)
             pwrite_all(self._lock_fd, str(os.getpid()).encode(), 0)
@@ -134,17 +139,48 @@ class ShardCache:
             raise CacheError(f"cache dir {self.root} is not usable: {exc.strerror}") from None
         self._adopt_existing()
 
+    def _replace_lock(self, dying: int) -> int:
+        """The lock's holder is dying (leader_exited): killed while a thread of it waits in a
+        FUSE request on its own mount, which only the daemon now starting can answer, so it
+        would hold the lock until this daemon gave up. It runs no more code of its own: take
+        the cache dir over under a new lock file (its lock stays on the old, unlinked one)."""
+        log.warning("cache dir %s: its lock is held by pid %d, which was killed and waits on "
+                    "a FUSE request only this daemon can answer; taking the cache dir over",
+                    self.root, dying)
+        fresh = self.root / f"lock.{os.getpid()}"
+        fd = os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.replace(fresh, self.root / "lock")
+        except OSError as exc:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(fresh)
+            raise CacheError(f"cache dir {self.root} is not usable: {exc.strerror}") from None
+        return fd
+
     def _adopt_existing(self) -> None:
         found = []
         for entry in os.scandir(self.shards_dir):
-            if entry.name.endswith(".part") or ".tmp" in entry.name:
-                os.unlink(entry.path)  # a fetch interrupted by a crash: never trusted
-                log.info("removed partial shard left by an earlier run: %s", entry.name)
+            if entry.name.endswith(".part"):
+                self._keep_part(entry.name[: -len(".part")], entry.stat().st_size)
+                continue
+            if ".tmp" in entry.name:
+                os.unlink(entry.path)  # a half-written file of a crashed run
                 continue
             st = entry.stat()
             found.append((st.st_atime_ns, entry.name, st.st_size))
         for _, key, size in sorted(found):  # oldest access first = LRU order
             self._complete[key] = CachedShard(key, size)
+        for entry in os.scandir(self.parts_dir):  # records whose part is gone (or committed)
+            if entry.name.removesuffix(".crc") not in self._kept:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+        # Kept parts first give way if the budget shrank below them (nothing else could).
+        for key in sorted(self._kept, key=lambda k: self._kept[k].claimed):
+            if sum(self._reserved.values()) <= self.budget:
+                break
+            self.drop_kept(key)
         self.evict_to_fit(0)  # the budget may have shrunk since the last run
         # Half-written index/tree files (`*.tmpPID`) and tree-build lists (`*.list`) of a run
         # that crashed or hit a full disk: a partial tree can be 100 MB, and each failed mount
@@ -155,7 +191,44 @@ class ShardCache:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(entry.path)
 
+    def _keep_part(self, key: str, size: int) -> None:
+        """A fetch an earlier daemon did not finish: kept (reserved) if its record is sound
+        and claims something, else deleted."""
+        record = PartRecord.load(self.record_path(key), size)
+        if record is None or record.claimed == 0:
+            if record is not None:
+                record.close()
+            (self.shards_dir / f"{key}.part").unlink(missing_ok=True)
+            self.record_path(key).unlink(missing_ok=True)
+            log.info("removed partial shard left by an earlier run: %s.part", key)
+            return
+        self._kept[key] = record
+        self._reserved[key] = size
+        log.info("kept partial shard left by an earlier run: %s.part (%d of %d bytes "
+                 "recorded), continued when its fetch starts", key, record.claimed, size)
+
+    @property
+    def kept(self) -> dict[str, int]:
+        """Parts left by an earlier daemon, not continued yet: key -> bytes claimed."""
+        return {key: record.claimed for key, record in self._kept.items()}
+
+    def drop_kept(self, key: str) -> None:
+        """Delete a kept part (its shard is not in this mount, or can only be read whole)."""
+        record = self._kept.pop(key, None)
+        if record is None:
+            return
+        record.remove()
+        self._reserved.pop(key, None)
+        (self.shards_dir / f"{key}.part").unlink(missing_ok=True)
+        log.info("removed partial shard left by an earlier run: %s.part", key)
+
+    def record_path(self, key: str) -> Path:
+        return self.parts_dir / f"{key}.crc"
+
     def close(self) -> None:
+        for record in self._kept.values():
+            record.close()
+        self._kept.clear()
         for shard in self._complete.values():
             if shard.fd is not None:
                 os.close(shard.fd)
@@ -283,6 +356,8 @@ class ShardCache:
     # -- shards being fetched --------------------------------------------------------------
     def reserve(self, key: str, size: int, *, evict: bool = True) -> bool:
         """Claim room for a shard about to be fetched; False if it cannot fit."""
+        if key in self._kept:
+            return self._reserved[key] == size  # reserved since start-up
         if key in self._reserved or key in self._complete:
             return False
         if size > self.budget:
@@ -292,22 +367,52 @@ class ShardCache:
             self._reserved[key] = size
         return ok
 
-    def begin(self, key: str, size: int) -> PartFile:
-        """Create the .part file for a reserved shard (sparse, full size, so pread works)."""
+    def begin(self, key: str, size: int, *, record: bool = True) -> PartFile:
+        """The .part file for a reserved shard: the one an earlier daemon left (kept at
+        start-up, `resumed`, with its record), else a new one (sparse, full size, so pread
+        works) with a new record unless `record` is False (a shard read only whole, which
+        cannot be continued)."""
         path = self.shards_dir / f"{key}.part"
+        kept = self._kept.pop(key, None)
+        if kept is not None:
+            if record:
+                try:
+                    fd = os.open(path, os.O_RDWR)
+                    if os.fstat(fd).st_size == size:
+                        return PartFile(key, size, fd, path, kept, resumed=True)
+                    os.close(fd)
+                except OSError:  # gone, or unreadable: start afresh below
+                    pass
+            kept.remove()  # not continued: start afresh below
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(fd, size)
+            part = PartFile(key, size, fd, path)
+            if record:
+                part.record = PartRecord.create(self.record_path(key), size)
         except OSError:
             os.close(fd)
             path.unlink(missing_ok=True)
             raise
-        return PartFile(key, size, fd, path)
+        return part
+
+    def leave(self, part: PartFile) -> None:
+        """A fetch this daemon will not finish (it exits for a new daemon to take the mount
+        over): close the files and leave them, so that the next daemon continues the fetch
+        from what is written. Without a record the part is of no use: dropped."""
+        self._reserved.pop(part.key, None)
+        if part.record is None:
+            self.abort(part, part.key)
+            return
+        os.close(part.fd)
+        part.record.close()
 
     async def commit(self, part: PartFile) -> CachedShard:
         """Make a fully written shard durable, then give it its final name."""
         await trio.to_thread.run_sync(os.fdatasync, part.fd)
         os.replace(part.path, self.shards_dir / part.key)
+        if part.record is not None:  # after the rename: a part never lacks its record
+            part.record.remove()
         self._reserved.pop(part.key, None)
         self.trim(part.size)
         shard = CachedShard(part.key, part.size, fd=part.fd)
@@ -320,6 +425,8 @@ class ShardCache:
         if part is not None:
             os.close(part.fd)
             part.path.unlink(missing_ok=True)
+            if part.record is not None:
+                part.record.remove()
 
     # -- index and tree files --------------------------------------------------------------
     def index_path(self, key: str) -> Path:

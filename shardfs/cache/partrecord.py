@@ -1,0 +1,136 @@
+"""The record of a `.part` file: how much of a shard a fetch has written, block by block.
+
+A whole-shard fetch that a daemon's death interrupts (kill -9, a crash, `shardfs restart`)
+leaves `shards/KEY.part`; the next daemon on the cache dir continues it from what is on disk
+instead of from byte 0 (reader.py). For that it must know which prefix of the part file is
+real shard data. The file itself cannot say: it is created sparse at full size, so a byte
+never written reads as zero, and SEEK_HOLE reports data in whole filesystem blocks (a block
+half written is "data", zeros included), sees a split fetch's later runs as data too, and on
+filesystems without hole tracking (or with preallocation) calls the whole file data. So the
+fetch keeps a record, `parts/KEY.crc`:
+
+    MAGIC, the shard's size (8 bytes, little endian), then one CRC-32 (4 bytes, little endian)
+    per BLOCK of the shard's contiguous prefix, appended as the prefix grows past each block.
+
+A block's CRC is appended only after its bytes were written, from the bytes in the file, so
+after the writer is SIGKILLed the record never claims more than the page cache holds; after
+a power loss or OS crash neither file's pages need be on disk, which is why the next daemon
+checks every claimed block against its CRC before it uses it (verify_prefix): the prefix
+kept is the blocks that match, up to the first that does not. A torn last entry (4 bytes
+half written) is ignored. The whole shard is still checked against the index's sha256 when
+the fetch completes, where the index has one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardfs.util.fileio import pwrite_all
+
+MAGIC = b"shardfs-part-1\n"
+HEAD = len(MAGIC) + 8
+BLOCK = 4 << 20  # a record entry per 4 MiB: at most this much is fetched again after a kill
+_SIZE = struct.Struct("<Q")
+_CRC = struct.Struct("<I")
+
+
+def block_crc(fd: int, start: int, end: int) -> int:
+    """CRC-32 of bytes [start, end) of a file (in a worker thread: zlib releases the GIL)."""
+    data = os.pread(fd, end - start, start)
+    if len(data) != end - start:
+        raise OSError(f"part file ends at {start + len(data)}, expected {end}")
+    return zlib.crc32(data)
+
+
+def block_crcs(fd: int, start: int, end: int) -> list[int]:
+    """The CRC-32 of each BLOCK of bytes [start, end) of a file, both multiples of BLOCK (in a
+    worker thread: zlib releases the GIL)."""
+    return [block_crc(fd, pos, pos + BLOCK) for pos in range(start, end, BLOCK)]
+
+
+@dataclass(slots=True)
+class PartRecord:
+    """The open record of one part file; `blocks` entries are written."""
+
+    path: Path
+    fd: int
+    size: int
+    crcs: list[int]
+
+    @property
+    def claimed(self) -> int:
+        """Bytes [0, claimed) the record says were written (not yet verified)."""
+        return min(len(self.crcs) * BLOCK, self.size)
+
+    @classmethod
+    def create(cls, path: Path, size: int) -> PartRecord:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            pwrite_all(fd, MAGIC + _SIZE.pack(size), 0)
+        except OSError:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        return cls(path, fd, size, [])
+
+    @classmethod
+    def load(cls, path: Path, size: int) -> PartRecord | None:
+        """The record of a part file of `size` bytes left by an earlier daemon, or None if
+        it is missing, unreadable, or for another size."""
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            return None
+        try:
+            data = os.pread(fd, HEAD + 4 * (size // BLOCK + 1), 0)
+            if data[: len(MAGIC)] != MAGIC or len(data) < HEAD or \
+                    _SIZE.unpack_from(data, len(MAGIC))[0] != size:
+                os.close(fd)
+                return None
+        except OSError:
+            os.close(fd)
+            return None
+        count = (len(data) - HEAD) // 4  # a torn last entry is not counted
+        crcs = [_CRC.unpack_from(data, HEAD + 4 * i)[0] for i in range(count)]
+        return cls(path, fd, size, crcs)
+
+    def append(self, crc: int) -> None:
+        pwrite_all(self.fd, _CRC.pack(crc), HEAD + 4 * len(self.crcs))
+        self.crcs.append(crc)
+
+    def verify_prefix(self, part_fd: int, digest: Any | None = None) -> int:
+        """Check the claimed blocks of the part file against their CRCs, in order; return
+        the length of the prefix that matches (a multiple of BLOCK, or the size) and forget
+        the entries past it. `digest` (a hashlib object), if given, is fed that prefix.
+        Blocking: run it in a worker thread."""
+        good = 0
+        for i, crc in enumerate(self.crcs):
+            start = i * BLOCK
+            end = min(start + BLOCK, self.size)
+            try:
+                data = os.pread(part_fd, end - start, start)
+            except OSError:
+                break
+            if len(data) != end - start or zlib.crc32(data) != crc:
+                break
+            if digest is not None:
+                digest.update(data)
+            good = i + 1
+        if good < len(self.crcs):
+            del self.crcs[good:]
+            os.ftruncate(self.fd, HEAD + 4 * good)
+        return min(good * BLOCK, self.size)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+    def remove(self) -> None:
+        self.close()
+        self.path.unlink(missing_ok=True)

@@ -1,0 +1,312 @@
+"""A lean HTTP/1.1 GET for plain http:// origins, beside httpx.
+
+Why: a ranged GET of a 110 KB member cost 1.5-2.9 ms of CPU through httpx's client, httpcore's
+pool and h11 on this project's 2-core machine, against ~0.13-0.27 ms for the same request
+written and parsed here (docs/benchmarks-notes.md, "A GET's CPU"). A cold epoch through
+`Lookahead` makes one GET per file, so that cost was most of the daemon's CPU.
+
+What it does: sends a request that httpx built (`httpx.Request`: URL, headers, signatures all
+as before), over a kept-alive connection of its own pool, and returns an `httpx.Response`
+whose body streams from that connection. Callers see the same types and the same
+exceptions (httpx's `ConnectError`, `ReadError`, `RemoteProtocolError`, `ReadTimeout`, ...),
+so HttpSource's retries, validation and messages apply unchanged.
+
+What it leaves to httpx (`HttpSource` sends those there): https, proxies from the
+environment, and any answer this module does not read itself: a redirect, a body without
+Content-Length (chunked), an interim 1xx, folded header lines. Such an answer closes the
+connection, marks the origin, and the same GET (idempotent) is sent again through httpx; the
+origin's later requests go to httpx directly.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+import trio
+
+HEAD_LIMIT = 64 << 10  # a response's status line and headers; more is a protocol error
+RECEIVE_BYTES = 1 << 20  # most bytes asked of one receive (a receive returns what arrived)
+PROXY_VARIABLES = ("http_proxy", "all_proxy", "HTTP_PROXY", "ALL_PROXY")
+
+
+class _Unanswered(Exception):
+    """The connection failed before any byte of the answer: on a kept-alive connection,
+    the server closed it as the request went out, and a fresh one may carry the GET."""
+
+    def __init__(self, error: httpx.TransportError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class NotForUs(Exception):
+    """The answer is one this module does not read (see the module's docstring): send the
+    request through httpx instead."""
+
+
+def proxy_in_environment() -> bool:
+    """True when httpx would send plain http:// requests through a proxy (it reads these
+    variables by default); this module never does, so it stays out of the way."""
+    return any(os.environ.get(name) for name in PROXY_VARIABLES)
+
+
+class _Connection:
+    """One kept-alive TCP connection to an origin."""
+
+    __slots__ = ("buffer", "idle_since", "stream")
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.buffer = bytearray()  # bytes received past the last response's end
+        self.idle_since = 0.0
+
+    def stale(self, now: float, keep_idle_s: float) -> bool:
+        """True if the connection must not carry another request: idle too long, bytes
+        waiting that nobody asked for, or the server closed it (readable at EOF)."""
+        if self.buffer or now - self.idle_since > keep_idle_s:
+            return True
+        poller = select.poll()
+        poller.register(self.stream.socket.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+
+    async def aclose(self) -> None:
+        await trio.aclose_forcefully(self.stream)
+
+
+class _Body(httpx.AsyncByteStream):
+    """A response's body: `length` bytes from the connection; the connection goes back to
+    the pool when the body was read to its end, and is closed otherwise."""
+
+    def __init__(self, pool: Http11Pool, origin: tuple[str, int], conn: _Connection,
+                 length: int, reusable: bool) -> None:
+        self._pool = pool
+        self._origin = origin
+        self._conn: _Connection | None = conn
+        self._left = length
+        self._reusable = reusable
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        conn = self._conn
+        if conn is None:
+            return
+        buffer = conn.buffer
+        if buffer and self._left:
+            piece = bytes(buffer[: self._left])
+            del buffer[: len(piece)]
+            self._left -= len(piece)
+            yield piece
+        while self._left:
+            data = await self._pool.receive(conn, min(self._left, RECEIVE_BYTES))
+            if not data:
+                raise httpx.RemoteProtocolError(
+                    f"server closed the connection with {self._left} bytes of the body "
+                    "still to come")
+            if len(data) > self._left:  # a server writing past its Content-Length
+                self._reusable = False
+                data = data[: self._left]
+            self._left -= len(data)
+            yield data
+
+    async def aclose(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if self._left == 0 and self._reusable and not conn.buffer:
+            self._pool.release(self._origin, conn)
+        else:
+            await self._pool.discard(conn)
+
+
+class Http11Pool:
+    """Kept-alive connections to plain http:// origins, at most `max_connections` in use or
+    idle at once, and the GETs sent over them."""
+
+    def __init__(self, max_connections: int, timeout: float, keep_idle_s: float = 5.0) -> None:
+        self.timeout = timeout
+        # Servers close idle connections (nginx after 75 s, S3 after ~20 s); a connection
+        # idle longer than this is closed here rather than risked.
+        self.keep_idle_s = keep_idle_s
+        self._slots = trio.Semaphore(max_connections)
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self.not_ours: set[tuple[str, int]] = set()  # origins whose answers go to httpx
+        self.opened = 0  # connections opened (for tests and stats)
+        self.sent = 0  # requests sent
+
+    def takes(self, request: httpx.Request) -> bool:
+        url = request.url
+        return (request.method == "GET" and url.scheme == "http" and not request.content
+                and (url.host, url.port or 80) not in self.not_ours)
+
+    async def send(self, request: httpx.Request) -> httpx.Response:
+        """Send `request` (see `takes`) and return its response, its body still to be read.
+        Raises NotForUs for an answer this module does not read (the connection is closed
+        and the origin marked), else httpx's transport exceptions."""
+        url = request.url
+        origin = (url.host, url.port or 80)
+        head = _request_head(request)
+        await self._slots.acquire()
+        conn: _Connection | None = None
+        try:
+            conn, reused = await self._connection(origin)
+            try:
+                return await self._exchange(origin, conn, head, request)
+            except _Unanswered as e:
+                if not reused:
+                    raise e.error from e
+                # A kept-alive connection the server closed as we sent: once more, anew.
+                await conn.aclose()
+                conn = None
+                conn = await self._open(origin)
+                try:
+                    return await self._exchange(origin, conn, head, request)
+                except _Unanswered as again:
+                    raise again.error from again
+        except BaseException as exc:
+            if isinstance(exc, NotForUs):
+                self.not_ours.add(origin)
+            self._slots.release()  # first: closing raises Cancelled in a cancelled scope
+            if conn is not None:
+                await conn.aclose()
+            raise
+
+    async def _exchange(self, origin: tuple[str, int], conn: _Connection, head: bytes,
+                        request: httpx.Request) -> httpx.Response:
+        try:
+            with trio.move_on_after(self.timeout) as scope:
+                await conn.stream.send_all(head)
+        except trio.BrokenResourceError as e:
+            raise _Unanswered(httpx.WriteError(str(e.__cause__ or e))) from e
+        if scope.cancelled_caught:
+            raise httpx.WriteTimeout(f"sending a request took over {self.timeout:g} s")
+        self.sent += 1
+        status, reason, version, headers = await self._read_head(conn)
+        length, reusable = _body_length(status, version, headers)
+        if length is None or 300 <= status < 400 or status < 200:
+            raise NotForUs(f"HTTP {status} (a redirect, an interim answer or a body without "
+                           "Content-Length): sent again through httpx")
+        body = _Body(self, origin, conn, length, reusable)
+        return httpx.Response(status, headers=headers, stream=body, request=request,
+                              extensions={"reason_phrase": reason,
+                                          "http_version": version})
+
+    async def _read_head(self, conn: _Connection) -> tuple[int, bytes, bytes,
+                                                            list[tuple[bytes, bytes]]]:
+        buffer = conn.buffer
+        searched = 0
+        while True:
+            end = buffer.find(b"\r\n\r\n", max(0, searched - 3))
+            if end >= 0:
+                break
+            if len(buffer) > HEAD_LIMIT:
+                raise httpx.RemoteProtocolError("response headers larger than 64 KiB")
+            searched = len(buffer)
+            try:
+                data = await self.receive(conn, RECEIVE_BYTES)
+            except httpx.ReadError as e:
+                if buffer:
+                    raise
+                raise _Unanswered(e) from e
+            if not data:
+                closed = httpx.RemoteProtocolError(
+                    "server disconnected without sending a response")
+                if buffer:
+                    raise closed
+                raise _Unanswered(closed)
+            buffer += data
+        lines = bytes(buffer[:end]).split(b"\r\n")
+        del buffer[: end + 4]
+        version, _, rest = lines[0].partition(b" ")
+        code, _, reason = rest.partition(b" ")
+        if version not in (b"HTTP/1.1", b"HTTP/1.0") or not code.isdigit():
+            raise httpx.RemoteProtocolError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+        headers = []
+        for line in lines[1:]:
+            name, colon, value = line.partition(b":")
+            if not colon or not name or line[:1] in (b" ", b"\t"):
+                raise NotForUs("a header line this module does not read")
+            headers.append((name.strip(), value.strip()))
+        return int(code), reason, version, headers
+
+    async def receive(self, conn: _Connection, size: int) -> bytes:
+        with trio.move_on_after(self.timeout) as scope:
+            try:
+                return await conn.stream.receive_some(size)
+            except trio.BrokenResourceError as e:
+                raise httpx.ReadError(str(e.__cause__ or e)) from e
+        assert scope.cancelled_caught
+        raise httpx.ReadTimeout(f"no bytes for {self.timeout:g} s")
+
+    async def _connection(self, origin: tuple[str, int]) -> tuple[_Connection, bool]:
+        idle = self._idle.get(origin)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if not conn.stale(now, self.keep_idle_s):
+                return conn, True
+            await conn.aclose()
+        return await self._open(origin), False
+
+    async def _open(self, origin: tuple[str, int]) -> _Connection:
+        host, port = origin
+        with trio.move_on_after(self.timeout) as scope:
+            try:
+                stream = await trio.open_tcp_stream(host, port)
+            except OSError as e:
+                raise httpx.ConnectError(f"{e.strerror or e} ({host}:{port})") from e
+        if scope.cancelled_caught:
+            raise httpx.ConnectTimeout(f"connecting to {host}:{port} took over "
+                                       f"{self.timeout:g} s")
+        self.opened += 1
+        return _Connection(stream)
+
+    def release(self, origin: tuple[str, int], conn: _Connection) -> None:
+        conn.idle_since = time.monotonic()
+        self._idle.setdefault(origin, []).append(conn)
+        self._slots.release()
+
+    async def discard(self, conn: _Connection) -> None:
+        self._slots.release()  # first: closing raises Cancelled in a cancelled scope
+        await conn.aclose()
+
+    async def aclose(self) -> None:
+        idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                await conn.aclose()
+
+
+def _request_head(request: httpx.Request) -> bytes:
+    """The request line and headers, as httpx built them (Host, signatures, Range, ...)."""
+    parts = [b"GET ", request.url.raw_path, b" HTTP/1.1\r\n"]
+    for name, value in request.headers.raw:
+        parts += (name, b": ", value, b"\r\n")
+    parts.append(b"\r\n")
+    return b"".join(parts)
+
+
+def _body_length(status: int, version: bytes,
+                 headers: list[tuple[bytes, bytes]]) -> tuple[int | None, bool]:
+    """(the body's length, whether the connection can carry another request); None where the
+    length is not given by Content-Length (chunked, or up to the connection's close)."""
+    length: int | None = None
+    reusable = version == b"HTTP/1.1"
+    for name, value in headers:
+        lower = name.lower()
+        if lower == b"content-length":
+            if not value.isdigit() or (length is not None and int(value) != length):
+                return None, False
+            length = int(value)
+        elif lower == b"transfer-encoding":
+            return None, False
+        elif lower == b"connection":
+            tokens = {t.strip().lower() for t in value.split(b",")}
+            if b"close" in tokens:
+                reusable = False
+            elif b"keep-alive" in tokens and version == b"HTTP/1.0":
+                reusable = True
+    if status == 204 or status == 304:
+        return 0, reusable
+    return length, reusable

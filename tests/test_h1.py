@@ -1,0 +1,182 @@
+"""Plain http:// GETs over shardfs's own HTTP/1.1 connections (shardfs/sources/h1.py), against
+real servers: nginx, a fault proxy in front of it, and small servers of ours that answer the
+way h1 leaves to httpx (a redirect, a chunked body) or close a kept-alive connection."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import http.server
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import aclosing
+
+import pytest
+import trio
+
+from shardfs.devtools.nginx import Nginx
+from shardfs.sources import HttpSource, ShardInfo, SourceSettings
+from shardfs.sources.h1 import Http11Pool
+from tests.faultproxy import FaultProxy
+from tests.test_sources import FAST, put, with_http
+
+
+def pool(source: HttpSource) -> Http11Pool:
+    assert source._h1 is not None, "plain http:// GETs should go over h1's connections"
+    return source._h1
+
+
+async def read(source: HttpSource, shard: ShardInfo, start: int, end: int) -> bytes:
+    parts = []
+    async with aclosing(source.stream(shard, start, end)) as chunks:
+        async for chunk in chunks:
+            parts.append(chunk)
+    return b"".join(parts)
+
+
+def test_ranged_gets_share_kept_alive_connections(nginx: Nginx) -> None:
+    data = put(nginx.root, "a.tar")
+    spans = [(i * 7919 % 900_000, i * 7919 % 900_000 + 1000 + i * 37) for i in range(120)]
+    with FaultProxy(nginx.port) as proxy:
+
+        async def check(source: HttpSource) -> None:
+            shard = await source.stat(f"http://127.0.0.1:{proxy.port}/a.tar")
+            got: dict[int, bytes] = {}
+
+            async def reader(first: int) -> None:
+                for i in range(first, len(spans), 8):
+                    got[i] = await read(source, shard, *spans[i])
+
+            async with trio.open_nursery() as nursery:
+                for first in range(8):
+                    nursery.start_soon(reader, first)
+            assert all(got[i] == data[s:e] for i, (s, e) in enumerate(spans))
+            h1 = pool(source)
+            assert h1.sent == len(spans) + 1  # and the stat's GET
+            assert h1.opened <= 8  # the 121 GETs went over at most 8 connections
+            assert source.stats.retries == 0
+
+        with_http(check)
+        assert proxy.connections_accepted <= 8
+
+
+def test_httpx_alone_when_asked_or_behind_a_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def make(settings: SourceSettings) -> Http11Pool | None:
+        source = HttpSource(settings)
+        await source.aclose()
+        return source._h1
+
+    assert trio.run(make, dataclasses.replace(FAST, http_client="httpx")) is None
+    assert trio.run(make, FAST) is not None
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # httpx would use it; h1 cannot
+    assert trio.run(make, FAST) is None
+
+
+@contextlib.contextmanager
+def odd_server(nginx: Nginx) -> Iterator[str]:
+    """/moved.tar redirects to nginx's /a.tar; /chunked.idx answers 200 with a chunked body."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            if self.path == "/moved.tar":
+                self.send_response(302)
+                self.send_header("Location", f"{nginx.url}/a.tar")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for piece in (b"chunked ", b"index"):
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            self.wfile.write(b"0\r\n\r\n")
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_answers_h1_does_not_read_go_to_httpx(nginx: Nginx) -> None:
+    data = put(nginx.root, "a.tar")
+    with odd_server(nginx) as url:
+
+        async def check(source: HttpSource) -> None:
+            assert await source.fetch_optional(f"{url}/chunked.idx") == b"chunked index"
+            shard = await source.stat(f"{url}/moved.tar")  # followed by httpx
+            assert await read(source, shard, 100, 5000) == data[100:5000]
+            h1 = pool(source)
+            assert ("127.0.0.1", int(url.rsplit(":", 1)[1])) in h1.not_ours
+            assert h1.sent == 1  # the first GET; the origin's others went to httpx directly
+
+        with_http(check)
+
+
+@contextlib.contextmanager
+def closes_on_second_request(body: bytes) -> Iterator[tuple[str, list[int]]]:
+    """Answers the first GET of each connection (keep-alive, a Range of `body`), then closes
+    the connection when the next request comes on it: a server dropping an idle connection
+    just as the client reuses it. Yields the URL and the count of connections accepted."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted = [0]
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            request = b""
+            while b"\r\n\r\n" not in request:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                request += data
+            head = request.split(b"\r\n\r\n")[0].decode("latin-1")
+            span = next(line for line in head.split("\r\n") if line.lower().startswith("range"))
+            start, end = (int(x) for x in span.split("=")[1].split("-"))
+            piece = body[start : end + 1]
+            conn.sendall(b"HTTP/1.1 206 Partial Content\r\nContent-Length: %d\r\n"
+                         b"Content-Range: bytes %d-%d/%d\r\n\r\n%s"
+                         % (len(piece), start, end, len(body), piece))
+            conn.recv(65536)  # the next request on this connection: not answered
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted[0] += 1
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/a.tar", accepted
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        thread.join(5)
+
+
+def test_a_connection_closed_as_it_is_reused_is_replaced_without_a_retry() -> None:
+    body = bytes(range(256)) * 100
+    with closes_on_second_request(body) as (url, accepted):
+
+        async def check(source: HttpSource) -> None:
+            shard = await source.stat(url)
+            for start in (0, 5000, 20000):
+                assert await read(source, shard, start, start + 3000) == body[start:start + 3000]
+            assert source.stats.retries == 0 and source.stats.errors == 0
+            assert pool(source).sent == 7  # 4 answered, 3 sent again on a fresh connection
+
+        with_http(check)
+        assert accepted[0] == 4
