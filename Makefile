@@ -5,7 +5,7 @@
 
 # Debian packages the daemon, the demo and the tests need. README's `apt-get install -y` line
 # ("Set up, the long way") lists the same, in this order: tests/test_docs.py checks.
-APT_PACKAGES := fuse3 libfuse3-dev linux-libc-dev pkg-config nginx-light libnginx-mod-http-echo attr systemd zstd lz4 python3-venv python3-dev gcc zip unzip libarchive-tools 7zip tmux
+APT_PACKAGES := fuse3 libfuse3-dev linux-libc-dev pkg-config nginx-light libnginx-mod-http-echo attr systemd zstd lz4 python3-venv python3-dev gcc zip unzip libarchive-tools 7zip tmux openssl
 # The pyproject.toml extras installed into the venv.
 EXTRAS := torch,test
 # The extras take ranges; CI installs and tests this one pinned pair (empty: let pip choose).

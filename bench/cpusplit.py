@@ -318,7 +318,9 @@ class Variant:
         saved: dict[str, str | None] = {}
         changes = dict(self.env)
         if self.path:
-            changes["PYTHONPATH"] = self.path
+            # Ahead of what is there (the dependencies may come from PYTHONPATH too)
+            changes["PYTHONPATH"] = os.pathsep.join(
+                p for p in (self.path, os.environ.get("PYTHONPATH")) if p)
         for key, value in changes.items():
             saved[key] = os.environ.get(key)
             os.environ[key] = value

@@ -1,24 +1,30 @@
-"""CPU per GB that the daemon's HTTP source spends receiving whole shards.
+"""CPU that the daemon's HTTP source spends receiving: per GB of whole shards, per ranged GET.
 
 `python -m bench httpcpu`: one local nginx (no bandwidth cap) serves a file of random bytes;
-`HttpSource.stream` reads it whole over several connections at once, for each httpcore
+`HttpSource.stream` reads it whole over several connections at once, through shardfs's own
+HTTP/1.1 connections (`--http-client auto`, sources/h1.py) and through httpx for each httpcore
 receive size asked for, in turns. Reports process CPU seconds per GB received, GB/s, and the
-mean piece size the stream yielded. Nothing is written to disk but the served file.
+mean piece size the stream yielded. With `--gets N`, then N ranged GETs of `--get-kb` each
+(random offsets, `--inflight` at once) through each client, in turns: µs of CPU per GET (what
+a member read or a `Lookahead` GET costs the daemon). Nothing is written to disk but the
+served file.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import resource
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpcore
 import trio
 
-from shardfs.devtools.nginx import Nginx
+from shardfs.devtools.nginx import Nginx, self_signed_certificate
 from shardfs.sources.base import ShardInfo, SourceSettings
 from shardfs.sources.http import HttpSource
 
@@ -29,6 +35,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="turns through all sizes")
     p.add_argument("--streams", type=int, default=8, help="connections at once")
     p.add_argument("--mb", type=int, default=256, help="size of the served file, MB")
+    p.add_argument("--clients", default="auto,httpx",
+                   help="HttpSource http_client settings to compare (auto: h1 for http://)")
+    p.add_argument("--gets", type=int, default=0,
+                   help="also this many ranged GETs per client and round (0: none)")
+    p.add_argument("--get-kb", type=int, default=110, help="size of each ranged GET, KiB")
+    p.add_argument("--inflight", type=int, default=16, help="ranged GETs at once")
+    p.add_argument("--tls", action="store_true",
+                   help="serve https (a self-signed certificate, trusted through SSL_CERT_FILE)")
     p.add_argument("--stdlib", action="store_true",
                    help="also: the standard library's http.client, readinto a 1 MiB buffer, one "
                         "thread per connection, with and without pwrite to a file (a receive "
@@ -40,10 +54,10 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-async def _receive(receive: int, url: str, size: int,
+async def _receive(client: str, receive: int, url: str, size: int,
                    streams: int) -> tuple[float, float, float]:
     # chunk_size above any receive: the stream yields what httpcore received, unsplit.
-    source = HttpSource(SourceSettings(chunk_size=64 << 20))
+    source = HttpSource(SourceSettings(chunk_size=64 << 20, http_client=client))
     # After the source raised it as the daemon's does: the size under test.
     httpcore.AsyncHTTP11Connection.READ_NUM_BYTES = receive
     info = ShardInfo(url=url, size=size)
@@ -53,14 +67,38 @@ async def _receive(receive: int, url: str, size: int,
         async for piece in source.stream(info, 0, size):
             pieces.append(len(piece))
 
-    cpu0, t0 = _cpu_s(), time.perf_counter()
-    async with trio.open_nursery() as nursery:
-        for _ in range(streams):
-            nursery.start_soon(one)
-    cpu1, t1 = _cpu_s(), time.perf_counter()
+    cpu_s, wall_s = await _timed(one, streams)
     await source.aclose()
     gb = size * streams / 1e9
-    return (cpu1 - cpu0) / gb, gb / (t1 - t0), sum(pieces) / len(pieces)
+    return cpu_s / gb, gb / wall_s, sum(pieces) / len(pieces)
+
+
+async def _timed(task: Callable[[], Awaitable[None]], copies: int) -> tuple[float, float]:
+    """Run `copies` of `task` at once: (CPU seconds of the process, wall seconds)."""
+    cpu0, t0 = _cpu_s(), time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for _ in range(copies):
+            nursery.start_soon(task)
+    return _cpu_s() - cpu0, time.perf_counter() - t0
+
+
+async def _gets(client: str, url: str, size: int, n: int, get: int,
+                inflight: int) -> tuple[float, float]:
+    """n ranged GETs of `get` bytes at random offsets, `inflight` at once: (µs of CPU per
+    GET, GETs/s)."""
+    source = HttpSource(SourceSettings(http_client=client))
+    info = ShardInfo(url=url, size=size)
+    rng = random.Random(0)
+    starts = iter([rng.randrange(0, size - get) for _ in range(n)])
+
+    async def one() -> None:
+        for start in starts:
+            async for _ in source.stream(info, start, start + get):
+                pass
+
+    cpu_s, wall_s = await _timed(one, inflight)
+    await source.aclose()
+    return cpu_s / n * 1e6, n / wall_s
 
 
 def _receive_stdlib(port: int, path: str, size: int, streams: int,
@@ -104,15 +142,29 @@ def httpcpu_command(args: argparse.Namespace) -> int:
         with served.open("wb") as f:
             for _ in range(args.mb):
                 f.write(os.urandom(1 << 20))
-        with Nginx(root / "www", root / "nginx") as server:
+        tls = None
+        if args.tls:
+            tls = self_signed_certificate(root / "tls")
+            os.environ["SSL_CERT_FILE"] = str(tls[0])  # trusted by httpx and h1 alike
+        with Nginx(root / "www", root / "nginx", tls=tls) as server:
             url = f"{server.url}/shard.bin"
+            clients = args.clients.split(",")
             for _ in range(args.rounds):
-                for receive in sizes:
-                    cpu_gb, gb_s, mean = trio.run(_receive, receive, url, args.mb << 20,
-                                                  args.streams)
-                    print(f"receive {receive >> 10:5d} KiB: {cpu_gb:.2f} CPU s/GB, "
-                          f"{gb_s:.2f} GB/s, mean piece {mean / 1024:.0f} KiB", flush=True)
-                if args.stdlib:
+                for client in clients:
+                    # h1 receives up to 1 MiB at a time whatever httpcore's size
+                    for receive in sizes if client == "httpx" else sizes[-1:]:
+                        cpu_gb, gb_s, mean = trio.run(_receive, client, receive, url,
+                                                      args.mb << 20, args.streams)
+                        what = f"httpx, receive {receive >> 10:5d} KiB" if client == "httpx" \
+                            else f"{client} (h1)"
+                        print(f"whole, {what}: {cpu_gb:.2f} CPU s/GB, {gb_s:.2f} GB/s, "
+                              f"mean piece {mean / 1024:.0f} KiB", flush=True)
+                for client in clients if args.gets else ():
+                    us, per_s = trio.run(_gets, client, url, args.mb << 20, args.gets,
+                                         args.get_kb << 10, args.inflight)
+                    print(f"ranged GETs of {args.get_kb} KiB, {args.inflight} at once, "
+                          f"{client}: {us:.0f} us CPU per GET, {per_s:.0f} GETs/s", flush=True)
+                if args.stdlib and not args.tls:
                     sink = os.open(root / "sink", os.O_RDWR | os.O_CREAT, 0o600)
                     try:
                         for label, fd in (("", None), (", pwrite", sink)):

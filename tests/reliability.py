@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardfs.devtools.pagecache import drop_pages
 from shardfs.pack import PackResult, pack
 from tests.faultproxy import FaultProxy
 
@@ -111,6 +112,14 @@ def read_file(path: Path, chunk: int = 64 * 1024) -> tuple[str, int]:
     return digest.hexdigest(), n
 
 
+def read_uncached(path: Path) -> tuple[str, int]:
+    """read_file past the kernel's page cache (a mount keeps file pages across opens, so a
+    repeated read would otherwise not reach the daemon; a dataset larger than RAM behaves
+    like this)."""
+    drop_pages(path)
+    return read_file(path)
+
+
 def read_all(mnt: Path, expected: dict[str, str], *, threads: int = 8, seed: int = 0,
              names: Iterable[str] | None = None, timeout: float = 120.0) -> ReadResult:
     """Read `names` (default: every file) in a shuffled order with `threads` readers."""
@@ -192,8 +201,6 @@ def wait_until(cond, what: str, timeout: float = 20.0) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
-
-
 
 
 def pid_alive(pid: int) -> bool:

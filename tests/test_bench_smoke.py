@@ -206,15 +206,25 @@ def test_micro_benches_run_and_report() -> None:
                           timeout=120)
     assert wake.returncode == 0, wake.stderr[-2000:]
     assert [line.split()[0] for line in wake.stdout.splitlines()] == ["0", "4"]
-    http = subprocess.run([sys.executable, "-m", "bench", "httpcpu", "--mb", "4", "--rounds",
-                           "1", "--sizes", "64,1024", "--streams", "2", "--stdlib"],
+    small = ["--mb", "4", "--rounds", "1", "--streams", "2", "--gets", "20", "--get-kb", "16",
+             "--inflight", "4"]
+    http = subprocess.run([sys.executable, "-m", "bench", "httpcpu", *small, "--sizes",
+                           "64,1024", "--stdlib"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert http.returncode == 0, http.stderr[-2000:]
     lines = http.stdout.splitlines()
+    gets = "ranged GETs of 16 KiB, 4 at once"
     assert [line.split(":")[0] for line in lines] == [
-        "receive    64 KiB", "receive  1024 KiB", "http.client readinto, threads",
+        "whole, auto (h1)", "whole, httpx, receive    64 KiB", "whole, httpx, receive  1024 KiB",
+        f"{gets}, auto", f"{gets}, httpx", "http.client readinto, threads",
         "http.client readinto, threads, pwrite"], lines
-    assert all("CPU s/GB" in line for line in lines)
+    assert all("CPU s/GB" in line or "us CPU per GET" in line for line in lines)
+    tls = subprocess.run([sys.executable, "-m", "bench", "httpcpu", *small, "--sizes", "1024",
+                          "--tls"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert tls.returncode == 0, tls.stderr[-2000:]
+    assert [line.split(":")[0] for line in tls.stdout.splitlines()] == [
+        "whole, auto (h1)", "whole, httpx, receive  1024 KiB", f"{gets}, auto",
+        f"{gets}, httpx"], tls.stdout
 
 
 _BURNER = """

@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 
 from shardfs.devtools.nginx import Nginx
-from shardfs.devtools.pagecache import drop_pages
 from tests.conftest import Mount, Mounter
 from tests.faultproxy import Fault, FaultProxy
 from tests.reliability import (
@@ -33,6 +32,7 @@ from tests.reliability import (
     pid_alive,
     read_all,
     read_file,
+    read_uncached,
     report,
 )
 
@@ -52,12 +52,6 @@ def assert_clean(result: ReadResult, ds: RandomDataset, names: list[str] | None 
     assert not result.errors, f"read errors: {list(result.errors.items())[:5]}"
     assert result.files == len(names if names is not None else ds.sha)
 
-
-def reread_from_daemon(path: Path) -> tuple[str, int]:
-    """Read a file bypassing the kernel's page cache for it (keep_cache would otherwise
-    answer a repeated read without asking the daemon)."""
-    drop_pages(path)
-    return read_file(path)
 
 
 def run_scenario(request: pytest.FixtureRequest, mounter: Mounter, nginx: Nginx,
@@ -257,7 +251,7 @@ def test_shard_replaced_while_mounted(request, mounter: Mounter, nginx: Nginx, f
         # page cache so the daemon really serves it).
         hits = m.stats()["reader"]["cache_hits"]
         for rel in a_names:
-            assert reread_from_daemon(m.mountpoint / rel)[0] == ds.sha[rel], rel
+            assert read_uncached(m.mountpoint / rel)[0] == ds.sha[rel], rel
         assert m.stats()["reader"]["cache_hits"] >= hits + len(a_names)
         # Everything else is unchanged and still reads fine.
         others = [n for n in ds.sha if n not in new]
@@ -332,7 +326,7 @@ def test_server_down_longer_than_deadline(request, mounter: Mounter, nginx: Ngin
         # The daemon is alive and still serves what it has cached.
         assert pid_alive(m.pid)
         for rel in warm:
-            assert reread_from_daemon(m.mountpoint / rel)[0] == ds.sha[rel]
+            assert read_uncached(m.mountpoint / rel)[0] == ds.sha[rel]
         assert m.stats()["reader"]["eio"] >= len(probes)
         # The server comes back: every byte of the dataset reads fine.
         if outage == "refused":

@@ -10,29 +10,21 @@ import http.server
 import socket
 import threading
 from collections.abc import Iterator
-from contextlib import aclosing
+from pathlib import Path
 
 import pytest
 import trio
 
-from shardfs.devtools.nginx import Nginx
-from shardfs.sources import HttpSource, ShardInfo, SourceSettings
+from shardfs.devtools.nginx import Nginx, self_signed_certificate
+from shardfs.sources import HttpSource, SourceSettings, Unreachable
 from shardfs.sources.h1 import Http11Pool
 from tests.faultproxy import FaultProxy
-from tests.test_sources import FAST, put, with_http
+from tests.test_sources import FAST, SIZE, http_server, put, read, with_http
 
 
 def pool(source: HttpSource) -> Http11Pool:
     assert source._h1 is not None, "plain http:// GETs should go over h1's connections"
     return source._h1
-
-
-async def read(source: HttpSource, shard: ShardInfo, start: int, end: int) -> bytes:
-    parts = []
-    async with aclosing(source.stream(shard, start, end)) as chunks:
-        async for chunk in chunks:
-            parts.append(chunk)
-    return b"".join(parts)
 
 
 def test_ranged_gets_share_kept_alive_connections(nginx: Nginx) -> None:
@@ -97,15 +89,8 @@ def odd_server(nginx: Nginx) -> Iterator[str]:
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
             self.wfile.write(b"0\r\n\r\n")
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    with http_server(Handler) as url:  # h1 closes a connection after an answer it leaves
+        yield url
 
 
 def test_answers_h1_does_not_read_go_to_httpx(nginx: Nginx) -> None:
@@ -117,7 +102,7 @@ def test_answers_h1_does_not_read_go_to_httpx(nginx: Nginx) -> None:
             shard = await source.stat(f"{url}/moved.tar")  # followed by httpx
             assert await read(source, shard, 100, 5000) == data[100:5000]
             h1 = pool(source)
-            assert ("127.0.0.1", int(url.rsplit(":", 1)[1])) in h1.not_ours
+            assert ("http", "127.0.0.1", int(url.rsplit(":", 1)[1])) in h1.not_ours
             assert h1.sent == 1  # the first GET; the origin's others went to httpx directly
 
         with_http(check)
@@ -180,3 +165,75 @@ def test_a_connection_closed_as_it_is_reused_is_replaced_without_a_retry() -> No
 
         with_http(check)
         assert accepted[0] == 4
+
+
+@pytest.fixture
+def https_nginx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Nginx]:
+    """nginx serving https with a self-signed certificate that the process trusts the way
+    httpx does (SSL_CERT_FILE)."""
+    cert, key = self_signed_certificate(tmp_path / "tls")
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    (tmp_path / "www").mkdir()
+    with Nginx(tmp_path / "www", tmp_path / "nginx", tls=(cert, key)) as server:
+        yield server
+
+
+def test_https_gets_go_over_h1_with_httpxs_trust(https_nginx: Nginx) -> None:
+    data = put(https_nginx.root, "a.tar")
+    assert https_nginx.url.startswith("https://")
+
+    async def check(source: HttpSource) -> None:
+        shard = await source.stat(f"{https_nginx.url}/a.tar")
+        for start in range(0, 900_000, 150_000):
+            assert await read(source, shard, start, start + 70_000) == data[start:start + 70_000]
+        h1 = pool(source)
+        assert (h1.sent, h1.opened) == (7, 1)  # one TLS connection carried every GET
+
+    with_http(check)
+
+
+def test_an_untrusted_certificate_fails_as_through_httpx(https_nginx: Nginx,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    put(https_nginx.root, "a.tar")
+    monkeypatch.delenv("SSL_CERT_FILE")
+
+    async def fails(client: str) -> str:
+        source = HttpSource(dataclasses.replace(FAST, http_client=client))
+        try:
+            with pytest.raises(Unreachable) as caught:
+                await source.stat(f"{https_nginx.url}/a.tar")
+        finally:
+            await source.aclose()
+        return str(caught.value)
+
+    # Unreachable both ways (a first contact that fails to connect); h1's message names why.
+    assert "CERTIFICATE_VERIFY_FAILED" in trio.run(fails, "auto")
+    assert "cannot connect" in trio.run(fails, "httpx")
+
+
+def test_https_connections_a_restart_closed_are_replaced(https_nginx: Nginx) -> None:
+    data = put(https_nginx.root, "a.tar")
+
+    async def check(source: HttpSource) -> None:
+        shard = await source.stat(f"{https_nginx.url}/a.tar")
+        assert await read(source, shard, 0, SIZE) == data
+        https_nginx.restart()  # the kept-alive TLS connection is closed under us
+        assert await read(source, shard, 5, 600_000) == data[5:600_000]
+        assert pool(source).opened == 2 and source.stats.errors == 0
+
+    with_http(check)
+
+
+def test_a_connection_idle_too_long_is_not_reused(nginx: Nginx) -> None:
+    data = put(nginx.root, "a.tar")
+
+    async def check(source: HttpSource) -> None:
+        shard = await source.stat(f"{nginx.url}/a.tar")
+        h1 = pool(source)
+        assert await read(source, shard, 0, 1000) == data[:1000]
+        assert h1.opened == 1  # the stat's connection carried the read
+        h1.keep_idle_s = 0.0  # every idle connection is now too old to trust
+        assert await read(source, shard, 1000, 2000) == data[1000:2000]
+        assert (h1.sent, h1.opened) == (3, 2)
+
+    with_http(check)

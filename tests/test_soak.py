@@ -28,7 +28,6 @@ from pathlib import Path
 import pytest
 
 from shardfs.devtools.nginx import Nginx
-from shardfs.devtools.pagecache import drop_pages
 from tests.conftest import Mounter
 from tests.faultproxy import Fault, FaultProxy
 from tests.reliability import (
@@ -37,7 +36,7 @@ from tests.reliability import (
     effective_faults,
     make_dataset,
     pid_alive,
-    read_file,
+    read_uncached,
     report,
 )
 
@@ -87,12 +86,6 @@ LONG_RANDOM = SoakPlan(files=8000, mean_kb=4, shard_kb=2048, budget_shards=10, e
 
 # -- reader processes (module level: they are forked) ------------------------------------------
 
-
-def read_uncached(path: Path) -> tuple[str, int]:
-    """Read a file past the kernel's page cache (keep_cache would otherwise serve later
-    epochs without asking the daemon): a dataset larger than RAM behaves like this."""
-    drop_pages(path)
-    return read_file(path)
 
 
 def _verify(mnt: str, names: list[str], sha: dict[str, str]) -> tuple[int, int, int, int]:

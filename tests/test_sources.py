@@ -95,18 +95,13 @@ def proxy_for(server: Nginx) -> Iterator[FaultProxy]:
 
 
 @contextlib.contextmanager
-def server_without_ranges(root: Path) -> Iterator[str]:
-    """Python's http.server: answers every GET with the whole file (200)."""
-
-    class Quiet(http.server.SimpleHTTPRequestHandler):
-        def log_message(self, format: str, *args: object) -> None:
-            pass
+def http_server(handler: Callable[..., http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A threaded http.server on 127.0.0.1 answering with `handler`; yields its URL."""
 
     class Server(http.server.ThreadingHTTPServer):
         def handle_error(self, request: object, client_address: object) -> None:
             pass  # a client that closes early (shardfs after the probe) is not a failure
 
-    handler = functools.partial(Quiet, directory=str(root))
     server = Server(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -116,6 +111,18 @@ def server_without_ranges(root: Path) -> Iterator[str]:
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+@contextlib.contextmanager
+def server_without_ranges(root: Path) -> Iterator[str]:
+    """Python's http.server: answers every GET with the whole file (200)."""
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    with http_server(functools.partial(Quiet, directory=str(root))) as url:
+        yield url
 
 
 # -- nginx helper ------------------------------------------------------------------------------

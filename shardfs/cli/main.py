@@ -134,7 +134,7 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    help="at most N requests/s to the sources (default: unlimited until a "
                    "store throttles, then adaptive)")
     p.add_argument("--http-client", choices=("auto", "httpx"),
-                   help="plain http:// GETs over shardfs's own HTTP/1.1 connections, the rest "
+                   help="GETs over shardfs's own HTTP/1.1 connections, proxies and unusual answers "
                    "through httpx (auto, default), or everything through httpx (httpx)")
     p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     add_takeover_arguments(p)

@@ -48,6 +48,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key (PEM files in `directory`), made by the openssl
+    command: for an https nginx in tests and benchmarks (a client trusts it through
+    SSL_CERT_FILE, as httpx does)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return cert, key
+
+
 def _port_open(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.2):
@@ -60,13 +73,15 @@ class Nginx:
     """nginx serving `root` at http://127.0.0.1:PORT/, all its state kept inside `workdir`."""
 
     def __init__(self, root: Path, workdir: Path, *, port: int = 0, latency_s: float = 0.0,
-                 listings: bool = False, workers: int = 1) -> None:
+                 listings: bool = False, workers: int = 1,
+                 tls: tuple[Path, Path] | None = None) -> None:
         self.root = Path(root).resolve()
         self.workdir = Path(workdir).resolve()
         self.port = port
         self.latency_s = latency_s
         self.listings = listings  # autoindex: per-file HTTP mounts (rclone) list directories
         self.workers = workers
+        self.tls = tls  # (certificate, key): serve https (self_signed_certificate)
         self._proc: subprocess.Popen[bytes] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -135,7 +150,7 @@ class Nginx:
     def url(self) -> str:
         if not self.port:
             raise NginxError("nginx has not been started")
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     # -- access log --------------------------------------------------------------------------
 
@@ -254,6 +269,9 @@ class Nginx:
             {serve}
         }}"""
             head = ""
+        tls = "" if self.tls is None else (
+            f" ssl;\n        ssl_certificate {self.tls[0]};\n"
+            f"        ssl_certificate_key {self.tls[1]}")
         # pytest's tmp dirs are 0700, so as root the worker must stay root to read them.
         user = "user root;\n" if os.geteuid() == 0 else ""
         return f"""{head}{user}worker_processes {self.workers};
@@ -271,7 +289,7 @@ http {{
     server_tokens off;
 {self._http_settings()}
     server {{
-        listen 127.0.0.1:{port};
+        listen 127.0.0.1:{port}{tls};
         server_name localhost;{locations}
     }}
 }}

@@ -52,8 +52,8 @@ class SourceSettings:
     timeout: float = 10.0  # seconds: connect / read-stall limit of one request
     deadline: float = 60.0  # seconds without progress before a read fails with Unreachable
     max_connections: int = 32
-    # "auto": plain http:// GETs over our own HTTP/1.1 connections (sources/h1.py), the rest
-    # through httpx; "httpx": everything through httpx.
+    # "auto": GETs over our own HTTP/1.1 connections (sources/h1.py), proxies and unusual
+    # answers through httpx; "httpx": everything through httpx.
     http_client: str = "auto"
     backoff_initial: float = 0.1  # seconds; doubles per retry up to backoff_max
     backoff_max: float = 5.0

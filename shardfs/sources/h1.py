@@ -1,4 +1,4 @@
-"""A lean HTTP/1.1 GET for plain http:// origins, beside httpx.
+"""A lean HTTP/1.1 GET for http:// and https:// origins, beside httpx.
 
 Why: a ranged GET of a 110 KB member cost 1.5-2.9 ms of CPU through httpx's client, httpcore's
 pool and h11 on this project's 2-core machine, against ~0.13-0.27 ms for the same request
@@ -11,17 +11,22 @@ whose body streams from that connection. Callers see the same types and the same
 exceptions (httpx's `ConnectError`, `ReadError`, `RemoteProtocolError`, `ReadTimeout`, ...),
 so HttpSource's retries, validation and messages apply unchanged.
 
-What it leaves to httpx (`HttpSource` sends those there): https, proxies from the
-environment, and any answer this module does not read itself: a redirect, a body without
-Content-Length (chunked), an interim 1xx, folded header lines. Such an answer closes the
-connection, marks the origin, and the same GET (idempotent) is sent again through httpx; the
-origin's later requests go to httpx directly.
+https is TLS over the same connections, with the context httpx would make
+(`httpx.create_ssl_context()`: the same CA bundle, SSL_CERT_FILE / SSL_CERT_DIR), through the
+ssl module's memory BIOs (`_TlsStream`): each receive decrypts every TLS record that has
+arrived, where trio's SSLStream (which httpcore uses) returns one 16 KiB record per receive,
+5-9 CPU s per GB on this machine. What it leaves to httpx (`HttpSource` sends those there):
+proxies from the environment, and any answer this module does not read itself: a redirect,
+a body without Content-Length (chunked), an interim 1xx, folded header lines. Such an
+answer closes the connection, marks the origin, and the same GET (idempotent) is sent again
+through httpx; the origin's later requests go to httpx directly.
 """
 
 from __future__ import annotations
 
 import os
 import select
+import ssl
 import time
 from collections.abc import AsyncIterator
 
@@ -30,7 +35,10 @@ import trio
 
 HEAD_LIMIT = 64 << 10  # a response's status line and headers; more is a protocol error
 RECEIVE_BYTES = 1 << 20  # most bytes asked of one receive (a receive returns what arrived)
-PROXY_VARIABLES = ("http_proxy", "all_proxy", "HTTP_PROXY", "ALL_PROXY")
+PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY",
+                   "ALL_PROXY")
+
+Origin = tuple[str, str, int]  # scheme, host, port
 
 
 class _Unanswered(Exception):
@@ -48,18 +56,86 @@ class NotForUs(Exception):
 
 
 def proxy_in_environment() -> bool:
-    """True when httpx would send plain http:// requests through a proxy (it reads these
-    variables by default); this module never does, so it stays out of the way."""
+    """True when httpx would send requests through a proxy (it reads these variables by
+    default); this module never does, so it stays out of the way."""
     return any(os.environ.get(name) for name in PROXY_VARIABLES)
+
+
+class _TlsStream:
+    """TLS over a trio TCP stream (client side), receiving as many records as have arrived.
+
+    The same duties as trio.SSLStream for one request at a time: handshake, `send_all`,
+    `receive_some` (b"" at the end: close_notify or, as browsers and trio's
+    https_compatible mode allow, a bare TCP close) and a forceful close. Transport failures
+    surface as trio.BrokenResourceError, as from a TCP stream; TLS failures as ssl.SSLError."""
+
+    def __init__(self, tcp: trio.SocketStream, context: ssl.SSLContext, host: str) -> None:
+        self.tcp = tcp
+        self._incoming = ssl.MemoryBIO()
+        self._outgoing = ssl.MemoryBIO()
+        self._tls = context.wrap_bio(self._incoming, self._outgoing, server_hostname=host)
+
+    async def do_handshake(self) -> None:
+        while True:
+            try:
+                self._tls.do_handshake()
+            except ssl.SSLWantReadError:
+                await self._flush()
+                if not await self._fill(1 << 16):
+                    raise trio.BrokenResourceError(
+                        "connection closed during the TLS handshake") from None
+                continue
+            await self._flush()
+            return
+
+    async def send_all(self, data: bytes) -> None:
+        self._tls.write(data)
+        await self._flush()
+
+    async def receive_some(self, max_bytes: int) -> bytes:
+        parts: list[bytes] = []
+        got = 0
+        while True:
+            try:
+                while got < max_bytes:
+                    piece = self._tls.read(max_bytes - got)
+                    parts.append(piece)
+                    got += len(piece)
+                return b"".join(parts)
+            except ssl.SSLWantReadError:
+                if parts:
+                    return b"".join(parts)
+                await self._flush()  # what reading produced (a key update's answer)
+                await self._fill(max_bytes)  # at EOF the next read raises, below
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                return b"".join(parts)
+
+    async def aclose(self) -> None:
+        await trio.aclose_forcefully(self.tcp)
+
+    async def _flush(self) -> None:
+        data = self._outgoing.read()
+        if data:
+            await self.tcp.send_all(data)
+
+    async def _fill(self, size: int) -> bool:
+        data = await self.tcp.receive_some(max(size, 1 << 16))
+        if not data:
+            self._incoming.write_eof()
+            return False
+        self._incoming.write(data)
+        return True
 
 
 class _Connection:
     """One kept-alive TCP connection to an origin."""
 
-    __slots__ = ("buffer", "idle_since", "stream")
+    __slots__ = ("buffer", "idle_since", "socket", "stream")
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+    def __init__(self, stream: trio.SocketStream | _TlsStream,
+                 sock: trio.socket.SocketType) -> None:
         self.stream = stream
+        self.socket = sock
         self.buffer = bytearray()  # bytes received past the last response's end
         self.idle_since = 0.0
 
@@ -69,7 +145,7 @@ class _Connection:
         if self.buffer or now - self.idle_since > keep_idle_s:
             return True
         poller = select.poll()
-        poller.register(self.stream.socket.fileno(), select.POLLIN)
+        poller.register(self.socket.fileno(), select.POLLIN)
         return bool(poller.poll(0))
 
     async def aclose(self) -> None:
@@ -80,7 +156,7 @@ class _Body(httpx.AsyncByteStream):
     """A response's body: `length` bytes from the connection; the connection goes back to
     the pool when the body was read to its end, and is closed otherwise."""
 
-    def __init__(self, pool: Http11Pool, origin: tuple[str, int], conn: _Connection,
+    def __init__(self, pool: Http11Pool, origin: Origin, conn: _Connection,
                  length: int, reusable: bool) -> None:
         self._pool = pool
         self._origin = origin
@@ -104,9 +180,8 @@ class _Body(httpx.AsyncByteStream):
                 raise httpx.RemoteProtocolError(
                     f"server closed the connection with {self._left} bytes of the body "
                     "still to come")
-            if len(data) > self._left:  # a server writing past its Content-Length
-                self._reusable = False
-                data = data[: self._left]
+            # Never more than asked: bytes a server writes past its Content-Length stay in
+            # the socket, which makes the connection stale (not reused).
             self._left -= len(data)
             yield data
 
@@ -121,8 +196,8 @@ class _Body(httpx.AsyncByteStream):
 
 
 class Http11Pool:
-    """Kept-alive connections to plain http:// origins, at most `max_connections` in use or
-    idle at once, and the GETs sent over them."""
+    """Kept-alive connections to http:// and https:// origins, at most `max_connections` in
+    use or idle at once, and the GETs sent over them."""
 
     def __init__(self, max_connections: int, timeout: float, keep_idle_s: float = 5.0) -> None:
         self.timeout = timeout
@@ -130,22 +205,22 @@ class Http11Pool:
         # idle longer than this is closed here rather than risked.
         self.keep_idle_s = keep_idle_s
         self._slots = trio.Semaphore(max_connections)
-        self._idle: dict[tuple[str, int], list[_Connection]] = {}
-        self.not_ours: set[tuple[str, int]] = set()  # origins whose answers go to httpx
-        self.opened = 0  # connections opened (for tests and stats)
+        self._idle: dict[Origin, list[_Connection]] = {}
+        self.not_ours: set[Origin] = set()  # origins whose answers go to httpx
+        self._tls: ssl.SSLContext | None = None  # made at the first https:// request
+        self.opened = 0  # connections opened (for tests and benchmarks)
         self.sent = 0  # requests sent
 
     def takes(self, request: httpx.Request) -> bool:
         url = request.url
-        return (request.method == "GET" and url.scheme == "http" and not request.content
-                and (url.host, url.port or 80) not in self.not_ours)
+        return (request.method == "GET" and url.scheme in DEFAULT_PORTS
+                and not request.content and _origin(url) not in self.not_ours)
 
     async def send(self, request: httpx.Request) -> httpx.Response:
         """Send `request` (see `takes`) and return its response, its body still to be read.
         Raises NotForUs for an answer this module does not read (the connection is closed
         and the origin marked), else httpx's transport exceptions."""
-        url = request.url
-        origin = (url.host, url.port or 80)
+        origin = _origin(request.url)
         head = _request_head(request)
         await self._slots.acquire()
         conn: _Connection | None = None
@@ -167,17 +242,18 @@ class Http11Pool:
         except BaseException as exc:
             if isinstance(exc, NotForUs):
                 self.not_ours.add(origin)
-            self._slots.release()  # first: closing raises Cancelled in a cancelled scope
-            if conn is not None:
-                await conn.aclose()
+            if conn is None:
+                self._slots.release()
+            else:
+                await self.discard(conn)
             raise
 
-    async def _exchange(self, origin: tuple[str, int], conn: _Connection, head: bytes,
+    async def _exchange(self, origin: Origin, conn: _Connection, head: bytes,
                         request: httpx.Request) -> httpx.Response:
         try:
             with trio.move_on_after(self.timeout) as scope:
                 await conn.stream.send_all(head)
-        except trio.BrokenResourceError as e:
+        except (trio.BrokenResourceError, ssl.SSLError) as e:
             raise _Unanswered(httpx.WriteError(str(e.__cause__ or e))) from e
         if scope.cancelled_caught:
             raise httpx.WriteTimeout(f"sending a request took over {self.timeout:g} s")
@@ -234,12 +310,12 @@ class Http11Pool:
         with trio.move_on_after(self.timeout) as scope:
             try:
                 return await conn.stream.receive_some(size)
-            except trio.BrokenResourceError as e:
+            except (trio.BrokenResourceError, ssl.SSLError) as e:
                 raise httpx.ReadError(str(e.__cause__ or e)) from e
         assert scope.cancelled_caught
         raise httpx.ReadTimeout(f"no bytes for {self.timeout:g} s")
 
-    async def _connection(self, origin: tuple[str, int]) -> tuple[_Connection, bool]:
+    async def _connection(self, origin: Origin) -> tuple[_Connection, bool]:
         idle = self._idle.get(origin)
         now = time.monotonic()
         while idle:
@@ -249,20 +325,37 @@ class Http11Pool:
             await conn.aclose()
         return await self._open(origin), False
 
-    async def _open(self, origin: tuple[str, int]) -> _Connection:
-        host, port = origin
+    async def _open(self, origin: Origin) -> _Connection:
+        scheme, host, port = origin
+        conn = None
         with trio.move_on_after(self.timeout) as scope:
             try:
-                stream = await trio.open_tcp_stream(host, port)
+                tcp = await trio.open_tcp_stream(host, port)
             except OSError as e:
                 raise httpx.ConnectError(f"{e.strerror or e} ({host}:{port})") from e
-        if scope.cancelled_caught:
+            if scheme == "http":
+                conn = _Connection(tcp, tcp.socket)
+            else:
+                if self._tls is None:
+                    self._tls = httpx.create_ssl_context()
+                tls = _TlsStream(tcp, self._tls, host)
+                try:
+                    await tls.do_handshake()
+                except (trio.BrokenResourceError, ssl.SSLError) as e:
+                    await trio.aclose_forcefully(tcp)
+                    raise httpx.ConnectError(str(e.__cause__ or e)) from e
+                except BaseException:
+                    await trio.aclose_forcefully(tcp)
+                    raise
+                conn = _Connection(tls, tcp.socket)
+        if conn is None:
+            assert scope.cancelled_caught
             raise httpx.ConnectTimeout(f"connecting to {host}:{port} took over "
                                        f"{self.timeout:g} s")
         self.opened += 1
-        return _Connection(stream)
+        return conn
 
-    def release(self, origin: tuple[str, int], conn: _Connection) -> None:
+    def release(self, origin: Origin, conn: _Connection) -> None:
         conn.idle_since = time.monotonic()
         self._idle.setdefault(origin, []).append(conn)
         self._slots.release()
@@ -276,6 +369,13 @@ class Http11Pool:
         for conns in idle.values():
             for conn in conns:
                 await conn.aclose()
+
+
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def _origin(url: httpx.URL) -> Origin:
+    return url.scheme, url.host, url.port or DEFAULT_PORTS[url.scheme]
 
 
 def _request_head(request: httpx.Request) -> bytes:

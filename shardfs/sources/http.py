@@ -190,8 +190,8 @@ class HttpSource:
             headers={"Accept-Encoding": "identity", "User-Agent": f"shardfs/{__version__}"},
             follow_redirects=True,
         )
-        # Plain http:// GETs go over connections of our own (sources/h1.py: a tenth of
-        # httpx's CPU per request); https, proxies and unusual answers stay with httpx.
+        # GETs go over connections of our own (sources/h1.py: a fifth of httpx's CPU per
+        # GET); proxies and unusual answers stay with httpx.
         self._h1 = None if s.http_client == "httpx" or proxy_in_environment() \
             else Http11Pool(s.max_connections, s.timeout)
 
