@@ -320,9 +320,11 @@ def test_dataset_fits_the_cache_only_the_epochs_head_is_fetched_ahead(dataset, n
                                                                       mounter: Mounter):
     """Whole-shard caching serves an epoch when the dataset fits; Lookahead fetches only the
     epoch's first entries by ranged GETs, so the first batch need not wait for a whole-shard
-    frontier, and the bytes stay the dataset's plus those few members."""
+    frontier, and the bytes stay the dataset's plus those few members (`--lookahead-fill
+    off`; on, the default, is the next test)."""
     publish_with_index(dataset, nginx.root)
-    m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None, "--no-warm")
+    m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None, "--no-warm",
+                      "--lookahead-fill", "off")
     stats = m.stats()
     assert stats["dataset_bytes"] <= stats["cache_budget_bytes"]
     ds = folder(m)
@@ -376,7 +378,7 @@ def test_dataset_fits_the_cache_members_fill_their_shards_in_read_order(dataset,
     last bytes came after the epoch's last announcement: the next epoch is all cache hits."""
     publish_with_index(dataset, nginx.root)
     m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None, "--no-warm",
-                      "--workers", str(workers), "--lookahead-fill", "on")
+                      "--workers", str(workers))  # --lookahead-fill on: the default
     stats = m.stats()
     assert stats["dataset_bytes"] <= stats["cache_budget_bytes"]
     nginx.reset_log()
@@ -404,10 +406,10 @@ def test_dataset_fits_the_cache_members_fill_their_shards_in_read_order(dataset,
     assert reader["fills_started"] == reader["fills_done"] == shards, reader
     assert reader["shard_fetches_started"] == 0, reader  # no whole-shard GET
     assert reader["member_fetches"] == 0 and reader["eio"] == 0, reader  # no fallback
-    # Each announced file went to its part file (or its shard was complete, by the streams,
-    # when its turn came).
+    # Each announced file went to its part file, and was landed for its read: no GET of
+    # the RAM path (requests), reads served from what the fills' GETs landed (hits)
     assert la["part_entries"] + la["skipped"] == len(ds) and la["part_entries"] > 0, la
-    assert la["requests"] == la["hits"] == 0, la  # nothing held in RAM
+    assert la["requests"] == 0 and la["hits"] > 0, la
     assert la["part_errors"] == 0 and la["hole_requests"] >= 1, la
     assert after["bytes_fetched"] <= 1.05 * stats["dataset_bytes"], (after["bytes_fetched"],
                                                                        stats["dataset_bytes"])
@@ -434,7 +436,6 @@ def test_dataset_fits_the_cache_members_fill_their_shards_in_read_order(dataset,
             last = max(t.offset_data + t.size for t in tar.getmembers())
         ends += (dataset.shard_dir / name).stat().st_size - (last + 511) // 512 * 512
     assert la["hole_bytes"] == ends, (la, ends)
-    assert la["stream_requests"] < la["part_requests"], la
     # Read order: the epoch's first file came with the first GETs (nginx logs GETs as they
     # end, 16 in flight).
     place = {(name, first, end): n for n, (name, first, end, _) in enumerate(ranges)}

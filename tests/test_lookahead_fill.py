@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import trio
 
+from shardfs.cache.shardcache import ShardCache
 from shardfs.catalog.catalog import Catalog
 from shardfs.daemon.announce import attach_lookahead
-from shardfs.cache.shardcache import ShardCache
 from shardfs.read.lookahead import Lookahead, LookaheadPolicy
 from shardfs.read.reader import Reader
 from shardfs.sources import ShardInfo, Source, Sources, SourceSettings, Unreachable
@@ -92,18 +92,15 @@ async def _read(reader: Reader, ref: tuple[int, int, int]) -> bytes:
     return bytes(await reader.read(shard, offset, size, 0, size))
 
 
-@pytest.mark.parametrize("streams", [0, 2])
-def test_announced_members_fill_the_shard_byte_for_byte(tmp_path: Path, shards: Shards,
-                                                        streams: int) -> None:
-    """Every read right, every byte of the shard fetched exactly once (the members' GETs
-    with their headers, GETs streaming missing runs from the next member no GET brings, the
-    end after the last announcement), the first GETs in read order, and the shard committed
-    with its sha256 checked from the part file."""
+def test_announced_members_fill_the_shard_byte_for_byte(tmp_path: Path,
+                                                        shards: Shards) -> None:
+    """Every read right and served from the members the fill's GETs landed, every byte of
+    the shard fetched exactly once (the members' GETs with their headers, the end after the
+    last announcement), the first GETs in read order, and the shard committed with its
+    sha256 checked from the part file."""
     sources = _Sources()
     shard = 3
-    # Streams of 16 KiB: a few members each (the shard is ~150 KiB).
-    policy = LookaheadPolicy(max_requests=4 + streams, fill_parts=True, fill_streams=streams,
-                             fill_stream_span=16 * 1024, fill_behind=8)
+    policy = LookaheadPolicy(fill_requests=4)
 
     async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
         catalog.sha256[shard] = hashlib.sha256(shards.paths[shard].read_bytes()).hexdigest()
@@ -134,9 +131,7 @@ def test_announced_members_fill_the_shard_byte_for_byte(tmp_path: Path, shards: 
         assert stats.shard_bytes == size and stats.shard_fetches_started == 0
         assert stats.member_fetches == 0 and la.requests == 0, (stats, la)
         assert la.part_entries == len(refs) and la.hole_requests >= 1, la
-        assert (la.stream_requests > 0) == (streams > 0), la
-        if streams:
-            return  # which member a stream starts at depends on when the others land
+        assert la.hits == len(refs), la  # each read took its landed member
         # The epoch's first reads, one member per GET (with its header), asked first: the
         # first four GETs in flight are the first four announced (trio starts a batch of
         # tasks in no fixed order).
@@ -160,7 +155,7 @@ def test_a_failed_fill_get_reads_the_members_instead(tmp_path: Path, shards: Sha
     async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
         inodes = file_inodes(catalog)
         async with trio.open_nursery() as nursery:
-            policy = LookaheadPolicy(max_requests=2, fill_parts=True)
+            policy = LookaheadPolicy(fill_requests=2)
             lookahead = await _started(reader, policy, nursery)
             refs = _refs(catalog, inodes, shard)
             lookahead.open_stream().announce(refs)
@@ -186,7 +181,7 @@ def test_a_filled_shard_whose_digest_differs_is_not_cached(tmp_path: Path,
         catalog.sha256[shard] = hashlib.sha256(b"some other shard").hexdigest()
         inodes = file_inodes(catalog)
         async with trio.open_nursery() as nursery:
-            lookahead = await _started(reader, LookaheadPolicy(fill_parts=True), nursery)
+            lookahead = await _started(reader, LookaheadPolicy(), nursery)
             stream = lookahead.open_stream()
             refs = _refs(catalog, inodes, shard)
             stream.announce(refs)
@@ -211,7 +206,7 @@ def test_over_the_cache_nothing_goes_to_part_files(tmp_path: Path, shards: Shard
     async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
         inodes = file_inodes(catalog)
         async with trio.open_nursery() as nursery:
-            lookahead = attach_lookahead(reader, LookaheadPolicy(fill_parts=True))
+            lookahead = attach_lookahead(reader, LookaheadPolicy())
             assert lookahead is not None
             await nursery.start(lookahead.run)
             refs = _refs(catalog, inodes, shard)
@@ -224,3 +219,40 @@ def test_over_the_cache_nothing_goes_to_part_files(tmp_path: Path, shards: Shard
         assert lookahead.stats.hits == len(refs) and lookahead.stats.part_entries == 0
 
     run_reader(tmp_path, shards.urls, 2 * shards.shard_size, body, sources=sources)
+
+
+def test_a_fill_is_paced_by_the_buffer(tmp_path: Path, shards: Shards) -> None:
+    """The fill's GETs land their members in RAM until read: with a buffer of three members'
+    worth, no more is fetched ahead than that, and the reads (in the announced order) still
+    find every member, the shard committed at the end."""
+    sources = _Sources()
+    shard = 4
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        refs = _refs(catalog, inodes, shard)
+        buffer = 3 * max(n for _, _, n in refs)
+        async with trio.open_nursery() as nursery:
+            policy = LookaheadPolicy(fill_requests=8, buffer_bytes=buffer)
+            lookahead = await _started(reader, policy, nursery)
+            stream = lookahead.open_stream()
+            stream.announce(refs)
+            stream.announced_all()
+            for ref in refs:
+                await trio.sleep(0.01)  # the GETs run ahead as far as the buffer lets them
+                assert lookahead.stats.buffered_bytes <= buffer, lookahead.stats
+                assert await _read(reader, ref) == shards.paths[shard].read_bytes()[
+                    ref[1] : ref[1] + ref[2]]
+            with trio.fail_after(10):
+                while shard in reader.fetches:
+                    await trio.sleep(0.005)
+            nursery.cancel_scope.cancel()
+        la = lookahead.stats
+        assert la.peak_buffered_bytes <= buffer, la
+        # Each read took its landed member, but those the shard's commit overtook (read from
+        # the cache then: their held bytes let go at once, nothing left in the buffer).
+        assert la.part_entries == len(refs) and 0 < la.hits <= len(refs), la
+        assert la.buffered_bytes == 0, la
+        assert cache.has(catalog.keys[shard]) and reader.stats.fills_done == 1
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources)

@@ -101,9 +101,9 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    "shardfs.torch.Lookahead, fetched and not yet read (default 64MiB; 0: off)")
     p.add_argument("--lookahead-fill", choices=("on", "off"),
                    help="when the dataset fits the cache, fetch the files Lookahead announces "
-                   "in its order into their shards' cache files, every byte once (on; slower "
-                   "where the CPU is scarce), or only the epoch's first 32 and the rest as "
-                   "whole shards (off, default)")
+                   "in its order into their shards' cache files, every byte once (on, "
+                   "default), or only the epoch's first 32 and the rest as whole shards (off: "
+                   "less CPU per file)")
     p.add_argument("--no-warm", action="store_true",
                    help="do not keep the bytes streamed for indexing in the cache")
     p.add_argument("--nonempty", action="store_true",

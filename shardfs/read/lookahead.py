@@ -29,20 +29,18 @@ worker at a time:
 - Shards the reader serves without help (the shard is cached or being fetched whole,
   compressed shards) are skipped: whole-shard caching stays as it is.
 - When the whole dataset fits the cache and `fill_parts` is on (`--lookahead-fill on`; off by
-  default: slower on the bench machine, see LookaheadPolicy), announced members are not held
-  in RAM: each GET writes its members into their shard's part file (Reader.open_fill), taking
-  the bytes before each member (its tar header: read/layout.py) with it, so the members'
-  GETs together bring the whole shard but its end; that end, and whatever no announcement
-  asked for, comes by a last GET once the streams have announced their epochs to the end
-  (`last`), are reset or close. The reader commits a shard when every byte is in (sha256
-  from the part file). Still in read order, up to `max_requests` GETs in flight, members
-  coalesced when they are neighbours in their shard announced within `fill_scan` entries;
-  `fill_streams` of the GETs instead stream a shard's missing bytes from an announced member
-  `fill_behind` entries or more behind the next, that no GET brings yet (few requests for
-  most bytes; the members read soon still come by their own GETs). No byte is fetched twice, and
-  there is no buffer to pace on (the cache holds it all).
-  Otherwise (`fill_parts` off), only the first `fits_head` entries of each epoch are
-  fetched here, into RAM, and the rest is left to whole shards.
+  default, see LookaheadPolicy), the announced members' GETs fill their shards' part files
+  (Reader.open_fill) instead of whole-shard GETs: each GET takes the bytes before its
+  members (their tar headers: read/layout.py) with them, writes everything into the part
+  file and lands the members in the arena (or RAM) as above, so FUSE workers serve the reads
+  (the part file's runs are not in the states they read). The members' GETs together bring
+  the whole shard but its end; that end, and whatever no announcement asked for, comes by a
+  last GET once the streams have announced their epochs to the end (`last`), are reset or
+  close. The reader commits a shard when every byte is in (sha256 from the part file). In
+  read order, paced by the buffer, up to `max_requests` GETs in flight, members coalesced
+  when their extents join and they are announced within about a buffer's worth of entries.
+  No byte is fetched twice. Otherwise (`fill_parts` off), only the first `fits_head`
+  entries of each epoch are fetched here, into RAM, and the rest is left to whole shards.
 """
 
 from __future__ import annotations
@@ -90,23 +88,19 @@ class LookaheadPolicy:
     # fetches' frontiers to reach its files (a few duplicate bytes: the shards come whole too).
     fits_head: int = 32
     # When the dataset fits: fetch every announced member into its shard's part file, in
-    # read order (see the module's docstring), instead of the head alone. Off by default:
-    # on the bench's 2 loaded cores it measured 2x slower than whole shards (more GETs, each
-    # ~3 ms of the HTTP client's CPU, and reads served by the daemon until a shard is
-    # complete; docs/benchmarks-notes.md, 2026-11-26). Coalesce a GET's member with its
-    # shard neighbours announced at most fill_scan entries later (they are fetched early,
-    # not twice: the cache holds them).
-    fill_parts: bool = False
+    # read order (see the module's docstring), instead of the head alone. On 16 cores the
+    # cold epoch reaches 0.94-0.95x of the link against 0.89-0.90x with whole shards, for
+    # 1.00x the bytes instead of ~1.07x; on 2 cores it is as fast as whole shards, not faster
+    # (the FUSE workers serve every read, where whole shards' arrived files are pushed into
+    # the page cache: more CPU). docs/benchmarks-notes.md, "Lookahead filling the cache in
+    # read order". A GET's members are coalesced with shard neighbours announced within at
+    # least fill_scan entries (a buffer's worth when that is more).
+    fill_parts: bool = True
     fill_scan: int = 256
-    # Of max_requests, GETs that stream a shard's missing bytes from the next announced
-    # member no GET brings yet, up to fill_stream_span at a time: few requests carry most of
-    # the bytes (a GET costs the HTTP client ~1-3 ms of CPU), while the other GETs fetch
-    # members exactly, in read order, so reads find their bytes.
-    fill_streams: int = 12
-    fill_stream_span: int = 4 * MiB
-    # Streams start this many entries behind the next one to fetch: the members read soon
-    # come by their own GETs, and a read seldom waits for a stream to reach its member.
-    fill_behind: int = 256
+    # GETs in flight while filling: most bring one member (~100 KiB), so 16 of them with a
+    # 20 ms first byte do not fill a 100 MB/s link (0.89-0.91x of it on 16 cores, 32:
+    # 0.94-0.95x). Each costs the daemon ~0.4 ms of CPU (sources/h1.py).
+    fill_requests: int = 32
 
 
 class PartFiller(Protocol):
@@ -125,7 +119,8 @@ class PartFiller(Protocol):
 
     def plan_fill_get(self, fetch: Fetch, start: int, stop: int) -> Get: ...
 
-    async def run_fill_get(self, fetch: Fetch, get: Get) -> None: ...
+    async def run_fill_get(self, fetch: Fetch, get: Get,
+                           on_chunk: Callable[[bytes], None] | None = None) -> None: ...
 
 
 @dataclass(slots=True)
@@ -162,8 +157,6 @@ class LookaheadStats:
     part_errors: int = 0
     hole_requests: int = 0
     hole_bytes: int = 0
-    stream_requests: int = 0  # of the part GETs, those streaming missing runs (fill_streams)
-    stream_bytes: int = 0
 
 
 class _Slot:
@@ -241,7 +234,6 @@ class Lookahead:
         self._queued: dict[int, list[int]] = {}  # shard -> sorted offsets of unfetched slots
         self._streams: deque[Stream] = deque()  # round robin: the next to fetch for is first
         self._requests = 0
-        self._streaming = 0  # of those, fills' streams (fill_streams)
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._names = itertools.count(1)
@@ -387,24 +379,20 @@ class Lookahead:
 
     def _schedule(self) -> None:
         policy = self.policy
-        while self._requests < policy.max_requests:
+        while self._requests < (policy.fill_requests if self._fill_mode() == "on"
+                                else policy.max_requests):
             if self._flush and self._complete_fill(self._flush):
                 continue
-            filling = self._fill_mode() == "on"
-            streams = min(policy.fill_streams, policy.max_requests - 1) if filling else 0
             group = None
             self._paced = False
-            if self._requests - self._streaming < policy.max_requests - streams:
-                for _ in range(len(self._streams)):
-                    stream = self._streams[0]
-                    self._streams.rotate(-1)
-                    group = self._next_group(stream)
-                    if group:
-                        break
+            for _ in range(len(self._streams)):
+                stream = self._streams[0]
+                self._streams.rotate(-1)
+                group = self._next_group(stream)
+                if group:
+                    break
             if group:
                 self._launch(group)
-                continue
-            if self._streaming < streams and self._stream_ahead():
                 continue
             if self._paced and self._reset_mismatched():
                 continue
@@ -586,12 +574,18 @@ class Lookahead:
         within fill_scan entries: one GET brings them all."""
         policy, parts = self.policy, self.parts
         assert parts is not None
+        room = policy.buffer_bytes - self.stats.buffered_bytes
+        if head.size > room:
+            self._paced = True  # wait for reads to free the buffer
+            return []
         group = [head]
-        if head.pos - stream.first_pos < 2 * policy.max_requests:
+        if head.pos - stream.first_pos < 2 * policy.fill_requests:
             return group  # the epoch's first reads: one member per GET, the first bytes soonest
+        room -= head.size
         shard, span = head.shard, policy.coalesce_span
         lo, hi = parts.extent(shard, head.start, head.end)
-        horizon = head.pos + policy.fill_scan
+        # as many entries as the buffer holds: they are fetched before being read anyway
+        horizon = head.pos + max(policy.fill_scan, policy.buffer_bytes // max(1, head.size))
         offsets = self._queued.get(shard, [])
         i = bisect.bisect_right(offsets, head.start)
         while i < len(offsets):  # the members after the head, nearest first
@@ -600,10 +594,11 @@ class Lookahead:
             if s is None:
                 break
             a, b = parts.extent(shard, s.start, s.end)
-            if a != hi or b - lo > span:
+            if a != hi or b - lo > span or s.size > room:
                 break
             group.append(s)
             hi = b
+            room -= s.size
         i = bisect.bisect_left(offsets, head.start)
         while i > 0:  # the members before it
             i -= 1
@@ -611,24 +606,56 @@ class Lookahead:
             if s is None:
                 break
             a, b = parts.extent(shard, s.start, s.end)
-            if b != lo or hi - a > span:
+            if b != lo or hi - a > span or s.size > room:
                 break
             group.append(s)
             lo = a
+            room -= s.size
         return group
 
     def _launch_fill(self, group: list[_Slot], fetch: Fetch) -> None:
-        """GET the group's extents into the fill (what is not on disk or on its way); the
-        entries are done here: their reads are served from the part file."""
+        """GET the group's extents into the fill. Usually none of those bytes is on disk or on
+        its way: one GET that also lands the members for their reads. Otherwise (a read
+        asked for some of them first) what is missing is fetched, and the entries are done
+        here: their reads are served from the part file."""
         assert self.parts is not None
         extents = [self.parts.extent(fetch.shard, s.start, s.end) for s in group]
         lo, hi = min(a for a, _ in extents), max(b for _, b in extents)
+        if fetch.missing(lo, hi) == [(lo, hi)]:
+            self._launch_landing_fill(group, fetch, lo, hi)
+            return
         for slot in group:
             self._drop(slot, stale=False)
         self.stats.part_entries += len(group)
         self._forget_done(group[0].stream)
         for a, b in fetch.missing(lo, hi):
             self._start_fill_get(fetch, a, b, hole=False)
+
+    def _launch_landing_fill(self, group: list[_Slot], fetch: Fetch, lo: int, hi: int) -> None:
+        """One GET of [lo, hi) into the fill that also lands the group's members for their
+        reads, as _fetch does."""
+        assert self.parts is not None and self._nursery is not None
+        for slot in group:
+            self._unqueue(slot)
+            slot.state = _INFLIGHT
+            slot.event = trio.Event()
+            slot.reserved = slot.size
+            self.stats.buffered_bytes += slot.size
+        if self.stats.buffered_bytes > self.stats.peak_buffered_bytes:
+            self.stats.peak_buffered_bytes = self.stats.buffered_bytes
+        self.stats.part_entries += len(group)
+        get = self.parts.plan_fill_get(fetch, lo, hi)
+        self._requests += 1
+        self._nursery.start_soon(self._fill_get, fetch, get, False, group)
+
+    def cached(self, shard: int) -> None:
+        """The shard is in the cache now (its fill committed): its reads are served from
+        there, so its members held or queued here are let go (they would hold the buffer
+        until their stream's reads left them stale_lag entries behind)."""
+        for key in [k for k in self._index if k[0] == shard]:
+            for slot in list(self._index.get(key, ())):
+                if slot.state in (_QUEUED, _READY):
+                    self._drop(slot, stale=False)
 
     def bring(self, fetch: Fetch, start: int, end: int) -> None:
         """A read of a fill's member [start, end) that no GET brings yet: its GET now, ahead
@@ -667,65 +694,54 @@ class Lookahead:
             only.clear()  # every one of them complete or on its way (or gone)
         return False
 
-    def _stream_ahead(self) -> bool:
-        """Start a GET streaming the missing bytes of a shard, from the first announced
-        member fill_behind entries or more behind a stream's next (in announcement order,
-        the first streams' first) that no GET brings yet. False: none among the 64 entries
-        looked at."""
-        parts = self.parts
-        if parts is None:
-            return False
-        span, behind = self.policy.fill_stream_span, self.policy.fill_behind
-        for stream in self._streams:
-            front = None
-            for slot in itertools.islice(stream.queue, behind + 64):
-                if slot.state != _QUEUED or self.covered(slot.shard):
-                    continue
-                if front is None:
-                    front = slot.pos
-                if slot.pos - front < behind:
-                    continue
-                fetch = parts.open_fill(slot.shard)
-                if fetch is None:
-                    continue
-                lo, hi = parts.extent(slot.shard, slot.start, slot.end)
-                holes = fetch.missing(lo, fetch.size)
-                if not holes or holes[0][0] >= hi:
-                    continue  # its bytes are on their way
-                a, b = holes[0]
-                self._start_fill_get(fetch, a, min(b, a + span), hole=False, streaming=True)
-                return True
-        return False
-
-    def _start_fill_get(self, fetch: Fetch, start: int, stop: int, *, hole: bool,
-                        streaming: bool = False) -> None:
+    def _start_fill_get(self, fetch: Fetch, start: int, stop: int, *, hole: bool) -> None:
         assert self.parts is not None and self._nursery is not None
         get = self.parts.plan_fill_get(fetch, start, stop)
         self._requests += 1
-        self._streaming += streaming
-        self._nursery.start_soon(self._fill_get, fetch, get, hole, streaming)
+        self._nursery.start_soon(self._fill_get, fetch, get, hole)
 
-    async def _fill_get(self, fetch: Fetch, get: Get, hole: bool, streaming: bool) -> None:
+    async def _fill_get(self, fetch: Fetch, get: Get, hole: bool,
+                        group: list[_Slot] | None = None) -> None:
+        """Run a fill's GET; with a group (_launch_landing_fill), land its members as their
+        bytes come."""
         assert self.parts is not None
         stats = self.stats
+        on_chunk = None
+        if group:
+            order = sorted(group, key=lambda s: s.start)
+            lo, got, done = get.start, bytearray(), 0
+
+            def on_chunk(chunk: bytes) -> None:
+                nonlocal done
+                got.extend(chunk)
+                while done < len(order) and order[done].end - lo <= len(got):
+                    slot = order[done]
+                    done += 1
+                    if slot.state == _INFLIGHT:
+                        self._hold(slot, got, lo)
+                        slot.state = _READY
+                        assert slot.event is not None
+                        slot.event.set()
         try:
-            await self.parts.run_fill_get(fetch, get)
+            await self.parts.run_fill_get(fetch, get, on_chunk)
         except (SourceError, OSError) as exc:
             stats.part_errors += 1  # the fill fails: its reads read their members instead
             log.warning("lookahead: filling shard %d [%d, %d) failed: %s", fetch.shard,
                         get.start, get.stop, exc)
         finally:
             self._requests -= 1
-            self._streaming -= streaming
-            if streaming:
-                stats.stream_requests += 1
-                stats.stream_bytes += get.pos - get.start
             if hole:
                 stats.hole_requests += 1
                 stats.hole_bytes += get.pos - get.start
             else:
                 stats.part_requests += 1
                 stats.part_bytes += get.pos - get.start
+            for slot in group or ():
+                if slot.state in (_INFLIGHT, _GONE):  # not landed, or dropped in flight
+                    self._drop(slot, stale=False)
+                    self._release(slot)
+                assert slot.event is not None
+                slot.event.set()
             self._wake.set()
 
     # -- dropping --------------------------------------------------------------------------

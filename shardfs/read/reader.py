@@ -317,12 +317,10 @@ class Reader:
         if self.whole_only[shard]:
             return await self._read_compressed(shard, key, start, end, want)
         if self.lookahead is not None:  # announced by a training process: fetched ahead
-            fetch = self.fetches.get(shard)
-            if fetch is None or not fetch.fill:
-                data = await self.lookahead.take(shard, member_off, member_size, start, end)
-                if data is not None:
-                    return data
-                fetch = self.fetches.get(shard)  # the take may have opened the shard's fill
+            data = await self.lookahead.take(shard, member_off, member_size, start, end)
+            if data is not None:
+                return data
+            fetch = self.fetches.get(shard)  # the take may have opened the shard's fill
             if fetch is not None and fetch.fill:
                 return await self._read_filled(fetch, key, member_off, member_size, start,
                                                end, want)
@@ -550,7 +548,8 @@ class Reader:
         fetch.gets.append(get)
         return get
 
-    async def run_fill_get(self, fetch: Fetch, get: Get) -> None:
+    async def run_fill_get(self, fetch: Fetch, get: Get,
+                           on_chunk: Callable[[bytes], None] | None = None) -> None:
         """Stream a planned GET into the fill's part file. Its failure (the source's own
         retries spent) fails the fill: its readers read their members instead."""
         info = self.catalog.shards[fetch.shard]
@@ -564,6 +563,8 @@ class Reader:
                         return  # the fill is over: its part file is closed
                     self.stats.shard_bytes += len(chunk)
                     self._write(fetch, get, chunk)
+                    if on_chunk is not None:
+                        on_chunk(chunk)
             if get.running:
                 raise SourceError(f"{info.url}: {get.stop - get.pos} bytes of range "
                                   f"[{get.start}, {get.stop}) missing")
@@ -597,6 +598,8 @@ class Reader:
             self.states.complete(shard)
             self.stats.shard_fetches_done += 1
             self.stats.fills_done += 1
+            if self.lookahead is not None:
+                self.lookahead.cached(shard)
             if self.on_complete is not None:
                 self.on_complete(shard)
             log.info("filled shard %s: %d bytes in %.2f s", info.url, info.size,
