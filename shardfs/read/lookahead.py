@@ -28,8 +28,8 @@ worker at a time:
   on `reset` (a new epoch) and when the connection closes.
 - Shards the reader serves without help (the shard is cached or being fetched whole,
   compressed shards) are skipped: whole-shard caching stays as it is.
-- When the whole dataset fits the cache and `fill_parts` is on (`--lookahead-fill on`; off by
-  default, see LookaheadPolicy), the announced members' GETs fill their shards' part files
+- When the whole dataset fits the cache and `fill_parts` is on (`--lookahead-fill on`, the
+  default; see LookaheadPolicy), the announced members' GETs fill their shards' part files
   (Reader.open_fill) instead of whole-shard GETs: each GET takes the bytes before its
   members (their tar headers: read/layout.py) with them, writes everything into the part
   file and lands the members in the arena (or RAM) as above, so FUSE workers serve the reads
@@ -37,7 +37,7 @@ worker at a time:
   the whole shard but its end; that end, and whatever no announcement asked for, comes by a
   last GET once the streams have announced their epochs to the end (`last`), are reset or
   close. The reader commits a shard when every byte is in (sha256 from the part file). In
-  read order, paced by the buffer, up to `max_requests` GETs in flight, members coalesced
+  read order, paced by the buffer, up to `fill_requests` GETs in flight, members coalesced
   when their extents join and they are announced within about a buffer's worth of entries.
   No byte is fetched twice. Otherwise (`fill_parts` off), only the first `fits_head`
   entries of each epoch are fetched here, into RAM, and the rest is left to whole shards.
@@ -92,8 +92,8 @@ class LookaheadPolicy:
     # cold epoch reaches 0.94-0.95x of the link against 0.89-0.90x with whole shards, for
     # 1.00x the bytes instead of ~1.07x; on 2 cores it is as fast as whole shards, not faster
     # (the FUSE workers serve every read, where whole shards' arrived files are pushed into
-    # the page cache: more CPU). docs/benchmarks-notes.md, "Lookahead filling the cache in
-    # read order". A GET's members are coalesced with shard neighbours announced within at
+    # the page cache: more CPU). docs/benchmarks-notes.md, "Lookahead's fill, landed in the
+    # arena". A GET's members are coalesced with shard neighbours announced within at
     # least fill_scan entries (a buffer's worth when that is more).
     fill_parts: bool = True
     fill_scan: int = 256
@@ -571,7 +571,8 @@ class Lookahead:
 
     def _fill_group(self, stream: Stream, head: _Slot) -> list[_Slot]:
         """The head and its shard neighbours whose extents join it, announced by the stream
-        within fill_scan entries: one GET brings them all."""
+        within a buffer's worth of entries (at least fill_scan), as many as the buffer has
+        room for: one GET brings them all. Empty: the buffer is full (paced)."""
         policy, parts = self.policy, self.parts
         assert parts is not None
         room = policy.buffer_bytes - self.stats.buffered_bytes
