@@ -7,10 +7,12 @@ nginx sends is caused by the reads under test).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
 import subprocess
+import tarfile
 import time
 import warnings
 from pathlib import Path
@@ -318,9 +320,11 @@ def test_dataset_fits_the_cache_only_the_epochs_head_is_fetched_ahead(dataset, n
                                                                       mounter: Mounter):
     """Whole-shard caching serves an epoch when the dataset fits; Lookahead fetches only the
     epoch's first entries by ranged GETs, so the first batch need not wait for a whole-shard
-    frontier, and the bytes stay the dataset's plus those few members."""
+    frontier, and the bytes stay the dataset's plus those few members (`--lookahead-fill
+    off`; on, the default, is the next test)."""
     publish_with_index(dataset, nginx.root)
-    m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None, "--no-warm")
+    m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None, "--no-warm",
+                      "--lookahead-fill", "off")
     stats = m.stats()
     assert stats["dataset_bytes"] <= stats["cache_budget_bytes"]
     ds = folder(m)
@@ -349,3 +353,108 @@ def test_dataset_fits_the_cache_only_the_epochs_head_is_fetched_ahead(dataset, n
     assert after["bytes_fetched"] <= stats["dataset_bytes"] + head * (member + 1024), (
         after["bytes_fetched"], stats["dataset_bytes"])
     assert after["reader"]["eio"] == 0
+
+
+def shard_ranges(nginx) -> list[tuple[str, int, int, int]]:
+    """(shard file, first byte, end, bytes sent) of each GET of a shard in nginx's log."""
+    out = []
+    for rec in nginx.access_log():
+        name = rec.uri.rsplit("/", 1)[-1]
+        if rec.method != "GET" or not name.endswith(".tar"):
+            continue
+        assert rec.range and rec.range.startswith("bytes="), rec
+        first, last = rec.range[len("bytes="):].split("-")
+        out.append((name, int(first), int(last) + 1, rec.bytes_sent))
+    return out
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_dataset_fits_the_cache_members_fill_their_shards_in_read_order(dataset, nginx,
+                                                                      mounter: Mounter,
+                                                                      workers: int):
+    """When the dataset fits the cache, Lookahead's members are fetched in read order into
+    their shards' part files, each GET with the member's tar header: no whole-shard GET, no
+    byte fetched twice, every read right, and every shard committed (sha256 checked) once its
+    last bytes came after the epoch's last announcement: the next epoch is all cache hits."""
+    publish_with_index(dataset, nginx.root)
+    m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None, "--no-warm",
+                      "--workers", str(workers))  # --lookahead-fill on: the default
+    stats = m.stats()
+    assert stats["dataset_bytes"] <= stats["cache_budget_bytes"]
+    nginx.reset_log()
+    ds = folder(m)
+    local = {p.relative_to(dataset.root / "train").as_posix(): p.read_bytes()
+             for p in (dataset.root / "train").rglob("*") if p.is_file()}
+    root = str(m.mountpoint / "train") + "/"
+    sampler = Lookahead(RandomSampler(ds, generator=gen(2)))
+    expected = list(RandomSampler(ds, generator=gen(2)))
+    loader = DataLoader(ds, sampler=sampler, batch_size=8, num_workers=2,
+                        collate_fn=lambda batch: batch)
+    got = [(data, target) for batch in loader for data, target in batch]
+    assert [t for _, t in got] == [ds.targets[i] for i in expected]
+    for (data, _), i in zip(got, expected, strict=True):
+        assert data == local[ds.samples[i][0][len(root):]]
+
+    deadline = time.monotonic() + 30  # the shards' ends come after the last announcement
+    while m.stats()["shards_cached"] < len(dataset.shards.shards) and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = m.stats()
+    la, reader = after["lookahead"], after["reader"]
+    shards = len(dataset.shards.shards)
+    assert after["shards_cached"] == shards, (la, reader)
+    assert reader["fills_started"] == reader["fills_done"] == shards, reader
+    assert reader["shard_fetches_started"] == 0, reader  # no whole-shard GET
+    assert reader["member_fetches"] == 0 and reader["eio"] == 0, reader  # no fallback
+    # Each announced file went to its part file, and was landed for its read: no GET of
+    # the RAM path (requests), reads served from what the fills' GETs landed (hits)
+    assert la["part_entries"] + la["skipped"] == len(ds) and la["part_entries"] > 0, la
+    assert la["requests"] == 0 and la["hits"] > 0, la
+    assert la["part_errors"] == 0 and la["hole_requests"] >= 1, la
+    assert after["bytes_fetched"] <= 1.05 * stats["dataset_bytes"], (after["bytes_fetched"],
+                                                                       stats["dataset_bytes"])
+    # What nginx sent: every shard's bytes exactly once (no range overlaps another), each
+    # GET one member's record or a few neighbours', in read order.
+    ranges = shard_ranges(nginx)
+    sent = sum(r[3] for r in ranges)
+    assert sent == sum(la[k] for k in ("part_bytes", "hole_bytes")) == stats["dataset_bytes"]
+    by_shard: dict[str, list[tuple[int, int]]] = {}
+    for name, first, end, _ in ranges:
+        by_shard.setdefault(name, []).append((first, end))
+    for name, spans in by_shard.items():
+        spans.sort()
+        assert spans[0][0] == 0, name
+        for (_, end), (first, _) in itertools.pairwise(spans):
+            assert end == first, (name, spans)  # no gap, no overlap
+        assert spans[-1][1] == (dataset.shard_dir / name).stat().st_size
+    assert len(ranges) == la["part_requests"] + la["hole_requests"]
+    # The members' GETs took their tar headers: the last GETs brought only the shards' ends
+    # (end-of-archive blocks and record padding), after every file was asked for.
+    ends = 0
+    for name in by_shard:
+        with tarfile.open(dataset.shard_dir / name) as tar:
+            last = max(t.offset_data + t.size for t in tar.getmembers())
+        ends += (dataset.shard_dir / name).stat().st_size - (last + 511) // 512 * 512
+    assert la["hole_bytes"] == ends, (la, ends)
+    # Read order: the epoch's first file came with the first GETs (nginx logs GETs as they
+    # end, 16 in flight).
+    place = {(name, first, end): n for n, (name, first, end, _) in enumerate(ranges)}
+    positions = []
+    for i in expected:
+        path = ds.samples[i][0]
+        name = os.getxattr(path, "user.shardfs.shard").decode().rsplit("/", 1)[-1]
+        offset = int(os.getxattr(path, "user.shardfs.offset"))
+        positions.append(next(n for (nm, a, b), n in place.items()
+                              if nm == name and a <= offset < b))
+    assert positions[0] < 16, positions
+
+    # The next epoch: all from the cache, nothing fetched.
+    fetched = after["bytes_fetched"]
+    sampler.set_epoch(1)
+    for batch in DataLoader(ds, sampler=sampler, batch_size=8, num_workers=2,
+                            collate_fn=lambda batch: batch):
+        for data, target in batch:
+            assert isinstance(data, bytes) and target >= 0
+    again = m.stats()
+    assert again["bytes_fetched"] == fetched
+    assert again["reader"]["member_fetches"] == 0 and again["reader"]["eio"] == 0

@@ -164,6 +164,7 @@ OPTIONS: dict[str, Option] = {o.key: o for o in (
     Option("max_member_fetches", _positive_int, 32, "a whole number >= 1"),
     Option("lookahead_buffer", _size_or_zero, 64 << 20, f"a size ({UNITS_HELP}), 0: off"),
     Option("lookahead_requests", _positive_int, 16, "a whole number >= 1"),
+    Option("lookahead_fill", _bool, True, "true or false (on or off)"),
     Option("prefetch", _choice("touched", "all"), "touched", "touched or all"),
     Option("push_pages", _choice("auto", "off"), "auto", "auto or off"),
     Option("split_fetches", _bool, False, "true or false (on or off)"),

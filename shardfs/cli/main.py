@@ -58,7 +58,8 @@ _FLAG_KEYS = ("cache_dir", "cache_size", "timeout", "deadline", "max_fetches",
               "workers",
               "log_level", "log_file", "metrics_listen", "uid", "gid",
               "s3_endpoint", "s3_region", "s3_profile", "s3_addressing", "ais_endpoint",
-              "hf_endpoint", "gs_endpoint", "request_rate", "http_client", "lookahead_buffer")
+              "hf_endpoint", "gs_endpoint", "request_rate", "http_client", "lookahead_buffer",
+              "lookahead_fill")
 
 
 def add_mount_arguments(p: argparse.ArgumentParser) -> None:
@@ -98,6 +99,11 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    "machine's cores, at most 8; 1: the daemon alone)")
     p.add_argument("--lookahead-buffer", help="RAM for files announced by "
                    "shardfs.torch.Lookahead, fetched and not yet read (default 64MiB; 0: off)")
+    p.add_argument("--lookahead-fill", choices=("on", "off"),
+                   help="when the dataset fits the cache, fetch the files Lookahead announces "
+                   "in its order into their shards' cache files, every byte once (on, "
+                   "default), or only the epoch's first 32 and the rest as whole shards (off: "
+                   "less CPU per file)")
     p.add_argument("--no-warm", action="store_true",
                    help="do not keep the bytes streamed for indexing in the cache")
     p.add_argument("--nonempty", action="store_true",
@@ -385,7 +391,8 @@ def _mount_config(s: dict):
                           max_member_fetches=s["max_member_fetches"], prefetch=s["prefetch"],
                           split_fetches=s["split_fetches"]),
         lookahead=LookaheadPolicy(buffer_bytes=s["lookahead_buffer"],
-                                  max_requests=s["lookahead_requests"]),
+                                  max_requests=s["lookahead_requests"],
+                                  fill_parts=s["lookahead_fill"]),
         index_parallel=s["index_parallel"], warm_while_indexing=s["warm_while_indexing"],
         push_pages=s["push_pages"] == "auto",
         workers=s["workers"] or default_workers(),

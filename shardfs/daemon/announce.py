@@ -6,6 +6,9 @@ connection open for as long as it iterates. Each line it sends is a JSON object:
 
     {"paths": ["train/n01/x.jpg", ...]}   append these files (relative to the mount root)
     {"reset": true, "paths": [...]}       forget what this connection announced, then append
+    {"paths": [...], "last": true}        append; the epoch is now announced to its end (when
+                                          the dataset fits the cache, the shards' last bytes
+                                          are fetched once nothing announced is left)
     {"shards": ["train/n01/x.jpg", ...]}  the shards holding these files are read next, in
                                           this order (ShardAwareSampler): fetch them whole
 
@@ -67,14 +70,17 @@ def attach_lookahead(reader: Reader, policy: LookaheadPolicy) -> Lookahead | Non
 
     def covered(shard: int) -> bool:
         """The reader serves this shard without member reads: leave it to whole-shard caching."""
-        return (reader.codecs[shard] is not None or shard in reader.fetches
+        fetch = reader.fetches.get(shard)
+        return (reader.codecs[shard] is not None or (fetch is not None and not fetch.fill)
                 or cache.has(catalog.keys[shard]))
 
     def fits() -> bool:
-        """Whole-shard caching serves the epoch (Lookahead fetches only its first entries)."""
+        """The dataset fits the cache: announced members go into their shards' part files
+        (or, with fill_parts off, only the epoch's first entries are fetched ahead)."""
         return reader.dataset_bytes <= cache.budget
 
-    lookahead = Lookahead(catalog.shards, reader.sources, policy, covered=covered, fits=fits)
+    lookahead = Lookahead(catalog.shards, reader.sources, policy, covered=covered, fits=fits,
+                          parts=reader)
     reader.lookahead = lookahead
     # Make the HTTP client (~50 ms of CPU) now rather than in the way of the first GETs.
     http = next((s.url for s in catalog.shards if s.url.startswith(("http:", "https:"))), None)
@@ -202,5 +208,7 @@ def _handle(line: bytes, stream: Stream,
     unknown = sum(r is None for r in refs)
     stream.owner.stats.unknown += unknown
     accepted, refused = stream.announce(r for r in refs if r is not None)
+    if message.get("last"):
+        stream.announced_all()
     return {"accepted": accepted, "refused": refused, "unknown": unknown,
             "pending": stream.live}

@@ -58,6 +58,9 @@ class Fetch:
         self.error: BaseException | None = None  # the first GET's failure: ends the fetch
         self.gets: list[Get] = [Get(0, size)]
         self.split = False  # more than the one GET: bytes arrived out of order
+        # Filled by the Lookahead's member GETs (no whole-shard GET; Reader.open_fill): its
+        # GETs come and go, and it completes when every byte is in.
+        self.fill = False
         self.nursery: trio.Nursery | None = None  # runs the GETs a split adds
         # Once `arrived` reaches this, the next blocks of the prefix are recorded in the part's
         # record (Reader._record_blocks); NEVER: no record, or recording under way.
@@ -129,6 +132,27 @@ class Fetch:
             if get.pos <= pos < get.stop:
                 return get
         return None
+
+    def coming(self, start: int, end: int) -> bool:
+        """Every byte of [start, end) is on disk or on its way by a running GET."""
+        return not self.missing(start, end)
+
+    def missing(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The runs of [start, end) neither on disk nor on their way, in order."""
+        spans = sorted([(a, b) for a, b in self._runs if b > start and a < end]
+                       + [(g.pos, g.stop) for g in self.gets if g.running and g.stop > start
+                          and g.pos < end])
+        holes: list[tuple[int, int]] = []
+        pos = start
+        for a, b in spans:
+            if a > pos:
+                holes.append((pos, min(a, end)))
+            pos = max(pos, b)
+            if pos >= end:
+                break
+        if pos < end:
+            holes.append((pos, end))
+        return holes
 
     def to_go(self, pos: int) -> int:
         """Bytes the GET bringing byte `pos` has still to bring before it (0: none)."""

@@ -27,9 +27,20 @@ worker at a time:
   reads have missed `miss_limit` times in a row (its announcements do not match what it reads),
   on `reset` (a new epoch) and when the connection closes.
 - Shards the reader serves without help (the shard is cached or being fetched whole,
-  compressed shards) are skipped: whole-shard caching stays as it is. When the whole dataset
-  fits the cache, only the first `fits_head` entries of each epoch are fetched here (so the
-  first batch does not wait for whole-shard frontiers); the rest is left to whole shards.
+  compressed shards) are skipped: whole-shard caching stays as it is.
+- When the whole dataset fits the cache and `fill_parts` is on (`--lookahead-fill on`, the
+  default; see LookaheadPolicy), the announced members' GETs fill their shards' part files
+  (Reader.open_fill) instead of whole-shard GETs: each GET takes the bytes before its
+  members (their tar headers: read/layout.py) with them, writes everything into the part
+  file and lands the members in the arena (or RAM) as above, so FUSE workers serve the reads
+  (the part file's runs are not in the states they read). The members' GETs together bring
+  the whole shard but its end; that end, and whatever no announcement asked for, comes by a
+  last GET once the streams have announced their epochs to the end (`last`), are reset or
+  close. The reader commits a shard when every byte is in (sha256 from the part file). In
+  read order, paced by the buffer, up to `fill_requests` GETs in flight, members coalesced
+  when their extents join and they are announced within about a buffer's worth of entries.
+  No byte is fetched twice. Otherwise (`fill_parts` off), only the first `fits_head`
+  entries of each epoch are fetched here, into RAM, and the rest is left to whole shards.
 """
 
 from __future__ import annotations
@@ -41,10 +52,12 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import trio
 
 from shardfs.read.arena import Arena
+from shardfs.read.fetch import Fetch, Get
 from shardfs.sources import ShardInfo, SourceError, Sources
 
 log = logging.getLogger(__name__)
@@ -52,6 +65,7 @@ KiB = 1 << 10
 MiB = 1 << 20
 
 _QUEUED, _INFLIGHT, _READY, _GONE = range(4)
+HOLE_SPAN = 8 * MiB  # the largest GET completing a fill (more in parallel, not one long one)
 
 
 @dataclass(slots=True)
@@ -73,6 +87,40 @@ class LookaheadPolicy:
     # entries are fetched here (one GET each), so the first batch does not wait for those
     # fetches' frontiers to reach its files (a few duplicate bytes: the shards come whole too).
     fits_head: int = 32
+    # When the dataset fits: fetch every announced member into its shard's part file, in
+    # read order (see the module's docstring), instead of the head alone. On 16 cores the
+    # cold epoch reaches 0.94-0.95x of the link against 0.89-0.90x with whole shards, for
+    # 1.00x the bytes instead of ~1.07x; on 2 cores it is as fast as whole shards, not faster
+    # (the FUSE workers serve every read, where whole shards' arrived files are pushed into
+    # the page cache: more CPU). docs/benchmarks-notes.md, "Lookahead's fill, landed in the
+    # arena". A GET's members are coalesced with shard neighbours announced within at
+    # least fill_scan entries (a buffer's worth when that is more).
+    fill_parts: bool = True
+    fill_scan: int = 256
+    # GETs in flight while filling: most bring one member (~100 KiB), so 16 of them with a
+    # 20 ms first byte do not fill a 100 MB/s link (0.89-0.91x of it on 16 cores, 32:
+    # 0.94-0.95x). Each costs the daemon ~0.4 ms of CPU (sources/h1.py).
+    fill_requests: int = 32
+
+
+class PartFiller(Protocol):
+    """What ordered fills ask of the reader (shardfs/read/reader.py)."""
+
+    def prepare_fills(self) -> None: ...
+
+    def extent(self, shard: int, start: int, end: int) -> tuple[int, int]: ...
+
+    @property
+    def fills_ready(self) -> bool: ...
+
+    def open_fill(self, shard: int) -> Fetch | None: ...
+
+    def fills(self) -> list[Fetch]: ...
+
+    def plan_fill_get(self, fetch: Fetch, start: int, stop: int) -> Get: ...
+
+    async def run_fill_get(self, fetch: Fetch, get: Get,
+                           on_chunk: Callable[[bytes], None] | None = None) -> None: ...
 
 
 @dataclass(slots=True)
@@ -99,6 +147,16 @@ class LookaheadStats:
     unshared: int = 0  # members held in daemon RAM: the arena had no free run that long
     buffered_bytes: int = 0  # held + in flight now
     peak_buffered_bytes: int = 0
+    # Ordered fills (the dataset fits the cache): entries fetched into part files, the GETs
+    # that brought them and their bytes (counted in the reader's shard_bytes, not in
+    # bytes_fetched above), and the last GETs that completed shards (their ends, and bytes
+    # no announcement asked for).
+    part_entries: int = 0
+    part_requests: int = 0
+    part_bytes: int = 0
+    part_errors: int = 0
+    hole_requests: int = 0
+    hole_bytes: int = 0
 
 
 class _Slot:
@@ -140,6 +198,7 @@ class Stream:
         self.cursor = -1  # highest position read so far
         self.misses_at_hit = owner.stats.misses
         self.closed = False
+        self.last = False  # its epoch is announced to the end (until the next reset)
 
     def announce(self, refs: Iterable[tuple[int, int, int]]) -> tuple[int, int]:
         """Append members (shard, offset, size); (accepted, refused over max_pending)."""
@@ -147,6 +206,11 @@ class Stream:
 
     def reset(self) -> None:
         self.owner.reset(self)
+
+    def announced_all(self) -> None:
+        """The stream's epoch is announced to its end: parts may be completed."""
+        self.last = True
+        self.owner.wake()
 
     def close(self) -> None:
         self.owner.close(self)
@@ -156,12 +220,15 @@ class Lookahead:
     def __init__(self, shards: Sequence[ShardInfo], sources: Sources,
                  policy: LookaheadPolicy | None = None, *,
                  covered: Callable[[int], bool] = lambda shard: False,
-                 fits: Callable[[], bool] = lambda: False) -> None:
+                 fits: Callable[[], bool] = lambda: False,
+                 parts: PartFiller | None = None) -> None:
         self.shards = shards
         self.sources = sources
         self.policy = policy or LookaheadPolicy()
         self.covered = covered  # shards the reader serves without us
         self.fits = fits  # the dataset fits the cache: whole shards serve all but the head
+        self.parts = parts  # writes members into part files when the dataset fits
+        self._flush: set[int] = set()  # shards whose fill is to be completed first
         self.stats = LookaheadStats()
         self._index: dict[tuple[int, int], deque[_Slot]] = {}
         self._queued: dict[int, list[int]] = {}  # shard -> sorted offsets of unfetched slots
@@ -221,7 +288,12 @@ class Lookahead:
         stream.cursor = -1
         stream.first_pos = stream.next_pos
         stream.misses_at_hit = self.stats.misses
+        stream.last = False
         self.stats.resets += 1
+        self._flush_fills()  # the epoch before is over: complete what it left open
+        self._wake.set()
+
+    def wake(self) -> None:
         self._wake.set()
 
     def close(self, stream: Stream) -> None:
@@ -233,6 +305,7 @@ class Lookahead:
         stream.queue.clear()
         self._streams.remove(stream)
         self.stats.connections -= 1
+        self._flush_fills()
         self._wake.set()
         self._trim()
 
@@ -296,6 +369,8 @@ class Lookahead:
         """Own the GETs; runs until cancelled."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            if self.parts is not None and self.policy.fill_parts:
+                nursery.start_soon(self._prepare_fills)
             task_status.started()
             while True:
                 self._schedule()
@@ -304,7 +379,10 @@ class Lookahead:
 
     def _schedule(self) -> None:
         policy = self.policy
-        while self._requests < policy.max_requests and self._streams:
+        while self._requests < (policy.fill_requests if self._fill_mode() == "on"
+                                else policy.max_requests):
+            if self._flush and self._complete_fill(self._flush):
+                continue
             group = None
             self._paced = False
             for _ in range(len(self._streams)):
@@ -313,11 +391,17 @@ class Lookahead:
                 group = self._next_group(stream)
                 if group:
                     break
-            if not group:
-                if self._paced and self._reset_mismatched():
-                    continue
-                return
-            self._launch(group)
+            if group:
+                self._launch(group)
+                continue
+            if self._paced and self._reset_mismatched():
+                continue
+            # Nothing announced left to fetch and every stream's epoch announced to its end
+            # (or no stream left): the fills' ends come now.
+            if not self._queued and all(s.last for s in self._streams) and \
+                    self._complete_fill(None):
+                continue
+            return
 
     def _next_group(self, stream: Stream) -> list[_Slot] | None:
         """The next GET for a stream: its first unfetched entry plus members of the same
@@ -328,6 +412,12 @@ class Lookahead:
             if head.state != _QUEUED:
                 queue.popleft()
                 continue
+            mode = self._fill_mode()
+            if mode == "wait":
+                return None  # the shard layout is being built: entries wait for it
+            if mode == "on" and not self.covered(head.shard) and \
+                    self.parts is not None and self.parts.open_fill(head.shard) is not None:
+                return self._fill_group(stream, head)
             if self.covered(head.shard) or head.size > policy.buffer_bytes or (
                     head.pos - stream.first_pos >= policy.fits_head and self.fits()):
                 queue.popleft()
@@ -403,6 +493,11 @@ class Lookahead:
         return found
 
     def _launch(self, group: list[_Slot]) -> None:
+        if self._fill_mode() == "on" and self.parts is not None:
+            fetch = self.parts.open_fill(group[0].shard)
+            if fetch is not None:
+                self._launch_fill(group, fetch)
+                return
         for slot in group:
             self._unqueue(slot)
             slot.state = _INFLIGHT
@@ -456,12 +551,206 @@ class Lookahead:
                 slot.event.set()
             self._wake.set()
 
+    # -- ordered fills: members into part files (the dataset fits the cache) --------------
+    async def _prepare_fills(self) -> None:
+        assert self.parts is not None
+        try:
+            await trio.to_thread.run_sync(self.parts.prepare_fills)
+        except (OSError, MemoryError, ValueError) as exc:
+            log.warning("lookahead: no ordered fills (%s); the head alone is fetched", exc)
+            self.parts = None
+        self._wake.set()
+
+    def _fill_mode(self) -> str:
+        """'on': announced members go to part files; 'wait': they will once the shard layout
+        is built; 'off': RAM (dataset over the cache) or the head alone (fill_parts off)."""
+        parts = self.parts
+        if parts is None or not self.policy.fill_parts or not self.fits():
+            return "off"
+        return "on" if parts.fills_ready else "wait"
+
+    def _fill_group(self, stream: Stream, head: _Slot) -> list[_Slot]:
+        """The head and its shard neighbours whose extents join it, announced by the stream
+        within a buffer's worth of entries (at least fill_scan), as many as the buffer has
+        room for: one GET brings them all. Empty: the buffer is full (paced)."""
+        policy, parts = self.policy, self.parts
+        assert parts is not None
+        room = policy.buffer_bytes - self.stats.buffered_bytes
+        if head.size > room:
+            self._paced = True  # wait for reads to free the buffer
+            return []
+        group = [head]
+        if head.pos - stream.first_pos < 2 * policy.fill_requests:
+            return group  # the epoch's first reads: one member per GET, the first bytes soonest
+        room -= head.size
+        shard, span = head.shard, policy.coalesce_span
+        lo, hi = parts.extent(shard, head.start, head.end)
+        # as many entries as the buffer holds: they are fetched before being read anyway
+        horizon = head.pos + max(policy.fill_scan, policy.buffer_bytes // max(1, head.size))
+        offsets = self._queued.get(shard, [])
+        i = bisect.bisect_right(offsets, head.start)
+        while i < len(offsets):  # the members after the head, nearest first
+            s = self._queued_at(shard, offsets[i], stream, horizon)
+            i += 1
+            if s is None:
+                break
+            a, b = parts.extent(shard, s.start, s.end)
+            if a != hi or b - lo > span or s.size > room:
+                break
+            group.append(s)
+            hi = b
+            room -= s.size
+        i = bisect.bisect_left(offsets, head.start)
+        while i > 0:  # the members before it
+            i -= 1
+            s = self._queued_at(shard, offsets[i], stream, horizon)
+            if s is None:
+                break
+            a, b = parts.extent(shard, s.start, s.end)
+            if b != lo or hi - a > span or s.size > room:
+                break
+            group.append(s)
+            lo = a
+            room -= s.size
+        return group
+
+    def _launch_fill(self, group: list[_Slot], fetch: Fetch) -> None:
+        """GET the group's extents into the fill. Usually none of those bytes is on disk or on
+        its way: one GET that also lands the members for their reads. Otherwise (a read
+        asked for some of them first) what is missing is fetched, and the entries are done
+        here: their reads are served from the part file."""
+        assert self.parts is not None
+        extents = [self.parts.extent(fetch.shard, s.start, s.end) for s in group]
+        lo, hi = min(a for a, _ in extents), max(b for _, b in extents)
+        if fetch.missing(lo, hi) == [(lo, hi)]:
+            self._launch_landing_fill(group, fetch, lo, hi)
+            return
+        for slot in group:
+            self._drop(slot, stale=False)
+        self.stats.part_entries += len(group)
+        self._forget_done(group[0].stream)
+        for a, b in fetch.missing(lo, hi):
+            self._start_fill_get(fetch, a, b, hole=False)
+
+    def _launch_landing_fill(self, group: list[_Slot], fetch: Fetch, lo: int, hi: int) -> None:
+        """One GET of [lo, hi) into the fill that also lands the group's members for their
+        reads, as _fetch does."""
+        assert self.parts is not None and self._nursery is not None
+        for slot in group:
+            self._unqueue(slot)
+            slot.state = _INFLIGHT
+            slot.event = trio.Event()
+            slot.reserved = slot.size
+            self.stats.buffered_bytes += slot.size
+        if self.stats.buffered_bytes > self.stats.peak_buffered_bytes:
+            self.stats.peak_buffered_bytes = self.stats.buffered_bytes
+        self.stats.part_entries += len(group)
+        get = self.parts.plan_fill_get(fetch, lo, hi)
+        self._requests += 1
+        self._nursery.start_soon(self._fill_get, fetch, get, False, group)
+
+    def cached(self, shard: int) -> None:
+        """The shard is in the cache now (its fill committed): its reads are served from
+        there, so its members held or queued here are let go (they would hold the buffer
+        until their stream's reads left them stale_lag entries behind)."""
+        for key in [k for k in self._index if k[0] == shard]:
+            for slot in list(self._index.get(key, ())):
+                if slot.state in (_QUEUED, _READY):
+                    self._drop(slot, stale=False)
+
+    def bring(self, fetch: Fetch, start: int, end: int) -> None:
+        """A read of a fill's member [start, end) that no GET brings yet: its GET now, ahead
+        of its turn (and of max_requests: the read waits on it)."""
+        if self.parts is None:
+            return
+        self.stats.urgent += 1
+        for slot in list(self._index.get((fetch.shard, start), ())):
+            if slot.state == _QUEUED:
+                self._drop(slot, stale=False)
+                self.stats.part_entries += 1
+        lo, hi = self.parts.extent(fetch.shard, start, end)
+        for a, b in fetch.missing(lo, hi):
+            self._start_fill_get(fetch, a, b, hole=False)
+
+    def _flush_fills(self) -> None:
+        if self.parts is not None:
+            self._flush.update(f.shard for f in self.parts.fills())
+
+    def _complete_fill(self, only: set[int] | None) -> bool:
+        """Start one GET of bytes a fill misses that nothing brings (its end, members no
+        announcement asked for): of a shard in `only`, or of any fill. False: none."""
+        if self.parts is None:
+            if only is not None:
+                only.clear()
+            return False
+        for fetch in self.parts.fills():
+            if only is not None and fetch.shard not in only:
+                continue
+            holes = fetch.missing(0, fetch.size)
+            if holes:
+                a, b = holes[0]
+                self._start_fill_get(fetch, a, min(b, a + HOLE_SPAN), hole=True)
+                return True
+        if only is not None:
+            only.clear()  # every one of them complete or on its way (or gone)
+        return False
+
+    def _start_fill_get(self, fetch: Fetch, start: int, stop: int, *, hole: bool) -> None:
+        assert self.parts is not None and self._nursery is not None
+        get = self.parts.plan_fill_get(fetch, start, stop)
+        self._requests += 1
+        self._nursery.start_soon(self._fill_get, fetch, get, hole)
+
+    async def _fill_get(self, fetch: Fetch, get: Get, hole: bool,
+                        group: list[_Slot] | None = None) -> None:
+        """Run a fill's GET; with a group (_launch_landing_fill), land its members as their
+        bytes come."""
+        assert self.parts is not None
+        stats = self.stats
+        on_chunk = None
+        if group:
+            order = sorted(group, key=lambda s: s.start)
+            lo, got, done = get.start, bytearray(), 0
+
+            def on_chunk(chunk: bytes) -> None:
+                nonlocal done
+                got.extend(chunk)
+                while done < len(order) and order[done].end - lo <= len(got):
+                    slot = order[done]
+                    done += 1
+                    if slot.state == _INFLIGHT:
+                        self._hold(slot, got, lo)
+                        slot.state = _READY
+                        assert slot.event is not None
+                        slot.event.set()
+        try:
+            await self.parts.run_fill_get(fetch, get, on_chunk)
+        except (SourceError, OSError) as exc:
+            stats.part_errors += 1  # the fill fails: its reads read their members instead
+            log.warning("lookahead: filling shard %d [%d, %d) failed: %s", fetch.shard,
+                        get.start, get.stop, exc)
+        finally:
+            self._requests -= 1
+            if hole:
+                stats.hole_requests += 1
+                stats.hole_bytes += get.pos - get.start
+            else:
+                stats.part_requests += 1
+                stats.part_bytes += get.pos - get.start
+            for slot in group or ():
+                if slot.state in (_INFLIGHT, _GONE):  # not landed, or dropped in flight
+                    self._drop(slot, stale=False)
+                    self._release(slot)
+                assert slot.event is not None
+                slot.event.set()
+            self._wake.set()
+
     # -- dropping --------------------------------------------------------------------------
     @staticmethod
     def _forget_done(stream: Stream) -> None:
-        """Slots dropped at the front of a stream's order are kept for nothing: an epoch whose
-        entries are all skipped (its shards cached) would otherwise hold a slot per entry until
-        the next reset."""
+        """Slots dropped at the front of a stream's order are kept for nothing: an epoch
+        whose entries are all skipped (its shards cached) or fetched into part files would
+        otherwise hold a slot per entry until the next reset."""
         order = stream.order
         while order and order[0].state == _GONE:
             order.popleft()

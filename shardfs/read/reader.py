@@ -18,6 +18,7 @@ reads instead of thrashing an LRU of whole shards.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
@@ -36,6 +37,7 @@ from shardfs.catalog.catalog import Catalog
 from shardfs.catalog.codecs import CodecError, decompressor
 from shardfs.read.diskread import DiskReads
 from shardfs.read.fetch import NEVER, Fetch, FetchFailed, Get
+from shardfs.read.layout import ShardLayout
 from shardfs.read.lookahead import Lookahead
 from shardfs.read.states import ShardStates
 from shardfs.read.workingset import WorkingSet
@@ -104,6 +106,11 @@ class ReaderStats:
     shard_fetches_started: int = 0
     ahead_fetches: int = 0  # of those, started for shards a sampler announced (queue_ahead)
     shard_fetches_done: int = 0
+    # Shards filled by the Lookahead's member GETs into their part files (no whole-shard
+    # GET; the dataset fits the cache): opened, and of those committed (also counted in
+    # shard_fetches_done).
+    fills_started: int = 0
+    fills_done: int = 0
     shard_bytes: int = 0
     # Whole-shard fetches an earlier daemon left unfinished (kill -9, restart), continued
     # from the bytes its part file holds: the bytes kept (not fetched again), and the bytes
@@ -135,6 +142,7 @@ class Reader:
         self.policy = policy or ReadPolicy()
         self.stats = ReaderStats()
         self.fetches: dict[int, Fetch] = {}
+        self._fills = 0  # of those, filled by the Lookahead (see open_fill): no fetch slot
         self._queue: OrderedDict[int, None] = OrderedDict()  # shards waiting for a fetch slot
         self._forced: set[int] = set()  # asked for by `shardfs warm`: fetch whatever the policy
         self.failed: set[int] = set()  # shards whose last whole-shard fetch failed
@@ -174,6 +182,8 @@ class Reader:
         self._whole_bytes_started = 0  # bytes of all whole-shard fetches started
         self.started = time.monotonic()
         self.lookahead: Lookahead | None = None  # announced reads (shardfs/daemon/announce.py)
+        # Each file's record in its shard, for fills (built by prepare_fills, in a thread).
+        self.layout = ShardLayout(catalog.tree, self.sizes)
         # Called with a shard's number once its whole fetch is in the cache (the FUSE layer
         # pushes its files into the kernel's page cache: shardfs/fuse/pagepush.py).
         self.on_complete: Callable[[int], None] | None = None
@@ -236,6 +246,10 @@ class Reader:
 
     def _dataset_fits(self) -> bool:
         return self.dataset_bytes <= self.cache.budget
+
+    def _whole_fetches(self) -> int:
+        """Fetches that hold a fetch slot: all but fills (their GETs are the Lookahead's)."""
+        return len(self.fetches) - self._fills
 
     # -- the read path ---------------------------------------------------------------------
     async def read(self, shard: int, member_off: int, member_size: int, off: int,
@@ -306,6 +320,10 @@ class Reader:
             data = await self.lookahead.take(shard, member_off, member_size, start, end)
             if data is not None:
                 return data
+            fetch = self.fetches.get(shard)  # the take may have opened the shard's fill
+            if fetch is not None and fetch.fill:
+                return await self._read_filled(fetch, key, member_off, member_size, start,
+                                               end, want)
         fetch = await self._fetch_for(shard, key, min(member_size, self.policy.member_block))
         if fetch is None and (cached := self.cache.get(key)) is not None:
             stats.cache_hits += 1  # its fetch completed while this read waited for it
@@ -446,7 +464,7 @@ class Reader:
                 fd: int = cached.fd  # type: ignore[assignment]
                 return await self._local(fd, end - start, start, want)
             fetch = self.fetches.get(shard)
-            if fetch is None and len(self.fetches) < self.policy.max_fetches:
+            if fetch is None and self._whole_fetches() < self.policy.max_fetches:
                 fetch = self._start(shard)
                 if fetch is None:
                     self.stats.eio += 1
@@ -469,6 +487,169 @@ class Reader:
                 raise ReadError(f"{self.catalog.shards[shard].url}: {fetch.failed}")
             return await self._local(fetch.part.fd, end - start, start, want)
 
+    # -- shards filled by the Lookahead's member GETs -------------------------------------
+    # When the dataset fits the cache, the Lookahead fetches announced members in read order
+    # into their shard's part file (each GET taking the member's headers with it: layout.py),
+    # and the shard is committed once every byte is in, its sha256 checked from the part
+    # file. Such a fill has no whole-shard GET and holds no fetch slot; a read of it waits on
+    # the GET that brings its member.
+    def prepare_fills(self) -> None:
+        """Build the shard layout fills need (in a thread: a pass over every file)."""
+        self.layout.build()
+
+    @property
+    def fills_ready(self) -> bool:
+        return self.layout.ready
+
+    def extent(self, shard: int, start: int, end: int) -> tuple[int, int]:
+        """The bytes a fill's GET takes for member [start, end): with its headers."""
+        return self.layout.extent(shard, start, end)
+
+    def open_fill(self, shard: int) -> Fetch | None:
+        """The shard's fill, opened now if need be; None when the shard is served otherwise
+        (cached, fetched whole, compressed, a failed or mismatched download before) or the
+        cache has no room for it."""
+        fetch = self.fetches.get(shard)
+        if fetch is not None:
+            return fetch if fetch.fill else None
+        key = self.catalog.keys[shard]
+        if (self.whole_only[shard] or shard in self.failed or shard in self._mismatched
+                or not self._dataset_fits() or self.cache.has(key)
+                or not self.cache.reserve(key, self.sizes[shard])):
+            return None
+        try:
+            part = self.cache.begin(key, self.sizes[shard])
+        except OSError as exc:
+            self.cache.abort(None, key)
+            log.warning("cannot cache %s (%s); reading its members directly",
+                        self.catalog.shards[shard].url, exc)
+            if exc.errno in DISK_FULL:
+                self.cache.disk_full()
+            return None
+        fetch = Fetch(shard, part, part.size)
+        fetch.gets = []
+        fetch.fill = fetch.split = True  # split: the bytes arrive in runs, out of order
+        self.fetches[shard] = fetch
+        self._fills += 1
+        self._queue.pop(shard, None)
+        self.stats.fills_started += 1
+        assert self._nursery is not None, "Reader.run() must be started before fills"
+        self._nursery.start_soon(self._run_fill, fetch)
+        self._wake_slot_waiter(shard)
+        return fetch
+
+    def fills(self) -> list[Fetch]:
+        return [f for f in self.fetches.values() if f.fill and f.failed is None]
+
+    def plan_fill_get(self, fetch: Fetch, start: int, stop: int) -> Get:
+        """A GET of bytes [start, stop) into a fill, counted as on its way from now (run it
+        with run_fill_get)."""
+        get = Get(start, stop)
+        fetch.gets.append(get)
+        return get
+
+    async def run_fill_get(self, fetch: Fetch, get: Get,
+                           on_chunk: Callable[[bytes], None] | None = None) -> None:
+        """Stream a planned GET into the fill's part file. Its failure (the source's own
+        retries spent) fails the fill: its readers read their members instead."""
+        info = self.catalog.shards[fetch.shard]
+        try:
+            if fetch.failed is not None:
+                return
+            source = self.sources.for_url(info.url)
+            async with aclosing(source.stream(info, get.pos, get.stop)) as chunks:
+                async for chunk in chunks:
+                    if fetch.failed is not None:
+                        return  # the fill is over: its part file is closed
+                    self.stats.shard_bytes += len(chunk)
+                    self._write(fetch, get, chunk)
+                    if on_chunk is not None:
+                        on_chunk(chunk)
+            if get.running:
+                raise SourceError(f"{info.url}: {get.stop - get.pos} bytes of range "
+                                  f"[{get.start}, {get.stop}) missing")
+        except (SourceError, OSError) as exc:
+            if fetch.failed is None:
+                fetch.error = exc
+                fetch.fail(exc)  # wakes _run_fill (which drops the part) and the readers
+            raise
+        finally:
+            with contextlib.suppress(ValueError):
+                fetch.gets.remove(get)
+
+    async def _run_fill(self, fetch: Fetch) -> None:
+        """Commit a fill once every byte is in and its sha256 matches the index."""
+        shard = fetch.shard
+        info, key = self.catalog.shards[shard], self.catalog.keys[shard]
+        expected = self.catalog.sha256[shard]
+        began = time.monotonic()
+        try:
+            try:
+                await fetch.wait_for(0, fetch.size)
+            except FetchFailed as exc:
+                raise (exc.cause if isinstance(exc.cause, Exception)
+                       else SourceError(str(exc))) from None
+            if expected:
+                digest = await trio.to_thread.run_sync(sha256_of, fetch.part.fd, fetch.size,
+                                                       thread_name=HASH_THREAD)
+                if digest.hexdigest() != expected:
+                    raise ShardChanged(f"{info.url}: content differs from its index (sha256)")
+            await self.cache.commit(fetch.part)
+            self.states.complete(shard)
+            self.stats.shard_fetches_done += 1
+            self.stats.fills_done += 1
+            if self.lookahead is not None:
+                self.lookahead.cached(shard)
+            if self.on_complete is not None:
+                self.on_complete(shard)
+            log.info("filled shard %s: %d bytes in %.2f s", info.url, info.size,
+                     time.monotonic() - began)
+        except (SourceError, OSError, CodecError) as exc:
+            self.stats.fetch_errors += 1
+            self.failed.add(shard)
+            if isinstance(exc, ShardChanged):
+                self._mismatched.add(shard)
+            log.error("filling shard %s failed: %s", info.url, exc)
+            fetch.fail(exc)
+            self.cache.abort(fetch.part, key)
+            self.states.gone(shard)
+            if isinstance(exc, OSError) and exc.errno in DISK_FULL:
+                self.cache.disk_full()
+        except BaseException as exc:  # cancelled at shutdown: release waiters, drop the part
+            fetch.fail(exc)
+            self.cache.abort(fetch.part, key)
+            self.states.gone(shard)
+            raise
+        finally:
+            del self.fetches[shard]
+            self._fills -= 1
+            self._start_queued()
+
+    async def _read_filled(self, fetch: Fetch, key: str, member_off: int, member_size: int,
+                           start: int, end: int, want: bool) -> bytes | bytearray | None:
+        """A read of a shard being filled: served from the part file once its bytes are in.
+        Bytes no GET brings yet are asked for now (ahead of their turn); if the fill fails,
+        the member is read by itself."""
+        shard = fetch.shard
+        if fetch.has(start, end):
+            self.stats.frontier_hits += 1
+            return await self._from_part(fetch, start, end, want)
+        if self.lookahead is not None and fetch.failed is None and not fetch.coming(start, end):
+            self.lookahead.bring(fetch, member_off, member_off + member_size)
+        if fetch.failed is None and fetch.coming(start, end):
+            self.stats.waits += 1
+            self.cache.pin(key)  # it may be committed meanwhile: not evicted under us
+            try:
+                with contextlib.suppress(FetchFailed):
+                    await fetch.wait_for(start, end)
+                # Our bytes arrived; if the fill failed before this task ran again, its part
+                # file is closed (its fd number may already name another file).
+                if fetch.failed is None and fetch.has(start, end):
+                    return await self._from_part(fetch, start, end, want)
+            finally:
+                self.cache.unpin(key)
+        return await self._read_blocks(shard, member_off, member_size, start, end)
+
     def _whole_shard_pays(self) -> bool:
         return self._dataset_fits() or self.working_set.nbytes <= self.cache.budget
 
@@ -478,7 +659,7 @@ class Reader:
             return None
         if shard in self._mismatched and not self.whole_only[shard]:
             return None
-        if len(self.fetches) >= self.policy.max_fetches:
+        if self._whole_fetches() >= self.policy.max_fetches:
             self._queue[shard] = None
             return None
         return self._start(shard)
@@ -516,7 +697,7 @@ class Reader:
             event.set()
 
     def _start_queued(self) -> None:
-        while self._queue and len(self.fetches) < self.policy.max_fetches:
+        while self._queue and self._whole_fetches() < self.policy.max_fetches:
             shard, _ = self._queue.popitem(last=False)
             self._wake_slot_waiter(shard)  # whatever happens next, a waiter looks again
             forced = shard in self._forced
@@ -575,7 +756,7 @@ class Reader:
         running = sum(s in self._ahead for s in self.fetches)
         below = min(policy.max_fetches, policy.ahead_below_fetches)
         for shard in list(self._ahead):
-            if running >= policy.max_ahead_fetches or len(self.fetches) >= below:
+            if running >= policy.max_ahead_fetches or self._whole_fetches() >= below:
                 return
             if shard in self.fetches:
                 continue

@@ -107,7 +107,7 @@ class Lookahead(Sampler[int]):
             return
         ahead: deque[int] = deque()
         unsent: list[int] = []
-        first, exhausted = True, False
+        first, exhausted, told_last = True, False, False
         batch = max(1, self.window // 4)
         while True:
             while not exhausted and len(ahead) < self.window:
@@ -118,13 +118,17 @@ class Lookahead(Sampler[int]):
                     break
                 ahead.append(index)
                 unsent.append(index)
-            if unsent and (first or exhausted or len(unsent) >= batch):
+            if (unsent and (first or exhausted or len(unsent) >= batch)) or \
+                    (exhausted and not told_last):
                 if first:  # a short head first: the daemon starts fetching before it has
                     self._announce(unsent[:_HEAD], reset=True)  # resolved the whole window
                     unsent = unsent[_HEAD:]
                     first = False
-                if unsent:
-                    self._announce(unsent, reset=False)
+                if unsent or exhausted:
+                    # The epoch's end is said with its last files: a mount holding the
+                    # whole dataset then fetches the shards' remaining bytes.
+                    self._announce(unsent, reset=False, last=exhausted)
+                    told_last = exhausted
                 unsent = []
             if not ahead:
                 self._settle()  # the daemon has read every announcement of this iteration
@@ -214,7 +218,7 @@ class Lookahead(Sampler[int]):
     def _locate(self, path: str) -> tuple[str, str] | None:
         return self._locator.locate(path)
 
-    def _announce(self, indices: list[int], *, reset: bool) -> None:
+    def _announce(self, indices: list[int], *, reset: bool, last: bool = False) -> None:
         per_socket: dict[str, list[str]] = {}
         paths = self.paths
         for index in indices:
@@ -224,8 +228,8 @@ class Lookahead(Sampler[int]):
                 continue  # not an index of this dataset: nothing to announce for it
             if where is not None:
                 per_socket.setdefault(where[0], []).append(where[1])
-        if reset:  # a new epoch: every mount forgets what the last one left unread
-            for address in self._links:
+        if reset or last:  # a new epoch: every mount forgets what the last one left unread;
+            for address in self._links:  # its end: every mount hears of it
                 per_socket.setdefault(address, [])
         for address, rels in per_socket.items():
             if address in self._dead:
@@ -237,6 +241,8 @@ class Lookahead(Sampler[int]):
                 message: dict[str, Any] = {"paths": rels}
                 if reset:
                     message["reset"] = True
+                if last:
+                    message["last"] = True
                 self._check(address, link.collect())
                 link.post(message)
             except (OSError, ValueError) as exc:

@@ -1,0 +1,258 @@
+"""Ordered fills (the dataset fits the cache): announced members fetched in read order into
+their shard's part file, driven without FUSE over real tar shards, file:// sources, a real
+cache, the real reader and Lookahead wired as the daemon wires them (attach_lookahead).
+The mount-level test is tests/test_lookahead.py."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import random
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from shardfs.cache.shardcache import ShardCache
+from shardfs.catalog.catalog import Catalog
+from shardfs.daemon.announce import attach_lookahead
+from shardfs.read.lookahead import Lookahead, LookaheadPolicy
+from shardfs.read.reader import Reader
+from shardfs.sources import ShardInfo, Source, Sources, SourceSettings, Unreachable
+from tests.test_reader import Shards, file_inodes, run_reader, write_shards
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Shards:
+    return write_shards(tmp_path_factory.mktemp("fill") / "shards", seed=3)
+
+
+class _Ranges:
+    """A file source that records its GETs and fails the first `fail` of them."""
+
+    def __init__(self, inner: Source, owner: _Sources) -> None:
+        self.inner, self.owner, self.stats = inner, owner, inner.stats
+
+    async def stat(self, url: str) -> ShardInfo:
+        return await self.inner.stat(url)
+
+    async def fetch_optional(self, url: str) -> bytes | None:
+        return await self.inner.fetch_optional(url)
+
+    async def stream(self, shard: ShardInfo, start: int, end: int) -> AsyncIterator[bytes]:
+        self.owner.asked.append((shard.url, start, end))
+        if self.owner.fail > 0:
+            self.owner.fail -= 1
+            raise Unreachable(f"{shard.url}: injected failure of [{start}, {end})")
+        stream = self.inner.stream(shard, start, end)
+        try:
+            async for chunk in stream:
+                yield chunk
+                await trio.sleep(0)
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class _Sources(Sources):
+    def __init__(self, fail: int = 0) -> None:
+        super().__init__(SourceSettings(chunk_size=4096))
+        self.fail = fail
+        self.asked: list[tuple[str, int, int]] = []
+
+    def for_url(self, url: str) -> Source:
+        return _Ranges(super().for_url(url), self)
+
+
+def _refs(catalog: Catalog, inodes: dict[bytes, int], shard: int) -> list[tuple[int, int, int]]:
+    """(shard, offset, size) of the shard's files (those of the tree: names later shards
+    repeat are not), in a random order."""
+    tree = catalog.tree
+    refs = [(r.shard, r.offset, r.size) for r in (tree.file_ref(i) for i in inodes.values())
+            if r.shard == shard and r.size > 0]
+    random.Random(shard).shuffle(refs)
+    return refs
+
+
+async def _started(reader: Reader, policy: LookaheadPolicy, nursery: trio.Nursery) -> Lookahead:
+    lookahead = attach_lookahead(reader, policy)
+    assert lookahead is not None
+    await nursery.start(lookahead.run)
+    with trio.fail_after(10):
+        while not reader.fills_ready:  # the shard layout, built in a thread
+            await trio.sleep(0.005)
+    return lookahead
+
+
+async def _read(reader: Reader, ref: tuple[int, int, int]) -> bytes:
+    shard, offset, size = ref
+    return bytes(await reader.read(shard, offset, size, 0, size))
+
+
+def test_announced_members_fill_the_shard_byte_for_byte(tmp_path: Path,
+                                                        shards: Shards) -> None:
+    """Every read right and served from the members the fill's GETs landed, every byte of
+    the shard fetched exactly once (the members' GETs with their headers, the end after the
+    last announcement), the first GETs in read order, and the shard committed with its
+    sha256 checked from the part file."""
+    sources = _Sources()
+    shard = 3
+    policy = LookaheadPolicy(fill_requests=4)
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        catalog.sha256[shard] = hashlib.sha256(shards.paths[shard].read_bytes()).hexdigest()
+        inodes = file_inodes(catalog)
+        async with trio.open_nursery() as nursery:
+            lookahead = await _started(reader, policy, nursery)
+            refs = _refs(catalog, inodes, shard)
+            stream = lookahead.open_stream()
+            assert stream.announce(refs) == (len(refs), 0)
+            for ref in refs:
+                assert await _read(reader, ref) == shards.paths[shard].read_bytes()[
+                    ref[1] : ref[1] + ref[2]]
+            assert shard in reader.fetches and reader.fetches[shard].fill
+            assert not cache.has(catalog.keys[shard])  # its end is not asked for yet
+            stream.announced_all()
+            with trio.fail_after(10):
+                while shard in reader.fetches:
+                    await trio.sleep(0.005)
+            nursery.cancel_scope.cancel()
+        stats, la = reader.stats, lookahead.stats
+        assert cache.has(catalog.keys[shard]) and stats.fills_done == 1, stats
+        with open(cache.shards_dir / catalog.keys[shard], "rb") as f:
+            assert f.read() == shards.paths[shard].read_bytes()
+        size = catalog.shards[shard].size
+        asked = sorted(a[1:] for a in sources.asked if a[0] == shards.urls[shard])
+        assert asked[0][0] == 0 and asked[-1][1] == size
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(asked)), asked
+        assert stats.shard_bytes == size and stats.shard_fetches_started == 0
+        assert stats.member_fetches == 0 and la.requests == 0, (stats, la)
+        assert la.part_entries == len(refs) and la.hole_requests >= 1, la
+        assert la.hits == len(refs), la  # each read took its landed member
+        # The epoch's first reads, one member per GET (with its header), asked first: the
+        # first four GETs in flight are the first four announced (trio starts a batch of
+        # tasks in no fixed order).
+        first = [a[1:] for a in sources.asked if a[0] == shards.urls[shard]][:4]
+        mine = sorted((lo, hi) for lo, hi in first
+                      for _, offset, n in refs[:4] if lo <= offset and offset + n <= hi)
+        assert mine == sorted(first), (first, refs[:4])
+        assert all(hi - lo <= 1024 + n for (lo, hi), (_, _, n) in
+                   zip(sorted(first), sorted(refs[:4], key=lambda r: r[1]), strict=True))
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources)
+
+
+def test_a_failed_fill_get_reads_the_members_instead(tmp_path: Path, shards: Shards) -> None:
+    """A fill's GET fails (the source's retries spent): the fill is dropped, nothing is
+    cached from it, and its reads, the one waiting on that GET included, read their members
+    by themselves: every read right, none an EIO."""
+    sources = _Sources(fail=1)
+    shard = 5
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        async with trio.open_nursery() as nursery:
+            policy = LookaheadPolicy(fill_requests=2)
+            lookahead = await _started(reader, policy, nursery)
+            refs = _refs(catalog, inodes, shard)
+            lookahead.open_stream().announce(refs)
+            for ref in refs:
+                assert await _read(reader, ref) == shards.paths[shard].read_bytes()[
+                    ref[1] : ref[1] + ref[2]]
+            nursery.cancel_scope.cancel()
+        stats = reader.stats
+        assert stats.fills_started == 1 and stats.fills_done == 0, stats
+        assert stats.fetch_errors == 1 and stats.eio == 0, stats
+        assert shard in reader.failed and lookahead.stats.part_errors >= 1
+        assert stats.member_fetches + stats.shard_fetches_started >= 1, stats
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources)
+
+
+def test_a_filled_shard_whose_digest_differs_is_not_cached(tmp_path: Path,
+                                                           shards: Shards) -> None:
+    sources = _Sources()
+    shard = 6
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        catalog.sha256[shard] = hashlib.sha256(b"some other shard").hexdigest()
+        inodes = file_inodes(catalog)
+        async with trio.open_nursery() as nursery:
+            lookahead = await _started(reader, LookaheadPolicy(), nursery)
+            stream = lookahead.open_stream()
+            refs = _refs(catalog, inodes, shard)
+            stream.announce(refs)
+            stream.announced_all()
+            assert await _read(reader, refs[0]) == shards.paths[shard].read_bytes()[
+                refs[0][1] : refs[0][1] + refs[0][2]]
+            with trio.fail_after(10):
+                while shard in reader.fetches:
+                    await trio.sleep(0.005)
+            nursery.cancel_scope.cancel()
+        assert not cache.has(catalog.keys[shard])
+        assert shard in reader.failed and reader.stats.fetch_errors == 1
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources)
+
+
+def test_over_the_cache_nothing_goes_to_part_files(tmp_path: Path, shards: Shards) -> None:
+    """The dataset larger than the cache: announced members are held in RAM as before."""
+    sources = _Sources()
+    shard = 2
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        async with trio.open_nursery() as nursery:
+            lookahead = attach_lookahead(reader, LookaheadPolicy())
+            assert lookahead is not None
+            await nursery.start(lookahead.run)
+            refs = _refs(catalog, inodes, shard)
+            lookahead.open_stream().announce(refs)
+            for ref in refs:
+                assert await _read(reader, ref) == shards.paths[shard].read_bytes()[
+                    ref[1] : ref[1] + ref[2]]
+            nursery.cancel_scope.cancel()
+        assert reader.stats.fills_started == 0
+        assert lookahead.stats.hits == len(refs) and lookahead.stats.part_entries == 0
+
+    run_reader(tmp_path, shards.urls, 2 * shards.shard_size, body, sources=sources)
+
+
+def test_a_fill_is_paced_by_the_buffer(tmp_path: Path, shards: Shards) -> None:
+    """The fill's GETs land their members in RAM until read: with a buffer of three members'
+    worth, no more is fetched ahead than that, and the reads (in the announced order) still
+    find every member, the shard committed at the end."""
+    sources = _Sources()
+    shard = 4
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        refs = _refs(catalog, inodes, shard)
+        buffer = 3 * max(n for _, _, n in refs)
+        async with trio.open_nursery() as nursery:
+            policy = LookaheadPolicy(fill_requests=8, buffer_bytes=buffer)
+            lookahead = await _started(reader, policy, nursery)
+            stream = lookahead.open_stream()
+            stream.announce(refs)
+            stream.announced_all()
+            for ref in refs:
+                await trio.sleep(0.01)  # the GETs run ahead as far as the buffer lets them
+                assert lookahead.stats.buffered_bytes <= buffer, lookahead.stats
+                assert await _read(reader, ref) == shards.paths[shard].read_bytes()[
+                    ref[1] : ref[1] + ref[2]]
+            with trio.fail_after(10):
+                while shard in reader.fetches:
+                    await trio.sleep(0.005)
+            nursery.cancel_scope.cancel()
+        la = lookahead.stats
+        assert la.peak_buffered_bytes <= buffer, la
+        # Each read took its landed member, but those the shard's commit overtook (read from
+        # the cache then: their held bytes let go at once, nothing left in the buffer).
+        assert la.part_entries == len(refs) and 0 < la.hits <= len(refs), la
+        assert la.buffered_bytes == 0, la
+        assert cache.has(catalog.keys[shard]) and reader.stats.fills_done == 1
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources)
