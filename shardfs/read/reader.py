@@ -605,16 +605,8 @@ class Reader:
             log.info("filled shard %s: %d bytes in %.2f s", info.url, info.size,
                      time.monotonic() - began)
         except (SourceError, OSError, CodecError) as exc:
-            self.stats.fetch_errors += 1
-            self.failed.add(shard)
-            if isinstance(exc, ShardChanged):
-                self._mismatched.add(shard)
-            log.error("filling shard %s failed: %s", info.url, exc)
-            fetch.fail(exc)
-            self.cache.abort(fetch.part, key)
-            self.states.gone(shard)
-            if isinstance(exc, OSError) and exc.errno in DISK_FULL:
-                self.cache.disk_full()
+            self._failed_for_good(fetch, exc, "filling")
+            self._drop_failed_part(fetch, key, exc)
         except BaseException as exc:  # cancelled at shutdown: release waiters, drop the part
             fetch.fail(exc)
             self.cache.abort(fetch.part, key)
@@ -624,6 +616,23 @@ class Reader:
             del self.fetches[shard]
             self._fills -= 1
             self._start_queued()
+
+    def _failed_for_good(self, fetch: Fetch, exc: Exception, doing: str) -> None:
+        """A shard's download (whole, or a fill) failed: not tried again this session (a
+        content mismatch: never fetched whole again), its waiters woken."""
+        shard = fetch.shard
+        self.stats.fetch_errors += 1
+        self.failed.add(shard)
+        if isinstance(exc, ShardChanged):
+            self._mismatched.add(shard)
+        log.error("%s shard %s failed: %s", doing, self.catalog.shards[shard].url, exc)
+        fetch.fail(exc)
+
+    def _drop_failed_part(self, fetch: Fetch, key: str, exc: Exception) -> None:
+        self.cache.abort(fetch.part, key)
+        self.states.gone(fetch.shard)
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL:
+            self.cache.disk_full()  # fit the budget to the disk; waiters read members
 
     async def _read_filled(self, fetch: Fetch, key: str, member_off: int, member_size: int,
                            start: int, end: int, want: bool) -> bytes | bytearray | None:
@@ -859,16 +868,8 @@ class Reader:
                             "again from byte 0", info.url, exc)
                 fetch.fail(OSError(f"{info.url}: fetched again from byte 0"))
             else:
-                self.stats.fetch_errors += 1
-                self.failed.add(shard)
-                if isinstance(exc, ShardChanged):
-                    self._mismatched.add(shard)
-                log.error("fetching shard %s failed: %s", info.url, exc)
-                fetch.fail(exc)
-            self.cache.abort(fetch.part, key)
-            self.states.gone(shard)
-            if isinstance(exc, OSError) and exc.errno in DISK_FULL:
-                self.cache.disk_full()  # fit the budget to the disk; waiters read members
+                self._failed_for_good(fetch, exc, "fetching")
+            self._drop_failed_part(fetch, key, exc)
         except BaseException as exc:  # cancelled at shutdown: release waiters, drop the part
             fetch.fail(exc)
             if self.keep_partial:  # unless a new daemon takes the mount over: it goes on
