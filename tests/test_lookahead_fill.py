@@ -256,3 +256,33 @@ def test_a_fill_is_paced_by_the_buffer(tmp_path: Path, shards: Shards) -> None:
         assert cache.has(catalog.keys[shard]) and reader.stats.fills_done == 1
 
     run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources)
+
+
+def test_reads_that_do_not_follow_the_announcements_are_still_right(tmp_path: Path,
+                                                                    shards: Shards) -> None:
+    """Announcements that do not match the reads cost bytes, never correctness: half of a
+    shard's files announced (in one order), all of them read in another, files never
+    announced included; every read right, none an EIO, and the shard still completes."""
+    sources = _Sources()
+    shard = 7
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        refs = _refs(catalog, inodes, shard)
+        async with trio.open_nursery() as nursery:
+            lookahead = await _started(reader, LookaheadPolicy(fill_requests=4), nursery)
+            stream = lookahead.open_stream()
+            stream.announce(refs[: len(refs) // 2])
+            stream.announced_all()
+            for ref in reversed(refs):
+                assert await _read(reader, ref) == shards.paths[shard].read_bytes()[
+                    ref[1] : ref[1] + ref[2]]
+            with trio.fail_after(10):
+                while shard in reader.fetches:
+                    await trio.sleep(0.005)
+            nursery.cancel_scope.cancel()
+        assert reader.stats.eio == 0, reader.stats
+        assert cache.has(catalog.keys[shard])
+        assert lookahead.stats.misses > 0, lookahead.stats  # the unannounced half
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources)
