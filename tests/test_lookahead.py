@@ -32,6 +32,7 @@ from torch.utils.data import (  # noqa: E402
     SubsetRandomSampler,
 )
 
+from shardfs.read.lookahead import LookaheadPolicy  # noqa: E402
 from shardfs.torch import Lookahead  # noqa: E402
 
 SMALL_CACHE = "256KiB"  # the test dataset is ~1 MB
@@ -437,7 +438,7 @@ def test_dataset_fits_the_cache_members_fill_their_shards_in_read_order(dataset,
         ends += (dataset.shard_dir / name).stat().st_size - (last + 511) // 512 * 512
     assert la["hole_bytes"] == ends, (la, ends)
     # Read order: the epoch's first file came with the first GETs (nginx logs GETs as they
-    # end, 16 in flight).
+    # end, LookaheadPolicy.fill_requests in flight).
     place = {(name, first, end): n for n, (name, first, end, _) in enumerate(ranges)}
     positions = []
     for i in expected:
@@ -446,7 +447,7 @@ def test_dataset_fits_the_cache_members_fill_their_shards_in_read_order(dataset,
         offset = int(os.getxattr(path, "user.shardfs.offset"))
         positions.append(next(n for (nm, a, b), n in place.items()
                               if nm == name and a <= offset < b))
-    assert positions[0] < 16, positions
+    assert positions[0] < LookaheadPolicy().fill_requests, positions
 
     # The next epoch: all from the cache, nothing fetched.
     fetched = after["bytes_fetched"]
