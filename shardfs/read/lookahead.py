@@ -216,6 +216,30 @@ class Stream:
         self.owner.close(self)
 
 
+class _Landing:
+    """A GET's bytes for a group of members of one shard, from offset `lo`. A member is
+    landed (readable) as soon as its own bytes are in, not when the whole GET is: a read
+    waiting on it does not wait for the neighbours fetched with it."""
+
+    def __init__(self, owner: Lookahead, group: list[_Slot], lo: int) -> None:
+        self.owner, self.lo = owner, lo
+        self.order = sorted(group, key=lambda s: s.start)
+        self.got = bytearray()
+        self.done = 0  # members of `order` complete in `got`
+
+    def add(self, chunk: bytes) -> None:
+        self.got += chunk
+        order = self.order
+        while self.done < len(order) and order[self.done].end - self.lo <= len(self.got):
+            slot = order[self.done]
+            self.done += 1
+            if slot.state == _INFLIGHT:
+                self.owner._hold(slot, self.got, self.lo)
+                slot.state = _READY
+                assert slot.event is not None
+                slot.event.set()
+
+
 class Lookahead:
     def __init__(self, shards: Sequence[ShardInfo], sources: Sources,
                  policy: LookaheadPolicy | None = None, *,
@@ -498,6 +522,14 @@ class Lookahead:
             if fetch is not None:
                 self._launch_fill(group, fetch)
                 return
+        self._reserve(group)
+        self._requests += 1
+        assert self._nursery is not None, "Lookahead.run() must be started first"
+        self._nursery.start_soon(self._fetch, group)
+
+    def _reserve(self, group: list[_Slot]) -> None:
+        """The group's entries leave the queue for a GET: in flight, their bytes counted in
+        the buffer from now on."""
         for slot in group:
             self._unqueue(slot)
             slot.state = _INFLIGHT
@@ -506,32 +538,29 @@ class Lookahead:
             self.stats.buffered_bytes += slot.size
         if self.stats.buffered_bytes > self.stats.peak_buffered_bytes:
             self.stats.peak_buffered_bytes = self.stats.buffered_bytes
-        self._requests += 1
-        assert self._nursery is not None, "Lookahead.run() must be started first"
-        self._nursery.start_soon(self._fetch, group)
+
+    def _settle(self, group: list[_Slot]) -> None:
+        """A GET of the group ended: what it did not land (or was dropped in flight) is let
+        go, and every read waiting on the group wakes."""
+        for slot in group:
+            if slot.state in (_INFLIGHT, _GONE):
+                self._drop(slot, stale=False)
+                self._release(slot)
+            assert slot.event is not None
+            slot.event.set()
+        self._wake.set()
 
     async def _fetch(self, group: list[_Slot]) -> None:
-        order = sorted(group, key=lambda s: s.start)
-        shard, lo, hi = order[0].shard, order[0].start, max(s.end for s in order)
+        shard, lo, hi = group[0].shard, min(s.start for s in group), max(s.end for s in group)
         info = self.shards[shard]
         stats = self.stats
-        got = bytearray()
-        done = 0  # members of `order` complete in `got`
+        landing = _Landing(self, group, lo)
+        got = landing.got
         try:
             source = self.sources.for_url(info.url)
             async with contextlib.aclosing(source.stream(info, lo, hi)) as chunks:
                 async for chunk in chunks:
-                    got += chunk
-                    # A member is readable once its bytes are in, not when the whole GET is:
-                    # a read waiting on it does not wait for the neighbours fetched with it.
-                    while done < len(order) and order[done].end - lo <= len(got):
-                        slot = order[done]
-                        done += 1
-                        if slot.state == _INFLIGHT:
-                            self._hold(slot, got, lo)
-                            slot.state = _READY
-                            assert slot.event is not None
-                            slot.event.set()
+                    landing.add(chunk)
             if len(got) != hi - lo:
                 raise SourceError(f"{info.url}: {len(got)} bytes for range [{lo}, {hi})")
             stats.gap_bytes += max(0, (hi - lo) - sum(s.size for s in group))
@@ -543,13 +572,7 @@ class Lookahead:
             stats.requests += 1
             stats.bytes_fetched += len(got)
             self._requests -= 1
-            for slot in group:
-                if slot.state in (_INFLIGHT, _GONE):  # not landed, or dropped in flight
-                    self._drop(slot, stale=False)
-                    self._release(slot)
-                assert slot.event is not None
-                slot.event.set()
-            self._wake.set()
+            self._settle(group)
 
     # -- ordered fills: members into part files (the dataset fits the cache) --------------
     async def _prepare_fills(self) -> None:
@@ -588,30 +611,21 @@ class Lookahead:
         # as many entries as the buffer holds: they are fetched before being read anyway
         horizon = head.pos + max(policy.fill_scan, policy.buffer_bytes // max(1, head.size))
         offsets = self._queued.get(shard, [])
-        i = bisect.bisect_right(offsets, head.start)
-        while i < len(offsets):  # the members after the head, nearest first
-            s = self._queued_at(shard, offsets[i], stream, horizon)
-            i += 1
-            if s is None:
-                break
-            a, b = parts.extent(shard, s.start, s.end)
-            if a != hi or b - lo > span or s.size > room:
-                break
-            group.append(s)
-            hi = b
-            room -= s.size
-        i = bisect.bisect_left(offsets, head.start)
-        while i > 0:  # the members before it
-            i -= 1
-            s = self._queued_at(shard, offsets[i], stream, horizon)
-            if s is None:
-                break
-            a, b = parts.extent(shard, s.start, s.end)
-            if b != lo or hi - a > span or s.size > room:
-                break
-            group.append(s)
-            lo = a
-            room -= s.size
+        # The members after the head, nearest first, then those before it.
+        for i, step in ((bisect.bisect_right(offsets, head.start), 1),
+                        (bisect.bisect_left(offsets, head.start) - 1, -1)):
+            while 0 <= i < len(offsets):
+                s = self._queued_at(shard, offsets[i], stream, horizon)
+                i += step
+                if s is None:
+                    break
+                a, b = parts.extent(shard, s.start, s.end)
+                joins = a == hi if step > 0 else b == lo
+                if not joins or max(b, hi) - min(a, lo) > span or s.size > room:
+                    break
+                group.append(s)
+                lo, hi = min(a, lo), max(b, hi)
+                room -= s.size
         return group
 
     def _launch_fill(self, group: list[_Slot], fetch: Fetch) -> None:
@@ -636,14 +650,7 @@ class Lookahead:
         """One GET of [lo, hi) into the fill that also lands the group's members for their
         reads, as _fetch does."""
         assert self.parts is not None and self._nursery is not None
-        for slot in group:
-            self._unqueue(slot)
-            slot.state = _INFLIGHT
-            slot.event = trio.Event()
-            slot.reserved = slot.size
-            self.stats.buffered_bytes += slot.size
-        if self.stats.buffered_bytes > self.stats.peak_buffered_bytes:
-            self.stats.peak_buffered_bytes = self.stats.buffered_bytes
+        self._reserve(group)
         self.stats.part_entries += len(group)
         get = self.parts.plan_fill_get(fetch, lo, hi)
         self._requests += 1
@@ -707,24 +714,9 @@ class Lookahead:
         bytes come."""
         assert self.parts is not None
         stats = self.stats
-        on_chunk = None
-        if group:
-            order = sorted(group, key=lambda s: s.start)
-            lo, got, done = get.start, bytearray(), 0
-
-            def on_chunk(chunk: bytes) -> None:
-                nonlocal done
-                got.extend(chunk)
-                while done < len(order) and order[done].end - lo <= len(got):
-                    slot = order[done]
-                    done += 1
-                    if slot.state == _INFLIGHT:
-                        self._hold(slot, got, lo)
-                        slot.state = _READY
-                        assert slot.event is not None
-                        slot.event.set()
+        landing = _Landing(self, group, get.start) if group else None
         try:
-            await self.parts.run_fill_get(fetch, get, on_chunk)
+            await self.parts.run_fill_get(fetch, get, landing.add if landing else None)
         except (SourceError, OSError) as exc:
             stats.part_errors += 1  # the fill fails: its reads read their members instead
             log.warning("lookahead: filling shard %d [%d, %d) failed: %s", fetch.shard,
@@ -737,13 +729,7 @@ class Lookahead:
             else:
                 stats.part_requests += 1
                 stats.part_bytes += get.pos - get.start
-            for slot in group or ():
-                if slot.state in (_INFLIGHT, _GONE):  # not landed, or dropped in flight
-                    self._drop(slot, stale=False)
-                    self._release(slot)
-                assert slot.event is not None
-                slot.event.set()
-            self._wake.set()
+            self._settle(group or [])
 
     # -- dropping --------------------------------------------------------------------------
     @staticmethod
