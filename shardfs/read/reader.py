@@ -32,7 +32,7 @@ import trio
 from cachetools import LRUCache
 
 from shardfs.cache.partrecord import BLOCK, block_crcs
-from shardfs.cache.shardcache import DISK_FULL, ShardCache, pwrite_all, sha256_of
+from shardfs.cache.shardcache import DISK_FULL, PartFile, ShardCache, pwrite_all, sha256_of
 from shardfs.catalog.catalog import Catalog
 from shardfs.catalog.codecs import CodecError, decompressor
 from shardfs.read.diskread import DiskReads
@@ -512,19 +512,11 @@ class Reader:
         fetch = self.fetches.get(shard)
         if fetch is not None:
             return fetch if fetch.fill else None
-        key = self.catalog.keys[shard]
         if (self.whole_only[shard] or shard in self.failed or shard in self._mismatched
-                or not self._dataset_fits() or self.cache.has(key)
-                or not self.cache.reserve(key, self.sizes[shard])):
+                or not self._dataset_fits() or self.cache.has(self.catalog.keys[shard])):
             return None
-        try:
-            part = self.cache.begin(key, self.sizes[shard])
-        except OSError as exc:
-            self.cache.abort(None, key)
-            log.warning("cannot cache %s (%s); reading its members directly",
-                        self.catalog.shards[shard].url, exc)
-            if exc.errno in DISK_FULL:
-                self.cache.disk_full()
+        part = self._begin_part(shard, record=True)
+        if part is None:
             return None
         fetch = Fetch(shard, part, part.size)
         fetch.gets = []
@@ -673,22 +665,31 @@ class Reader:
             return None
         return self._start(shard)
 
-    def _start(self, shard: int) -> Fetch | None:
-        info, key = self.catalog.shards[shard], self.catalog.keys[shard]
+    def _begin_part(self, shard: int, *, record: bool) -> PartFile | None:
+        """Room in the cache and a part file for the shard's download (whole or a fill);
+        None: no room without evicting shards in use, or the part could not be made (its
+        reads read their members instead)."""
+        url, key = self.catalog.shards[shard].url, self.catalog.keys[shard]
         if not self.cache.reserve(key, self.sizes[shard]):
-            return None  # no room without evicting shards in use: member reads instead
+            return None
         try:
-            # A shard read only whole (compressed, or its server ignores Range) cannot be
-            # continued from the middle: no record, so a new daemon starts it from 0. Nor is
-            # one in a file worth a record: checking the kept bytes would read as much as
-            # fetching them again, and the CRCs cost ~0.5 ms of CPU per MiB here.
-            record = not self.whole_only[shard] and not self.sources.is_local(info.url)
-            part = self.cache.begin(key, self.sizes[shard], record=record)
+            return self.cache.begin(key, self.sizes[shard], record=record)
         except OSError as exc:
             self.cache.abort(None, key)
-            log.warning("cannot cache %s (%s); reading its members directly", info.url, exc)
+            log.warning("cannot cache %s (%s); reading its members directly", url, exc)
             if exc.errno in DISK_FULL:
                 self.cache.disk_full()
+            return None
+
+    def _start(self, shard: int) -> Fetch | None:
+        info = self.catalog.shards[shard]
+        # A shard read only whole (compressed, or its server ignores Range) cannot be
+        # continued from the middle: no record, so a new daemon starts it from 0. Nor is
+        # one in a file worth a record: checking the kept bytes would read as much as
+        # fetching them again, and the CRCs cost ~0.5 ms of CPU per MiB here.
+        record = not self.whole_only[shard] and not self.sources.is_local(info.url)
+        part = self._begin_part(shard, record=record)
+        if part is None:
             return None
         fetch = Fetch(shard, part, part.size)
         self.fetches[shard] = fetch
