@@ -372,7 +372,8 @@ static void meta_install(struct fuse_lowlevel_ops *ops, size_t op_size)
  * the current generation, and the bytes are in the page cache (preadv2 RWF_NOWAIT). Anything
  * else (bytes not fetched yet, a sparse file, bytes on disk but not in memory) goes to
  * Python's read, which applies the policy. Reads answered here are counted per shard; Python
- * collects the counts for the LRU order, the working set and the stats.
+ * collects the counts for the LRU order, the working set and the stats. Reads of members
+ * the lookahead holds in its shared arena are answered here too (_shim_arena.c).
  */
 #include <sys/uio.h>
 
@@ -409,15 +410,21 @@ static struct {
     off_t off;
     size_t size, n;
     uint32_t shard;
-    int from_frontier;
+    int from;
 } pre;
 
-/* Read a READ's bytes from a complete cached shard into `fast_buf`: the byte count, or -1
- * when Python must answer (not a plain file of a complete shard held open here, or the
- * bytes are not all in the page cache: RWF_NOWAIT). */
+#include "_shim_arena.c"
+
+/* Where a read answered here came from (counted apart: see fast_reply). */
+enum { FROM_COMPLETE, FROM_FRONTIER, FROM_ARENA };
+
+/* Read a READ's bytes into `fast_buf`: from the shard's cache file (complete, or below the
+ * frontier of its fetch, held open here, the bytes in the page cache: RWF_NOWAIT), else from
+ * the lookahead's arena (_shim_arena.c). The byte count, or -1 when Python must answer (a
+ * sparse or compressed file, bytes neither on disk in memory nor in the arena). */
 static char *fast_buf;
 static ssize_t fast_prepare(fuse_ino_t ino, size_t size, off_t off, uint32_t *shard,
-                            int *from_frontier)
+                            int *from)
 {
     static size_t cap;
     if (fast_fds == NULL || !meta_valid(ino) || off < 0)
@@ -428,19 +435,12 @@ static ssize_t fast_prepare(fuse_ino_t ino, size_t size, off_t off, uint32_t *sh
     if (meta.sparse && meta_find(meta.sparse_entry, meta.sparse, i) < meta.sparse)
         return -1;
     uint32_t s = meta.shard[i];
-    if (s >= fast.shards || fast_fds[s] < 0)
+    if (s >= fast.shards)
         return -1;
     uint64_t member = meta.size[i];
     size_t n = (uint64_t)off >= member ? 0 : size;
     if (n > member - (uint64_t)off)
         n = (size_t)(member - (uint64_t)off);
-    /* avail before gen: a writer bumps gen before it announces bytes of a new file. */
-    int64_t avail = __atomic_load_n(&fast.avail[s], __ATOMIC_ACQUIRE);
-    int complete = avail == SHARD_COMPLETE;
-    if (!complete && (avail < 0 || meta.offset[i] + (uint64_t)off + n > (uint64_t)avail))
-        return -1;
-    if (__atomic_load_n(&fast.gen[s], __ATOMIC_ACQUIRE) != fast.fd_gen[s])
-        return -1;   /* our descriptor names a file that has gone since */
     if (n > cap) {
         char *grown = realloc(fast_buf, n);
         if (grown == NULL)
@@ -448,21 +448,35 @@ static ssize_t fast_prepare(fuse_ino_t ino, size_t size, off_t off, uint32_t *sh
         fast_buf = grown;
         cap = n;
     }
-    if (n > 0) {
-        struct iovec iov = {fast_buf, n};
-        ssize_t got = preadv2(fast_fds[s], &iov, 1, (off_t)meta.offset[i] + off, RWF_NOWAIT);
-        if (got != (ssize_t)n)
-            return -1;
-    }
     *shard = s;
-    *from_frontier = !complete;
-    return (ssize_t)n;
+    if (fast_fds[s] >= 0) {
+        /* avail before gen: a writer bumps gen before it announces bytes of a new file. */
+        int64_t avail = __atomic_load_n(&fast.avail[s], __ATOMIC_ACQUIRE);
+        int complete = avail == SHARD_COMPLETE;
+        if ((complete || (avail >= 0 && meta.offset[i] + (uint64_t)off + n <= (uint64_t)avail))
+            && __atomic_load_n(&fast.gen[s], __ATOMIC_ACQUIRE) == fast.fd_gen[s]) {
+            /* (else our descriptor names a file that has gone since) */
+            struct iovec iov = {fast_buf, n};
+            if (n == 0 || preadv2(fast_fds[s], &iov, 1, (off_t)meta.offset[i] + off,
+                                  RWF_NOWAIT) == (ssize_t)n) {
+                *from = complete ? FROM_COMPLETE : FROM_FRONTIER;
+                return (ssize_t)n;
+            }
+        }
+    }
+    if (arena_copy(s, meta.offset[i], (uint64_t)off, n, fast_buf)) {
+        *from = FROM_ARENA;
+        return (ssize_t)n;
+    }
+    return -1;
 }
 
-static void fast_reply(fuse_req_t req, uint32_t shard, size_t n, int from_frontier)
+static void fast_reply(fuse_req_t req, uint32_t shard, size_t n, int from)
 {
     reply_buf(req, fast_buf, n);
-    (from_frontier ? fast.frontier : fast.complete)[shard]++;
+    if (from == FROM_ARENA)
+        return;   /* recorded in arena_taken, which Python reports as its own reads */
+    (from == FROM_FRONTIER ? fast.frontier : fast.complete)[shard]++;
     *fast.bytes += n;
 }
 
@@ -472,16 +486,16 @@ static int fast_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off)
     if (pre.ready) {
         pre.ready = 0;
         if (pre.ino == ino && pre.off == off && pre.size == size) {
-            fast_reply(req, pre.shard, pre.n, pre.from_frontier);
+            fast_reply(req, pre.shard, pre.n, pre.from);
             return 1;
         }
     }
     uint32_t shard;
-    int from_frontier;
-    ssize_t n = fast_prepare(ino, size, off, &shard, &from_frontier);
+    int from;
+    ssize_t n = fast_prepare(ino, size, off, &shard, &from);
     if (n < 0)
         return 0;
-    fast_reply(req, shard, (size_t)n, from_frontier);
+    fast_reply(req, shard, (size_t)n, from);
     return 1;
 }
 
@@ -528,12 +542,11 @@ static int drain_in_c(struct fuse_session *se, struct fuse_buf *buf, int len,
             return 0;
         const struct fuse_read_in *arg = (const void *)(in + 1);
         uint32_t shard;
-        int from_frontier;
-        ssize_t n = fast_prepare(in->nodeid, arg->size, (off_t)arg->offset, &shard,
-                                 &from_frontier);
+        int from;
+        ssize_t n = fast_prepare(in->nodeid, arg->size, (off_t)arg->offset, &shard, &from);
         if (n < 0)
             return 0;
-        pre.from_frontier = from_frontier;
+        pre.from = from;
         pre.ready = 1;
         pre.ino = in->nodeid;
         pre.off = (off_t)arg->offset;

@@ -19,6 +19,7 @@ from typing import NoReturn
 
 import trio
 
+from shardfs.fuse.arenareads import ArenaReads
 from shardfs.fuse.fastread import COLLECT_INTERVAL, FastReads, next_interval, open_cache_file
 from shardfs.read.arena import ArenaView
 from shardfs.read.diskread import DiskReads
@@ -63,8 +64,10 @@ class RemoteReader:
         # Members the daemon fetched ahead (shardfs.torch.Lookahead) in the shared arena:
         # (shard, member offset) -> (arena offset, generation); see shardfs/read/arena.py.
         self.arena: ArenaView | None = None
+        self.arena_in_c: ArenaReads | None = None  # the shim answers them (with `fast`)
         self._ahead: dict[tuple[int, int], tuple[int, int]] = {}
-        self._taken: list[tuple[int, int, int, int]] = []  # arena reads not yet told
+        # arena reads not yet told: (shard, member offset, arena offset, bytes, in C)
+        self._taken: list[tuple[int, int, int, int, bool]] = []
         self._taken_news = trio.Event()
 
     # -- descriptors of cache files ----------------------------------------------------------
@@ -115,7 +118,7 @@ class RemoteReader:
                 if data is not None:
                     self._shards.append(shard)
                     self._bytes += size
-                    self._taken.append((shard, member_off, where[0], size))
+                    self._taken.append((shard, member_off, where[0], size, False))
                     self._taken_news.set()
                     return data
                 del self._ahead[(shard, member_off)]  # freed meanwhile: ask the daemon
@@ -173,6 +176,14 @@ class RemoteReader:
             return await self._send_notes()
 
     async def _send_notes(self) -> bool:
+        if self.arena_in_c is not None:  # arena reads answered in C
+            taken = self.arena_in_c.collect()
+            for shard, member_off, at, size in taken:
+                self._shards.append(shard)
+                self._bytes += size
+                self._taken.append((shard, member_off, at, size, True))
+            if taken:
+                self._taken_news.set()
         if self.fast is not None:  # answered in C from the page cache
             got = self.fast.collect()
             self._shards += got.shards
@@ -204,8 +215,19 @@ class RemoteReader:
             for shard, member_off, at, gen in message[2]:
                 if ahead.get((shard, member_off)) == (at, gen):
                     del ahead[shard, member_off]
+            if self.arena_in_c is not None:
+                self.arena_in_c.landed(message[1])
+                self.arena_in_c.gone(message[2])
         elif message[0] == "arena":
             try:
                 self.arena = ArenaView(*message[1:])
             except OSError as exc:  # e.g. /proc hidden from us: the daemon sends bytes then
                 log.warning("cannot map the lookahead arena %s: %s", message[1], exc)
+                return
+            # SHARDFS_ARENA_IN_PYTHON=1 keeps them in Python (to measure one against the other)
+            if self.fast is not None and self.fast.active \
+                    and not os.environ.get("SHARDFS_ARENA_IN_PYTHON"):
+                try:
+                    self.arena_in_c = ArenaReads(*message[1:])
+                except OSError as exc:  # Python serves them (above)
+                    log.warning("arena reads stay in Python: %s", exc)

@@ -10,6 +10,7 @@ filesystem keeps its open-based read path when it is not.
 from __future__ import annotations
 
 import ctypes
+import errno
 import importlib.util
 import logging
 import os
@@ -42,6 +43,8 @@ def _load() -> None:
         load_error = str(exc)
         return
     _lib.shardfs_shim_ioctls.restype = ctypes.c_uint64
+    _lib.shardfs_shim_arena_count.restype = ctypes.c_uint64
+    _lib.shardfs_shim_arena_read.restype = ctypes.c_int64
 
 
 def active() -> bool:
@@ -222,6 +225,50 @@ def serve_reads(avail_address: int, gen_address: int, *, fds: array, fd_gen: arr
                             frontier=_address(frontier), bytes=_address(nbytes),
                             shards=len(fds))
     return _lib.shardfs_shim_serve_reads(ctypes.byref(arrays), ctypes.sizeof(arrays)) == 0
+
+
+def arena_map(fd: int, total: int, size: int, taken: array, taken_len: array) -> int:
+    """Let the shim answer reads of the lookahead arena's members (_shim_arena.c; see
+    shardfs/fuse/arenareads.py, which owns the arrays: they must stay alive and unresized).
+    `fd`: the arena, opened read-only (the shim maps it; the caller may close it after).
+    0, or -errno."""
+    if _lib is None:
+        return -errno.ENOSYS
+    if taken.typecode != "Q" or taken_len.typecode != "Q" or len(taken_len) != 1:
+        raise ValueError("arena_map needs unsigned 64-bit arrays")
+    return _lib.shardfs_shim_arena_map(fd, ctypes.c_uint64(total), ctypes.c_uint64(size),
+                                       ctypes.c_void_p(_address(taken)),
+                                       ctypes.c_uint64(len(taken) // 4),
+                                       ctypes.c_void_p(_address(taken_len)))
+
+
+def arena_put(shard: int, member_off: int, at: int, gen: int) -> int:
+    """The member at `member_off` of `shard` landed at arena offset `at` (generation `gen`)."""
+    assert _lib is not None
+    return _lib.shardfs_shim_arena_put(ctypes.c_uint32(shard), ctypes.c_uint64(member_off),
+                                       ctypes.c_uint64(at), ctypes.c_uint64(gen))
+
+
+def arena_drop(shard: int, member_off: int, at: int, gen: int) -> None:
+    """That member left the arena (the shim forgets it if it still has it there)."""
+    assert _lib is not None
+    _lib.shardfs_shim_arena_drop(ctypes.c_uint32(shard), ctypes.c_uint64(member_off),
+                                 ctypes.c_uint64(at), ctypes.c_uint64(gen))
+
+
+def arena_read(shard: int, member_off: int, off: int, n: int) -> bytes | None:
+    """Bytes [off, off + n) of that member as the shim's READ would copy them (recorded as
+    taken), or None when the shim would leave the read to Python. For tests."""
+    assert _lib is not None
+    buf = ctypes.create_string_buffer(max(1, n))
+    got = _lib.shardfs_shim_arena_read(ctypes.c_uint32(shard), ctypes.c_uint64(member_off),
+                                       ctypes.c_uint64(off), ctypes.c_uint64(n), buf)
+    return None if got < 0 else buf.raw[:n]
+
+
+def arena_members() -> int:
+    """Members the shim's arena table holds in this process."""
+    return 0 if _lib is None else int(_lib.shardfs_shim_arena_count())
 
 
 class PushCounts(ctypes.Structure):

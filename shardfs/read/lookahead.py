@@ -144,6 +144,7 @@ class LookaheadStats:
     resets: int = 0  # streams reset (new epoch or announcements not matching reads)
     errors: int = 0  # failed GETs (their reads fall back to the reader's own path)
     shared_hits: int = 0  # of the hits, served by FUSE workers from the shared arena
+    shared_hits_in_c: int = 0  # of those, answered by the shim in C (fuse/arenareads.py)
     unshared: int = 0  # members held in daemon RAM: the arena had no free run that long
     buffered_bytes: int = 0  # held + in flight now
     peak_buffered_bytes: int = 0
@@ -367,11 +368,14 @@ class Lookahead:
         self._served(slot, len(data))
         return data
 
-    def taken(self, shard: int, member_off: int, arena_off: int, nbytes: int) -> None:
-        """A FUSE worker served nbytes of the member at arena_off from the arena itself."""
+    def taken(self, shard: int, member_off: int, arena_off: int, nbytes: int,
+              in_c: bool = False) -> None:
+        """A FUSE worker served nbytes of the member at arena_off from the arena itself (in
+        C: its shim did)."""
         for slot in self._index.get((shard, member_off), ()):
             if slot.arena_off == arena_off and slot.state == _READY:
                 self.stats.shared_hits += 1
+                self.stats.shared_hits_in_c += in_c
                 self._served(slot, nbytes)
                 return
 

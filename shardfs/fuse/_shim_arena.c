@@ -1,0 +1,193 @@
+/*
+ * Reads of members the lookahead holds in its shared arena, answered in C (part of _shim.c,
+ * #included by _shim_meta.c; shardfs/fuse/arenareads.py is the Python side).
+ *
+ * With FUSE workers, `shardfs.torch.Lookahead`'s members wait in a memfd the daemon fills
+ * (shardfs/read/arena.py) and every worker maps; the daemon tells each worker where a member
+ * landed (shard, member offset -> arena offset, generation). Served by pyfuse3's loop, such a
+ * READ cost a worker a few hundred microseconds of Python on 2 cores; here it costs a table
+ * lookup and a copy. The worker's Python puts what it is told in the table below, and a READ
+ * of a member in it is copied out of this process's read-only mapping if the generation of
+ * the member's first block is the one told, before and after the copy (a freed, let alone
+ * reused, place is never served: the same check as ArenaView.copy). Each read served here is
+ * recorded in `taken`, which Python collects and reports to the daemon (it frees members
+ * once read and fetches on); when `taken` is full, reads go to Python until it is collected.
+ *
+ * Only the thread of the serving loop touches any of this (the table is changed by Python
+ * calls made on that thread, under the GIL; reads are answered there too), so no locks.
+ */
+#include <sys/mman.h>
+
+#define ARENA_BLOCK 4096   /* arena.py's BLOCK */
+
+struct arena_slot {
+    uint64_t shard_plus1;   /* 0: an empty slot */
+    uint64_t member_off;
+    uint64_t at;            /* arena offset of the member's first byte */
+    uint64_t gen;           /* generation of its first block when it landed */
+};
+
+static struct arena_slot *arena_tab;
+static uint64_t arena_mask, arena_count;   /* table size - 1 (a power of two), slots used */
+static const char *arena_data;             /* the mapping: data blocks, then generations */
+static const uint64_t *arena_gens;
+static uint64_t arena_size, arena_total;
+static uint64_t *arena_taken;              /* 4 per read: shard, member off, arena off, bytes */
+static uint64_t arena_taken_cap, *arena_taken_len;
+
+static uint64_t arena_home(uint64_t shard_plus1, uint64_t member_off)
+{
+    uint64_t h = shard_plus1 * 0x9E3779B97F4A7C15ull ^ member_off * 0xC2B2AE3D27D4EB4Full;
+    return (h ^ (h >> 29)) & arena_mask;
+}
+
+static struct arena_slot *arena_find(uint64_t shard_plus1, uint64_t member_off)
+{
+    if (arena_tab == NULL)
+        return NULL;
+    for (uint64_t i = arena_home(shard_plus1, member_off);; i = (i + 1) & arena_mask) {
+        struct arena_slot *e = &arena_tab[i];
+        if (e->shard_plus1 == 0)
+            return NULL;
+        if (e->shard_plus1 == shard_plus1 && e->member_off == member_off)
+            return e;
+    }
+}
+
+/* Remove a slot of the table (linear probing: the run behind it shifts back, no tombstones). */
+static void arena_remove(struct arena_slot *e)
+{
+    uint64_t hole = (uint64_t)(e - arena_tab);
+    for (uint64_t j = (hole + 1) & arena_mask; arena_tab[j].shard_plus1 != 0;
+         j = (j + 1) & arena_mask) {
+        uint64_t home = arena_home(arena_tab[j].shard_plus1, arena_tab[j].member_off);
+        /* j's entry may fill the hole unless its home lies cyclically in (hole, j]. */
+        int stays = hole <= j ? (hole < home && home <= j) : (hole < home || home <= j);
+        if (!stays) {
+            arena_tab[hole] = arena_tab[j];
+            hole = j;
+        }
+    }
+    arena_tab[hole].shard_plus1 = 0;
+    arena_count--;
+}
+
+static int arena_grow(void)
+{
+    uint64_t old_size = arena_tab == NULL ? 0 : arena_mask + 1;
+    uint64_t size = old_size == 0 ? 1024 : 2 * old_size;
+    struct arena_slot *old = arena_tab, *tab = calloc(size, sizeof(*tab));
+    if (tab == NULL)
+        return -ENOMEM;
+    arena_tab = tab;
+    arena_mask = size - 1;
+    arena_count = 0;
+    for (uint64_t i = 0; i < old_size; i++) {
+        if (old[i].shard_plus1 == 0)
+            continue;
+        uint64_t j = arena_home(old[i].shard_plus1, old[i].member_off);
+        while (tab[j].shard_plus1 != 0)
+            j = (j + 1) & arena_mask;
+        tab[j] = old[i];
+        arena_count++;
+    }
+    free(old);
+    return 0;
+}
+
+/* Map the daemon's arena (`fd`: opened through /proc; `total` bytes, `size` of them data) and
+ * where to record reads served here: `taken` holds `cap` records of 4 uint64, `*taken_len`
+ * of them used (Python empties it). Forgets every member of an earlier mapping. */
+int shardfs_shim_arena_map(int fd, uint64_t total, uint64_t size, uint64_t *taken,
+                           uint64_t cap, uint64_t *taken_len)
+{
+    if (size > total || size % ARENA_BLOCK || taken == NULL || taken_len == NULL)
+        return -EINVAL;
+    void *map = mmap(NULL, total, PROT_READ, MAP_SHARED, fd, 0);
+    if (map == MAP_FAILED)
+        return -errno;
+    if (arena_data != NULL)
+        munmap((void *)arena_data, arena_total);
+    if (arena_tab != NULL)
+        memset(arena_tab, 0, (arena_mask + 1) * sizeof(*arena_tab));
+    arena_count = 0;
+    arena_data = map;
+    arena_gens = (const uint64_t *)(arena_data + size);
+    arena_size = size;
+    arena_total = total;
+    arena_taken = taken;
+    arena_taken_cap = cap;
+    arena_taken_len = taken_len;
+    return 0;
+}
+
+/* A member landed at `at` (its first block's generation `gen`). 0, or -errno. */
+int shardfs_shim_arena_put(uint32_t shard, uint64_t member_off, uint64_t at, uint64_t gen)
+{
+    if (arena_data == NULL || at >= arena_size || at % ARENA_BLOCK)
+        return -EINVAL;
+    if ((arena_count + 1) * 2 > (arena_tab == NULL ? 0 : arena_mask + 1) && arena_grow() != 0)
+        return -ENOMEM;
+    uint64_t key = (uint64_t)shard + 1;
+    uint64_t i = arena_home(key, member_off);
+    while (arena_tab[i].shard_plus1 != 0
+           && !(arena_tab[i].shard_plus1 == key && arena_tab[i].member_off == member_off))
+        i = (i + 1) & arena_mask;
+    if (arena_tab[i].shard_plus1 == 0)
+        arena_count++;
+    arena_tab[i] = (struct arena_slot){key, member_off, at, gen};
+    return 0;
+}
+
+/* The member that landed at `at` with `gen` left the arena (if the table still has it there). */
+void shardfs_shim_arena_drop(uint32_t shard, uint64_t member_off, uint64_t at, uint64_t gen)
+{
+    struct arena_slot *e = arena_find((uint64_t)shard + 1, member_off);
+    if (e != NULL && e->at == at && e->gen == gen)
+        arena_remove(e);
+}
+
+/* Members the table holds (tests, stats). */
+uint64_t shardfs_shim_arena_count(void)
+{
+    return arena_count;
+}
+
+/* Copy bytes [off, off + n) of the member at `member_off` of `shard` into `buf` if the arena
+ * holds it: 1, with the read recorded in `taken`; 0 when Python must answer. */
+static int arena_copy(uint32_t shard, uint64_t member_off, uint64_t off, size_t n, char *buf)
+{
+    if (arena_count == 0 || n == 0 || *arena_taken_len >= arena_taken_cap)
+        return 0;
+    struct arena_slot *e = arena_find((uint64_t)shard + 1, member_off);
+    if (e == NULL)
+        return 0;
+    if (e->at + off + n > arena_size) {   /* not this member's bytes: never guess */
+        arena_remove(e);
+        return 0;
+    }
+    const uint64_t *gen = &arena_gens[e->at / ARENA_BLOCK];
+    if (__atomic_load_n(gen, __ATOMIC_ACQUIRE) != e->gen) {
+        arena_remove(e);   /* freed since it was told (its "gone" is on its way) */
+        return 0;
+    }
+    memcpy(buf, arena_data + e->at + off, n);
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);   /* the copy's loads before the second check */
+    if (__atomic_load_n(gen, __ATOMIC_RELAXED) != e->gen) {
+        arena_remove(e);
+        return 0;
+    }
+    uint64_t *rec = &arena_taken[4 * (*arena_taken_len)++];
+    rec[0] = shard;
+    rec[1] = member_off;
+    rec[2] = e->at;
+    rec[3] = n;
+    return 1;
+}
+
+/* arena_copy for Python (tests): the n bytes into buf, or -1 (not in the table, or freed). */
+int64_t shardfs_shim_arena_read(uint32_t shard, uint64_t member_off, uint64_t off, uint64_t n,
+                                char *buf)
+{
+    return arena_copy(shard, member_off, off, (size_t)n, buf) ? (int64_t)n : -1;
+}

@@ -1,0 +1,60 @@
+"""Reads of the lookahead arena's members answered in C, in a FUSE worker process.
+
+With the shim's reads in C in effect (fastread.py), a worker hands what the daemon tells it
+about the shared arena (shardfs/read/arena.py: where each announced member landed, which
+left) to the shim's table too (`_shim_arena.c`), and the shim answers a READ of such a member
+itself: a table lookup and a copy out of its own mapping, the generation checked before and
+after as `ArenaView.copy` does. Served by pyfuse3's loop, each such read cost the worker a
+few hundred microseconds of Python on 2 cores (docs/benchmarks-notes.md, "Arena reads in C").
+
+The shim records each read it served in `taken` (shard, member offset, arena offset, bytes);
+`collect` empties it, and the worker reports those reads as its own arena reads (the daemon
+frees members once read and fetches on). When `taken` is full, reads go to Python until the
+next collection. Everything runs on the serving loop's thread.
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+
+from shardfs.fuse import shim
+
+# Reads the shim records between two collections (every 10-40 ms); past it, Python answers.
+TAKEN_RECORDS = 4096
+
+
+class ArenaReads:
+    def __init__(self, path: str, total: int, size: int) -> None:
+        """Have the shim map the arena (raises OSError if it cannot be opened or mapped)."""
+        self.taken = array("Q", bytes(8 * 4 * TAKEN_RECORDS))
+        self.taken_len = array("Q", [0])
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            res = shim.arena_map(fd, total, size, self.taken, self.taken_len)
+        finally:
+            os.close(fd)
+        if res != 0:
+            raise OSError(-res, f"the shim cannot map the lookahead arena {path}")
+
+    @staticmethod
+    def landed(entries: list[tuple[int, int, int, int]]) -> None:
+        """(shard, member offset, arena offset, generation) of members that landed."""
+        for shard, member_off, at, gen in entries:
+            shim.arena_put(shard, member_off, at, gen)
+
+    @staticmethod
+    def gone(entries: list[tuple[int, int, int, int]]) -> None:
+        """The same for members that left the arena."""
+        for shard, member_off, at, gen in entries:
+            shim.arena_drop(shard, member_off, at, gen)
+
+    def collect(self) -> list[tuple[int, int, int, int]]:
+        """The reads the shim served since the last call: (shard, member offset, arena
+        offset, bytes) each."""
+        n = self.taken_len[0]
+        if n == 0:
+            return []
+        flat = self.taken[: 4 * n]
+        self.taken_len[0] = 0
+        return list(zip(flat[0::4], flat[1::4], flat[2::4], flat[3::4], strict=True))
