@@ -93,6 +93,14 @@ def test_served_reads_are_recorded_and_freed_members_never_served():
         assert again == at
         reads.landed([(3, 1536, at, gen)])  # a landing told late, of the old generation
         assert shim.arena_read(3, 1536, 0, 10) is None
+        # The same member landed again elsewhere before the old place's "gone" came: that
+        # late "gone" must not make the shim forget the new place.
+        other = arena.alloc(10_000)
+        assert other is not None and other != at
+        arena.view[other : other + 10] = b"0123456789"
+        reads.landed([(3, 1536, other, arena.gen(other))])
+        reads.gone([(3, 1536, at, gen)])
+        assert shim.arena_read(3, 1536, 2, 3) == b"234"
     finally:
         arena.close()
 
