@@ -418,10 +418,12 @@ static struct {
 /* Where a read answered here came from (counted apart: see fast_reply). */
 enum { FROM_COMPLETE, FROM_FRONTIER, FROM_ARENA };
 
-/* Read a READ's bytes into `fast_buf`: from the shard's cache file (complete, or below the
- * frontier of its fetch, held open here, the bytes in the page cache: RWF_NOWAIT), else from
- * the lookahead's arena (_shim_arena.c). The byte count, or -1 when Python must answer (a
- * sparse or compressed file, bytes neither on disk in memory nor in the arena). */
+/* Read a READ's bytes into `fast_buf`: from the lookahead's arena (_shim_arena.c) when it
+ * holds the member (first: a member read there is let go at once, where one read from disk
+ * held the arena's room until its shard's commit), else from the shard's cache file
+ * (complete, or below the frontier of its fetch, held open here, the bytes in the page cache:
+ * RWF_NOWAIT). The byte count, or -1 when Python must answer (a sparse or compressed file,
+ * bytes neither in the arena nor on disk in memory). */
 static char *fast_buf;
 static ssize_t fast_prepare(fuse_ino_t ino, size_t size, off_t off, uint32_t *shard,
                             int *from)
@@ -449,6 +451,10 @@ static ssize_t fast_prepare(fuse_ino_t ino, size_t size, off_t off, uint32_t *sh
         cap = n;
     }
     *shard = s;
+    if (arena_copy(s, meta.offset[i], (uint64_t)off, n, fast_buf)) {
+        *from = FROM_ARENA;
+        return (ssize_t)n;
+    }
     if (fast_fds[s] >= 0) {
         /* avail before gen: a writer bumps gen before it announces bytes of a new file. */
         int64_t avail = __atomic_load_n(&fast.avail[s], __ATOMIC_ACQUIRE);
@@ -463,10 +469,6 @@ static ssize_t fast_prepare(fuse_ino_t ino, size_t size, off_t off, uint32_t *sh
                 return (ssize_t)n;
             }
         }
-    }
-    if (arena_copy(s, meta.offset[i], (uint64_t)off, n, fast_buf)) {
-        *from = FROM_ARENA;
-        return (ssize_t)n;
     }
     return -1;
 }

@@ -1,7 +1,9 @@
 """The read path of a FUSE worker process: cache files directly, the daemon for the rest.
 
-A worker serves a read from the shard's cache file when the shared shard states say its bytes
-are there (a complete shard, or below a fetch's frontier). Otherwise it asks the daemon, whose
+A worker serves a read of a member `Lookahead` holds in the shared arena from there (see
+shardfs/read/arena.py; the shim does it in C when it can, arenareads.py), else from the
+shard's cache file when the shared shard states say its bytes are there (a complete shard, or
+below a fetch's frontier). Otherwise it asks the daemon, whose
 reader applies the policy (start or join the one fetch of that shard node-wide, wait on its
 frontier, or read the member) and answers either "on disk now" — the worker then reads the
 file itself — or with the bytes of a member read. Reads served here are reported to the daemon
@@ -106,11 +108,7 @@ class RemoteReader:
             return b""
         size = min(size, member_size - off)
         start = member_off + off
-        fd = self._fd(shard, start + size)
-        if fd is not None:
-            self._note(shard, size)
-            return await self.disk.pread(fd, size, start)
-        if self._ahead:
+        if self._ahead:  # first: a member read from the arena is let go of at once
             where = self._ahead.get((shard, member_off))
             if where is not None:
                 assert self.arena is not None
@@ -121,7 +119,11 @@ class RemoteReader:
                     self._taken.append((shard, member_off, where[0], size, False))
                     self._taken_news.set()
                     return data
-                del self._ahead[(shard, member_off)]  # freed meanwhile: ask the daemon
+                del self._ahead[(shard, member_off)]  # freed meanwhile
+        fd = self._fd(shard, start + size)
+        if fd is not None:
+            self._note(shard, size)
+            return await self.disk.pread(fd, size, start)
         for want_bytes in (False, True):
             try:
                 answer = await self.caller.call("read", shard, member_off, member_size, off,

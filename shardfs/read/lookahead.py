@@ -256,6 +256,7 @@ class Lookahead:
         self._flush: set[int] = set()  # shards whose fill is to be completed first
         self.stats = LookaheadStats()
         self._index: dict[tuple[int, int], deque[_Slot]] = {}
+        self._offsets: dict[int, set[int]] = {}  # shard -> member offsets in _index
         self._queued: dict[int, list[int]] = {}  # shard -> sorted offsets of unfetched slots
         self._streams: deque[Stream] = deque()  # round robin: the next to fetch for is first
         self._requests = 0
@@ -297,6 +298,7 @@ class Lookahead:
             stream.queue.append(slot)
             stream.live += 1
             self._index.setdefault((shard, offset), deque()).append(slot)
+            self._offsets.setdefault(shard, set()).add(offset)
             bisect.insort(self._queued.setdefault(shard, []), offset)
             accepted += 1
         self.stats.announced += accepted
@@ -664,8 +666,8 @@ class Lookahead:
         """The shard is in the cache now (its fill committed): its reads are served from
         there, so its members held or queued here are let go (they would hold the buffer
         until their stream's reads left them stale_lag entries behind)."""
-        for key in [k for k in self._index if k[0] == shard]:
-            for slot in list(self._index.get(key, ())):
+        for offset in list(self._offsets.get(shard, ())):  # the shard's, not every member's
+            for slot in list(self._index.get((shard, offset), ())):
                 if slot.state in (_QUEUED, _READY):
                     self._drop(slot, stale=False)
 
@@ -765,6 +767,10 @@ class Lookahead:
                 slots.remove(slot)
             if not slots:
                 del self._index[key]
+                offsets = self._offsets[slot.shard]
+                offsets.discard(slot.start)
+                if not offsets:
+                    del self._offsets[slot.shard]
         inflight = slot.state == _INFLIGHT
         if slot.state == _QUEUED:
             self._unqueue(slot)
