@@ -99,7 +99,8 @@ class HfSource(HttpSource):
         if self._token:
             # Only for the Hub's origin: httpx drops it on a redirect to another origin.
             sent["Authorization"] = f"Bearer {self._token}"
-        return self._client.build_request("GET", hf_to_https(url, self.endpoint), headers=sent)
+        return self._client.build_request("GET", self._parsed(hf_to_https(url, self.endpoint)),
+                                          headers=sent)
 
     def _status_error(self, resp: httpx.Response, url: str) -> Exception:
         status = resp.status_code

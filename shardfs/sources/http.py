@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 import httpcore
 import httpx
 import trio
+from cachetools import LRUCache
 
 from shardfs import __version__
 from shardfs.sources.base import (
@@ -32,6 +33,7 @@ from shardfs.sources.h1 import Http11Pool, NotForUs, proxy_in_environment
 GONE = frozenset({403, 404, 410})
 RETRYABLE = frozenset({408, 429})  # plus every 5xx
 THROTTLING = frozenset({429, 503})  # "slow down" (S3 SlowDown is a 503): cut the budget
+URLS_PARSED = 4096  # shard URLs kept parsed (HttpSource._parsed)
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", re.IGNORECASE)
 _UNSATISFIED_RANGE = re.compile(r"bytes\s+\*/(\d+)\s*$", re.IGNORECASE)
 
@@ -194,6 +196,7 @@ class HttpSource:
         # GET); proxies and unusual answers stay with httpx.
         self._h1 = None if s.http_client == "httpx" or proxy_in_environment() \
             else Http11Pool(s.max_connections, s.timeout)
+        self._urls: LRUCache[str, httpx.URL] = LRUCache(maxsize=URLS_PARSED)
 
     def take_over(self, earlier: HttpSource) -> None:
         """Continue where `earlier` (closed, of an earlier event loop) stopped: servers that
@@ -380,7 +383,15 @@ class HttpSource:
     def _build_request(self, url: str, headers: dict[str, str]) -> httpx.Request:
         """The GET for `url`; built anew for every attempt. Subclasses map URLs to requests
         and sign them here (S3), so a retry carries a fresh signature."""
-        return self._client.build_request("GET", url, headers=headers)
+        return self._client.build_request("GET", self._parsed(url), headers=headers)
+
+    def _parsed(self, url: str) -> httpx.URL:
+        """`url` parsed once: a GET built from a string parses it again (~60 of its ~65 µs
+        on 2 cores), and `Lookahead` makes a GET per file of the same few shard URLs."""
+        parsed = self._urls.get(url)
+        if parsed is None:
+            parsed = self._urls[url] = httpx.URL(url)
+        return parsed
 
     async def _read_small(self, resp: httpx.Response, url: str) -> bytes:
         limit = self.settings.max_fetch_bytes
