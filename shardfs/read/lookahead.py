@@ -15,7 +15,9 @@ worker at a time:
 - A member is readable as soon as its own bytes of the GET are in. With FUSE worker processes
   the bytes wait in a shared arena (shardfs/read/arena.py) that the workers read themselves:
   the daemon publishes where each member landed (`landed`, `gone`) and learns which were read
-  from `taken`; otherwise, and for members the arena has no room for, in daemon RAM.
+  from `taken`; otherwise, and for members the arena has no room for, in daemon RAM. A
+  member's place is taken when its GET starts, and each chunk is copied once, straight there
+  (`_Landing`).
 - Fetched bytes wait in RAM until read. Bytes held plus bytes in flight never exceed
   `buffer_bytes`: when the announced window is longer than the buffer holds, fetching pauses
   until reads consume (and so free) buffered members; it paces itself on consumption.
@@ -173,7 +175,7 @@ class _Slot:
         self.start = start
         self.end = end
         self.state = _QUEUED
-        self.data = b""
+        self.data: bytes | bytearray = b""  # its bytes when not in the arena
         self.event: trio.Event | None = None
         self.served = 0  # bytes handed out so far
         self.reserved = 0  # buffer bytes counted for it
@@ -218,27 +220,41 @@ class Stream:
 
 
 class _Landing:
-    """A GET's bytes for a group of members of one shard, from offset `lo`. A member is
-    landed (readable) as soon as its own bytes are in, not when the whole GET is: a read
-    waiting on it does not wait for the neighbours fetched with it."""
+    """A GET's bytes for a group of members of one shard, from offset `lo`, copied once,
+    straight to where they are kept: each member gets its place when the GET starts (in the
+    shared arena when there is room, else a buffer in RAM; `Lookahead._place`), and the bytes
+    between members (tar headers) are not kept. A member is landed (readable) as soon as its
+    own bytes are in, not when the whole GET is: a read waiting on it does not wait for the
+    neighbours fetched with it."""
 
     def __init__(self, owner: Lookahead, group: list[_Slot], lo: int) -> None:
         self.owner, self.lo = owner, lo
         self.order = sorted(group, key=lambda s: s.start)
-        self.got = bytearray()
-        self.done = 0  # members of `order` complete in `got`
+        self.pos = lo  # shard offset of the next byte to come
+        self.first = 0  # order[:first] are complete
+        for slot in self.order:
+            owner._place(slot)
+
+    @property
+    def received(self) -> int:
+        return self.pos - self.lo
 
     def add(self, chunk: bytes) -> None:
-        self.got += chunk
-        order = self.order
-        while self.done < len(order) and order[self.done].end - self.lo <= len(self.got):
-            slot = order[self.done]
-            self.done += 1
-            if slot.state == _INFLIGHT:
-                self.owner._hold(slot, self.got, self.lo)
-                slot.state = _READY
-                assert slot.event is not None
-                slot.event.set()
+        pos, end = self.pos, self.pos + len(chunk)
+        order, owner = self.order, self.owner
+        with memoryview(chunk) as view:
+            i = self.first
+            while i < len(order) and order[i].start <= end:
+                slot = order[i]
+                a, b = max(slot.start, pos), min(slot.end, end)
+                if a < b and slot.state == _INFLIGHT:
+                    owner._put(slot, a - slot.start, view[a - pos : b - pos])
+                if slot.end <= end and i == self.first:
+                    self.first += 1
+                    if slot.state == _INFLIGHT:
+                        owner._landed(slot)
+                i += 1
+        self.pos = end
 
 
 class Lookahead:
@@ -561,14 +577,14 @@ class Lookahead:
         info = self.shards[shard]
         stats = self.stats
         landing = _Landing(self, group, lo)
-        got = landing.got
         try:
             source = self.sources.for_url(info.url)
             async with contextlib.aclosing(source.stream(info, lo, hi)) as chunks:
                 async for chunk in chunks:
                     landing.add(chunk)
-            if len(got) != hi - lo:
-                raise SourceError(f"{info.url}: {len(got)} bytes for range [{lo}, {hi})")
+            if landing.received != hi - lo:
+                raise SourceError(f"{info.url}: {landing.received} bytes for range "
+                                  f"[{lo}, {hi})")
             stats.gap_bytes += max(0, (hi - lo) - sum(s.size for s in group))
         except (SourceError, OSError) as exc:
             stats.errors += 1
@@ -576,7 +592,7 @@ class Lookahead:
                         info.url, lo, hi, exc)
         finally:
             stats.requests += 1
-            stats.bytes_fetched += len(got)
+            stats.bytes_fetched += landing.received
             self._requests -= 1
             self._settle(group)
 
@@ -805,30 +821,47 @@ class Lookahead:
             if self._no_arena:
                 return None
             try:
-                self.arena = Arena(self.policy.buffer_bytes)
+                # Members in flight have their places too, each rounded up to whole blocks:
+                # an eighth more than the buffer's bytes, so that rounding seldom leaves a
+                # member out of the arena (in daemon RAM, served through the socket).
+                self.arena = Arena(self.policy.buffer_bytes + self.policy.buffer_bytes // 8)
             except OSError as exc:
                 self._no_arena = True  # said once; not tried again
                 log.warning("lookahead: no shared arena (%s); workers get bytes by socket", exc)
                 return None
         return self.arena.path, self.arena.total, self.arena.size
 
-    def _hold(self, slot: _Slot, data: bytearray, lo: int) -> None:
-        """Keep a fetched member's bytes: in the arena when shared and there is room."""
-        part = memoryview(data)[slot.start - lo : slot.end - lo]
-        try:
-            arena = self.arena
-            if arena is not None:
-                at = arena.alloc(slot.size)
-                if at is not None:
-                    arena.view[at : at + slot.size] = part
-                    slot.arena_off, slot.gen = at, arena.gen(at)
-                    self.landed.append((slot.shard, slot.start, at, slot.gen))
-                    self.published.set()
-                    return
-                self.stats.unshared += 1
-            slot.data = bytes(part)
-        finally:
-            part.release()  # `data` grows on: it must not stay exported
+    def _place(self, slot: _Slot) -> None:
+        """Where a member's bytes go as its GET brings them: the shared arena when there is
+        one with room (its place counts as in use from now on; `_release` gives it back),
+        else RAM."""
+        arena = self.arena
+        if arena is not None:
+            at = arena.alloc(slot.size)
+            if at is not None:
+                slot.arena_off, slot.gen = at, arena.gen(at)
+                return
+            self.stats.unshared += 1
+        slot.data = bytearray(slot.size)
+
+    def _put(self, slot: _Slot, at: int, data: memoryview) -> None:
+        """Bytes of a member in flight, from `at` in the member, into its place."""
+        if slot.arena_off >= 0:
+            assert self.arena is not None
+            start = slot.arena_off + at
+            self.arena.view[start : start + len(data)] = data
+        else:
+            slot.data[at : at + len(data)] = data
+
+    def _landed(self, slot: _Slot) -> None:
+        """All of a member's bytes are in: readable here, and by the workers when in the
+        arena."""
+        slot.state = _READY
+        if slot.arena_off >= 0:
+            self.landed.append((slot.shard, slot.start, slot.arena_off, slot.gen))
+            self.published.set()
+        assert slot.event is not None
+        slot.event.set()
 
     def snapshot(self) -> dict[str, int]:
         return {**asdict(self.stats), "buffer_bytes": self.policy.buffer_bytes,
