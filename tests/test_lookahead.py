@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 import socket
 import subprocess
 import tarfile
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Dataset, Mount, Mounter, brace
+from tests.conftest import Dataset, Mount, Mounter, brace, needs_shim
 from tests.test_ddp import publish_with_index
 
 torch = pytest.importorskip("torch")
@@ -34,6 +35,7 @@ from torch.utils.data import (  # noqa: E402
 
 from shardfs.read.lookahead import LookaheadPolicy  # noqa: E402
 from shardfs.torch import Lookahead  # noqa: E402
+from shardfs.torch import lookahead as lookahead_module  # noqa: E402
 
 SMALL_CACHE = "256KiB"  # the test dataset is ~1 MB
 
@@ -323,6 +325,49 @@ def test_daemon_gone_mid_epoch_keeps_the_order_with_a_warning(dataset, nginx, mo
         got += list(it)
     assert got == expected
     assert any("reading on without lookahead" in str(w.message) for w in caught)
+
+
+@needs_shim
+def test_a_daemon_taking_the_mount_over_hears_the_rest_of_the_window(dataset, nginx,
+                                                                      mounter: Mounter,
+                                                                      monkeypatch):
+    """kill -9 of the daemon mid-epoch: the holder's new daemon takes the mount over, on the
+    same announce socket. Lookahead, whose connection broke, warns, reads on in the same
+    order, connects again (RETRY_S later; 0 here) and announces the window it pulled ahead:
+    the new daemon serves those reads from its buffer. Every byte right, no error."""
+    monkeypatch.setattr(lookahead_module, "RETRY_S", 0.0)
+    m = mount_small(dataset, nginx, mounter, "--workers", "2")
+    assert m.stats()["connection_kept_by"] == "holder"
+    ds = folder(m)
+    local = {p.relative_to(dataset.root / "train").as_posix(): p.read_bytes()
+             for p in (dataset.root / "train").rglob("*") if p.is_file()}
+    root = str(m.mountpoint / "train") + "/"
+    sampler = Lookahead(RandomSampler(ds, generator=gen(6)), window=16)  # announces every 4
+    expected = list(RandomSampler(ds, generator=gen(6)))
+    got = []
+    it = iter(sampler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k, i in enumerate(it):
+            got.append(i)
+            path = ds.samples[i][0]
+            assert read_bytes(path) == local[path[len(root):]], path
+            if k == 30:
+                old = m.stats()["pid"]
+                assert m.stats()["lookahead"]["hits"] > 0
+                os.kill(old, signal.SIGKILL)
+                deadline = time.monotonic() + 30
+                while m.stats()["pid"] == old:  # the stats xattr waits for the new daemon
+                    assert time.monotonic() < deadline, "no new daemon took the mount over"
+                    time.sleep(0.1)
+    assert got == expected
+    assert any("reading on without lookahead" in str(w.message) for w in caught)
+    after = m.stats()
+    assert after["takeovers"] == 1 and after["pid"] != old
+    la = after["lookahead"]
+    # the new daemon was told the rest of the epoch (from the window on) and served from it
+    assert la["connections_total"] >= 1 and la["announced"] >= len(ds) - 31 - 16, la
+    assert la["hits"] > 0 and after["reader"]["eio"] == 0, (la, after["reader"])
 
 
 def test_dataset_fits_the_cache_only_the_epochs_head_is_fetched_ahead(dataset, nginx,

@@ -515,7 +515,9 @@ class Reader:
         if (self.whole_only[shard] or shard in self.failed or shard in self._mismatched
                 or not self._dataset_fits() or self.cache.has(self.catalog.keys[shard])):
             return None
-        part = self._begin_part(shard, record=True)
+        # No record of progress: a fill's bytes arrive in read order, scattered over the
+        # shard, not as a prefix; a daemon taking a half-filled shard over fetches it anew.
+        part = self._begin_part(shard, record=False)
         if part is None:
             return None
         fetch = Fetch(shard, part, part.size)

@@ -11,7 +11,11 @@ requests in flight and holds them in RAM until read (shardfs/read/lookahead.py).
 The order is the wrapped sampler's, untouched: same indices, same length, `set_epoch`
 forwarded. Announcements only steer prefetching; a wrong one costs bytes, never correctness.
 The announcing connection is opened lazily by the process that iterates (the DataLoader's main
-process), reopened after a fork, and never pickled.
+process), reopened after a fork, and never pickled. When it fails (the daemon died, or is being
+replaced: a holder's spare takes the mount over within seconds, on the same socket), the order
+goes on unannounced to that mount and the socket is tried again `RETRY_S` later, and at every
+new epoch; a new connection first announces, as a new epoch would, every index pulled ahead
+and not yet yielded, so the new daemon knows the rest of the window.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 import warnings
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -35,6 +40,7 @@ log = logging.getLogger(__name__)
 DEFAULT_WINDOW = 2048  # samples announced ahead of the one yielded
 _HEAD = 64  # entries in an iteration's first announcement
 _PROBES = 16
+RETRY_S = 2.0  # a failed announce socket is tried again after this long
 
 
 class Lookahead(Sampler[int]):
@@ -67,7 +73,8 @@ class Lookahead(Sampler[int]):
         self.paths = [os.fspath(p) for p in paths]
         self._locator = MountLocator()
         self._links: dict[str, AnnounceLink] = {}
-        self._dead: set[str] = set()  # sockets that failed: not tried again
+        self._dead: dict[str, float] = {}  # sockets that failed -> when (tried again later)
+        self._warned: set[str] = set()  # sockets whose failure was warned of
         self._progress: Progress | None = None  # the current iteration (state_dict)
         self._rng: dict[str, Any] = {}  # what the wrapped sampler drew its order from
         self._resume: tuple[Resume, dict[str, Any]] | None = None  # from load_state_dict
@@ -121,6 +128,7 @@ class Lookahead(Sampler[int]):
             if (unsent and (first or exhausted or len(unsent) >= batch)) or \
                     (exhausted and not told_last):
                 if first:  # a short head first: the daemon starts fetching before it has
+                    self._dead.clear()  # (a new epoch tries failed sockets again)
                     self._announce(unsent[:_HEAD], reset=True)  # resolved the whole window
                     unsent = unsent[_HEAD:]
                     first = False
@@ -130,6 +138,8 @@ class Lookahead(Sampler[int]):
                     self._announce(unsent, reset=False, last=exhausted)
                     told_last = exhausted
                 unsent = []
+                if self._dead:
+                    self._retry(list(ahead), last=exhausted)
             if not ahead:
                 self._settle()  # the daemon has read every announcement of this iteration
                 return
@@ -195,7 +205,7 @@ class Lookahead(Sampler[int]):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_links"] = {}  # a connection belongs to the process that opened it
-        state["_dead"] = set()
+        state["_dead"] = {}
         return state
 
     def close(self) -> None:
@@ -218,7 +228,24 @@ class Lookahead(Sampler[int]):
     def _locate(self, path: str) -> tuple[str, str] | None:
         return self._locator.locate(path)
 
-    def _announce(self, indices: list[int], *, reset: bool, last: bool = False) -> None:
+    def _retry(self, window: list[int], *, last: bool) -> None:
+        """Connect again to the sockets that failed RETRY_S ago or more (a daemon that took
+        the mount over listens on the same one), announcing the window pulled ahead as a new
+        epoch's: the new daemon knows nothing of what the old one was told."""
+        now = time.monotonic()
+        due = {a for a, failed in self._dead.items() if now - failed >= RETRY_S}
+        if not due:
+            return
+        for address in due:
+            del self._dead[address]
+        self._announce(window, reset=True, last=last, only=due)
+        for address in due - self._dead.keys():
+            log.info("announcing to the shardfs daemon at %s again", address)
+
+    def _announce(self, indices: list[int], *, reset: bool, last: bool = False,
+                  only: set[str] | None = None) -> None:
+        """Tell the mounts holding the files of `indices` (only the sockets in `only`, when
+        given) that they come next."""
         per_socket: dict[str, list[str]] = {}
         paths = self.paths
         for index in indices:
@@ -226,11 +253,12 @@ class Lookahead(Sampler[int]):
                 where = self._locate(paths[index])
             except (IndexError, TypeError):
                 continue  # not an index of this dataset: nothing to announce for it
-            if where is not None:
+            if where is not None and (only is None or where[0] in only):
                 per_socket.setdefault(where[0], []).append(where[1])
         if reset or last:  # a new epoch: every mount forgets what the last one left unread;
             for address in self._links:  # its end: every mount hears of it
-                per_socket.setdefault(address, [])
+                if only is None or address in only:
+                    per_socket.setdefault(address, [])
         for address, rels in per_socket.items():
             if address in self._dead:
                 continue
@@ -265,9 +293,14 @@ class Lookahead(Sampler[int]):
                           reply["refused"])
 
     def _give_up(self, address: str, exc: Exception) -> None:
-        self._dead.add(address)
+        self._dead[address] = time.monotonic()
         link = self._links.pop(address, None)
         if link is not None:
             link.close()
-        warnings.warn(f"cannot announce to the shardfs daemon at {address} ({exc}); "
-                      "reading on without lookahead", stacklevel=4)
+        if address in self._warned:
+            log.info("cannot announce to the shardfs daemon at %s (%s)", address, exc)
+            return
+        self._warned.add(address)
+        warnings.warn(f"cannot announce to the shardfs daemon at {address} ({exc}); reading "
+                      f"on without lookahead, trying again in {RETRY_S:g} s and at the next "
+                      "epoch", stacklevel=4)
