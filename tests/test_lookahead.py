@@ -328,15 +328,23 @@ def test_daemon_gone_mid_epoch_keeps_the_order_with_a_warning(dataset, nginx, mo
 
 
 @needs_shim
+@pytest.mark.parametrize("cache", ["over", "fits"])
 def test_a_daemon_taking_the_mount_over_hears_the_rest_of_the_window(dataset, nginx,
                                                                       mounter: Mounter,
-                                                                      monkeypatch):
+                                                                      monkeypatch, cache: str):
     """kill -9 of the daemon mid-epoch: the holder's new daemon takes the mount over, on the
     same announce socket. Lookahead, whose connection broke, warns, reads on in the same
     order, connects again (RETRY_S later; 0 here) and announces the window it pulled ahead:
-    the new daemon serves those reads from its buffer. Every byte right, no error."""
+    the new daemon serves those reads from its buffer. Every byte right, no error. "fits":
+    the dataset fits the cache, so the killed daemon was filling shards in read order; their
+    part files keep no record, and the new daemon fills them anew to the end."""
     monkeypatch.setattr(lookahead_module, "RETRY_S", 0.0)
-    m = mount_small(dataset, nginx, mounter, "--workers", "2")
+    if cache == "over":
+        m = mount_small(dataset, nginx, mounter, "--workers", "2")
+    else:
+        publish_with_index(dataset, nginx.root)
+        m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None, "--no-warm",
+                          "--workers", "2")
     assert m.stats()["connection_kept_by"] == "holder"
     ds = folder(m)
     local = {p.relative_to(dataset.root / "train").as_posix(): p.read_bytes()
@@ -368,6 +376,15 @@ def test_a_daemon_taking_the_mount_over_hears_the_rest_of_the_window(dataset, ng
     # the new daemon was told the rest of the epoch (from the window on) and served from it
     assert la["connections_total"] >= 1 and la["announced"] >= len(ds) - 31 - 16, la
     assert la["hits"] > 0 and after["reader"]["eio"] == 0, (la, after["reader"])
+    if cache == "fits":  # filled again in read order, to the end: every shard cached
+        shards = len(dataset.shards.shards)
+        deadline = time.monotonic() + 30
+        while m.stats()["shards_cached"] < shards and time.monotonic() < deadline:
+            time.sleep(0.05)
+        after = m.stats()
+        assert after["shards_cached"] == shards, after["reader"]
+        # (the reads before Lookahead connected again may have started whole shards)
+        assert after["reader"]["fills_started"] > 0, after["reader"]
 
 
 def test_dataset_fits_the_cache_only_the_epochs_head_is_fetched_ahead(dataset, nginx,
