@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -22,11 +24,19 @@ from shardfs.read.arena import BLOCK, Arena
 pytestmark = pytest.mark.skipif(not shim.loaded(), reason=f"shim not loaded: {shim.load_error}")
 
 
+@contextmanager
+def mapped(blocks: int) -> Iterator[tuple[Arena, ArenaReads]]:
+    """An arena of `blocks` blocks, mapped by the shim of this process."""
+    arena = Arena(blocks * BLOCK)
+    try:
+        yield arena, ArenaReads(arena.path, arena.total, arena.size)
+    finally:
+        arena.close()
+
+
 def test_table_finds_what_landed_and_nothing_that_left():
     rng = random.Random(5)
-    arena = Arena(4096 * BLOCK)
-    try:
-        reads = ArenaReads(arena.path, arena.total, arena.size)
+    with mapped(4096) as (arena, reads):
         held: dict[tuple[int, int], tuple[int, int, int]] = {}  # -> (at, gen, size)
         late: list[tuple[int, int, int, int]] = []  # "gone" messages not delivered yet
         peak = 0
@@ -67,14 +77,10 @@ def test_table_finds_what_landed_and_nothing_that_left():
                 assert shim.arena_members() == len(held), step
                 peak = max(peak, len(held))
         assert peak > 512  # the table grew past its first 1024 slots (half full)
-    finally:
-        arena.close()
 
 
 def test_served_reads_are_recorded_and_freed_members_never_served():
-    arena = Arena(64 * BLOCK)
-    try:
-        reads = ArenaReads(arena.path, arena.total, arena.size)
+    with mapped(64) as (arena, reads):
         at = arena.alloc(10_000)
         assert at is not None
         arena.view[at : at + 10_000] = bytes(range(256)) * 39 + bytes(16)
@@ -101,14 +107,10 @@ def test_served_reads_are_recorded_and_freed_members_never_served():
         reads.landed([(3, 1536, other, arena.gen(other))])
         reads.gone([(3, 1536, at, gen)])
         assert shim.arena_read(3, 1536, 2, 3) == b"234"
-    finally:
-        arena.close()
 
 
 def test_a_full_record_leaves_reads_to_python():
-    arena = Arena(8 * BLOCK)
-    try:
-        reads = ArenaReads(arena.path, arena.total, arena.size)
+    with mapped(8) as (arena, reads):
         at = arena.alloc(100)
         assert at is not None
         reads.landed([(0, 0, at, arena.gen(at))])
@@ -117,5 +119,3 @@ def test_a_full_record_leaves_reads_to_python():
         assert shim.arena_read(0, 0, 0, 1) is None  # no room to record it: Python's
         assert len(reads.collect()) == len(reads.taken) // 4
         assert shim.arena_read(0, 0, 0, 1) is not None
-    finally:
-        arena.close()
