@@ -271,8 +271,9 @@ class Lookahead:
         self.parts = parts  # writes members into part files when the dataset fits
         self._flush: set[int] = set()  # shards whose fill is to be completed first
         self.stats = LookaheadStats()
-        self._index: dict[tuple[int, int], deque[_Slot]] = {}
-        self._offsets: dict[int, set[int]] = {}  # shard -> member offsets in _index
+        # shard -> member offset -> its announced occurrences (per shard: a commit lets go
+        # of the shard's members without visiting every other shard's)
+        self._index: dict[int, dict[int, deque[_Slot]]] = {}
         self._queued: dict[int, list[int]] = {}  # shard -> sorted offsets of unfetched slots
         self._streams: deque[Stream] = deque()  # round robin: the next to fetch for is first
         self._requests = 0
@@ -313,8 +314,7 @@ class Lookahead:
             stream.order.append(slot)
             stream.queue.append(slot)
             stream.live += 1
-            self._index.setdefault((shard, offset), deque()).append(slot)
-            self._offsets.setdefault(shard, set()).add(offset)
+            self._index.setdefault(shard, {}).setdefault(offset, deque()).append(slot)
             bisect.insort(self._queued.setdefault(shard, []), offset)
             accepted += 1
         self.stats.announced += accepted
@@ -358,7 +358,7 @@ class Lookahead:
         """Bytes [start, end) (shard offsets within one member) if that member was announced;
         waits while its GET is in flight. None: not announced, dropped, or its GET failed
         (the reader then reads it its own way)."""
-        slots = self._index.get((shard, member_off))
+        slots = self._slots(shard, member_off)
         if not slots:
             self.stats.misses += 1
             return None
@@ -386,11 +386,15 @@ class Lookahead:
         self._served(slot, len(data))
         return data
 
+    def _slots(self, shard: int, member_off: int) -> deque[_Slot] | tuple[()]:
+        """The announced occurrences of a member, earliest first (empty: none)."""
+        return self._index.get(shard, {}).get(member_off, ())
+
     def taken(self, shard: int, member_off: int, arena_off: int, nbytes: int,
               in_c: bool = False) -> None:
         """A FUSE worker served nbytes of the member at arena_off from the arena itself (in
         C: its shim did)."""
-        for slot in self._index.get((shard, member_off), ()):
+        for slot in self._slots(shard, member_off):
             if slot.arena_off == arena_off and slot.state == _READY:
                 self.stats.shared_hits += 1
                 self.stats.shared_hits_in_c += in_c
@@ -514,7 +518,7 @@ class Lookahead:
 
     def _queued_at(self, shard: int, offset: int, stream: Stream, horizon: int) -> _Slot | None:
         """The stream's first unfetched announcement of a member, if within the horizon."""
-        for s in self._index.get((shard, offset), ()):
+        for s in self._slots(shard, offset):
             if s.state == _QUEUED and s.stream is stream and s.pos <= horizon:
                 return s
         return None
@@ -682,8 +686,8 @@ class Lookahead:
         """The shard is in the cache now (its fill committed): its reads are served from
         there, so its members held or queued here are let go (they would hold the buffer
         until their stream's reads left them stale_lag entries behind)."""
-        for offset in list(self._offsets.get(shard, ())):  # the shard's, not every member's
-            for slot in list(self._index.get((shard, offset), ())):
+        for slots in list(self._index.get(shard, {}).values()):
+            for slot in list(slots):
                 if slot.state in (_QUEUED, _READY):
                     self._drop(slot, stale=False)
 
@@ -693,7 +697,7 @@ class Lookahead:
         if self.parts is None:
             return
         self.stats.urgent += 1
-        for slot in list(self._index.get((fetch.shard, start), ())):
+        for slot in list(self._slots(fetch.shard, start)):
             if slot.state == _QUEUED:
                 self._drop(slot, stale=False)
                 self.stats.part_entries += 1
@@ -776,17 +780,15 @@ class Lookahead:
             self.stats.stale += 1
             if slot.state in (_READY, _INFLIGHT):
                 self.stats.stale_bytes += slot.size
-        key = (slot.shard, slot.start)
-        slots = self._index.get(key)
+        members = self._index.get(slot.shard, {})
+        slots = members.get(slot.start)
         if slots is not None:
             with contextlib.suppress(ValueError):
                 slots.remove(slot)
             if not slots:
-                del self._index[key]
-                offsets = self._offsets[slot.shard]
-                offsets.discard(slot.start)
-                if not offsets:
-                    del self._offsets[slot.shard]
+                del members[slot.start]
+                if not members:
+                    del self._index[slot.shard]
         inflight = slot.state == _INFLIGHT
         if slot.state == _QUEUED:
             self._unqueue(slot)
