@@ -9,8 +9,8 @@ few hundred microseconds of Python on 2 cores (docs/benchmarks-notes.md, "Arena 
 
 The shim records each read it served in `taken` (shard, member offset, arena offset, bytes);
 `collect` empties it, and the worker reports those reads as its own arena reads (the daemon
-frees members once read and fetches on). When `taken` is full, reads go to Python until the
-next collection. Everything runs on the serving loop's thread.
+frees members once read and fetches on). When `taken` is full, reads go to Python, which asks
+the daemon for them, until the next collection. Everything runs on the serving loop's thread.
 """
 
 from __future__ import annotations

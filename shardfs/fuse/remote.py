@@ -65,8 +65,10 @@ class RemoteReader:
         self.fast: FastReads | None = None  # reads answered in C, reported with ours
         # Members the daemon fetched ahead (shardfs.torch.Lookahead) in the shared arena:
         # (shard, member offset) -> (arena offset, generation); see shardfs/read/arena.py.
+        # Where the locations are kept: the shim's table when it answers these reads (with
+        # `fast`), else `_ahead` for the Python path below.
         self.arena: ArenaView | None = None
-        self.arena_in_c: ArenaReads | None = None  # the shim answers them (with `fast`)
+        self.arena_in_c: ArenaReads | None = None
         self._ahead: dict[tuple[int, int], tuple[int, int]] = {}
         # arena reads not yet told: (shard, member offset, arena offset, bytes, in C)
         self._taken: list[tuple[int, int, int, int, bool]] = []
@@ -210,6 +212,11 @@ class RemoteReader:
         if message[0] == "flush":
             await self.send_notes()
             await self.caller.notify("flushed", message[1])
+        elif message[0] == "lookahead" and self.arena_in_c is not None:
+            # the shim's table only: a read it leaves to Python (its record of reads full)
+            # goes to the daemon, which serves it from the arena too
+            self.arena_in_c.landed(message[1])
+            self.arena_in_c.gone(message[2])
         elif message[0] == "lookahead" and self.arena is not None:
             ahead = self._ahead
             for shard, member_off, at, gen in message[1]:
@@ -217,9 +224,6 @@ class RemoteReader:
             for shard, member_off, at, gen in message[2]:
                 if ahead.get((shard, member_off)) == (at, gen):
                     del ahead[shard, member_off]
-            if self.arena_in_c is not None:
-                self.arena_in_c.landed(message[1])
-                self.arena_in_c.gone(message[2])
         elif message[0] == "arena":
             try:
                 self.arena = ArenaView(*message[1:])
