@@ -168,6 +168,10 @@ class RemoteReader:
         while True:
             await self._taken_news.wait()
             self._taken_news = trio.Event()
+            await self._tell_taken()
+
+    async def _tell_taken(self) -> None:
+        if self._taken:
             taken, self._taken = self._taken, []
             with contextlib.suppress(ChannelClosed):
                 await self.caller.notify("taken", taken)
@@ -186,8 +190,8 @@ class RemoteReader:
                 self._shards.append(shard)
                 self._bytes += size
                 self._taken.append((shard, member_off, at, size, True))
-            if taken:
-                self._taken_news.set()
+            # told now, before the note: a flush's "flushed" must find them counted
+            await self._tell_taken()
         if self.fast is not None:  # answered in C from the page cache
             got = self.fast.collect()
             self._shards += got.shards
