@@ -327,6 +327,45 @@ def test_daemon_gone_mid_epoch_keeps_the_order_with_a_warning(dataset, nginx, mo
     assert any("reading on without lookahead" in str(w.message) for w in caught)
 
 
+def kill_daemon(m: Mount) -> int:
+    """SIGKILL the mount's daemon and wait until the holder's new one serves; the old pid."""
+    old = m.stats()["pid"]
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while m.stats()["pid"] == old:  # the stats xattr waits for the new daemon
+        assert time.monotonic() < deadline, "no new daemon took the mount over"
+        time.sleep(0.1)
+    return old
+
+
+@needs_shim
+def test_a_new_epoch_announces_to_a_daemon_that_took_the_mount_over(dataset, nginx,
+                                                                    mounter: Mounter,
+                                                                    monkeypatch):
+    """With no retry within the epoch (RETRY_S out of reach), the epoch after a takeover
+    connects again from its start."""
+    monkeypatch.setattr(lookahead_module, "RETRY_S", 1e9)
+    m = mount_small(dataset, nginx, mounter, "--workers", "2")
+    ds = folder(m)
+    sampler = Lookahead(RandomSampler(ds, generator=gen(9)), window=16)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        for k, i in enumerate(sampler):
+            read_bytes(ds.samples[i][0])
+            if k == 10:
+                kill_daemon(m)
+    assert m.stats()["lookahead"]["announced"] == 0  # the rest of that epoch: unannounced
+    it = iter(sampler)  # (its files are in the page cache now: only the announcements count)
+    for _ in range(20):
+        read_bytes(ds.samples[next(it)][0])
+    deadline = time.monotonic() + 10
+    while m.stats()["lookahead"]["requests"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    la = m.stats()["lookahead"]
+    # the new daemon heard the new epoch and fetches what it announced
+    assert la["connections"] == 1 and la["announced"] > 0 and la["requests"] > 0, json.dumps(la)
+
+
 @needs_shim
 @pytest.mark.parametrize("cache", ["over", "fits"])
 def test_a_daemon_taking_the_mount_over_hears_the_rest_of_the_window(dataset, nginx,
@@ -361,13 +400,8 @@ def test_a_daemon_taking_the_mount_over_hears_the_rest_of_the_window(dataset, ng
             path = ds.samples[i][0]
             assert read_bytes(path) == local[path[len(root):]], path
             if k == 30:
-                old = m.stats()["pid"]
                 assert m.stats()["lookahead"]["hits"] > 0
-                os.kill(old, signal.SIGKILL)
-                deadline = time.monotonic() + 30
-                while m.stats()["pid"] == old:  # the stats xattr waits for the new daemon
-                    assert time.monotonic() < deadline, "no new daemon took the mount over"
-                    time.sleep(0.1)
+                old = kill_daemon(m)
     assert got == expected
     assert any("reading on without lookahead" in str(w.message) for w in caught)
     after = m.stats()
