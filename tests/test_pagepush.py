@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from shardfs.devtools.pagecache import resident_pages
 from tests.conftest import Dataset, Mounter, brace
 from tests.faultproxy import FaultProxy
 from tests.test_mount import publish
@@ -78,13 +79,27 @@ def test_files_of_an_arrived_shard_are_read_without_the_daemon(dataset: Dataset,
         assert pushed["in_c"] == (loop != "python"), pushed
     else:
         assert m.stats()["pages_pushed"] is None
-    before = m.stats()["reader"]["reads"]
-    for path in rest:
-        assert path.read_bytes() == source(path), path
-    served = m.stats()["reader"]["reads"] - before
     if push == "auto":
-        assert served == 0  # every byte came from the page cache
+        # Each file whose pages are all in the page cache is read with no READ the daemon
+        # answers. Under memory pressure (a CI machine after 20 minutes of tests) the kernel
+        # may reclaim a pushed page before it is read (session 17: one READ in one run):
+        # such a file, found by mincore before its read, is let go, if most are resident.
+        reclaimed = []
+        for path in rest:
+            resident, pages = resident_pages(path)
+            before = m.stats()["reader"]["reads"]
+            assert path.read_bytes() == source(path), path
+            served = m.stats()["reader"]["reads"] - before
+            if resident < pages:
+                reclaimed.append((path.name, resident, pages, served))
+            else:
+                assert served == 0, (path, pages)  # every byte came from the page cache
+        assert len(reclaimed) <= len(rest) // 4, reclaimed
     else:
+        before = m.stats()["reader"]["reads"]
+        for path in rest:
+            assert path.read_bytes() == source(path), path
+        served = m.stats()["reader"]["reads"] - before
         assert served >= len(rest)  # each file was a READ the daemon answered
 
 
