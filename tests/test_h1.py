@@ -237,3 +237,99 @@ def test_a_connection_idle_too_long_is_not_reused(nginx: Nginx) -> None:
         assert (h1.sent, h1.opened) == (3, 2)
 
     with_http(check)
+
+
+@contextlib.contextmanager
+def recording_server(body: bytes, etags: list[bytes]) -> Iterator[tuple[str, list[bytes]]]:
+    """Answers every GET of a kept-alive connection with a Range of `body`, its ETag the next
+    of `etags` (the last one repeated), two Cache-Control lines (a repeated header), and
+    records each request's head. Yields the URL and the heads received."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    heads: list[bytes] = []
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            buffer = b""
+            while True:
+                while b"\r\n\r\n" not in buffer:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    buffer += data
+                head, buffer = buffer.split(b"\r\n\r\n", 1)
+                heads.append(head + b"\r\n\r\n")
+                span = next(line for line in head.decode("latin-1").split("\r\n")
+                            if line.lower().startswith("range"))
+                start, end = (int(x) for x in span.split("=")[1].split("-"))
+                piece = body[start : end + 1]
+                etag = etags[min(len(heads), len(etags)) - 1]
+                conn.sendall(b"HTTP/1.1 206 Partial Content\r\nContent-Length: %d\r\n"
+                             b"Content-Range: bytes %d-%d/%d\r\nETag: %s\r\n"
+                             b"Cache-Control: no-transform\r\ncache-control: max-age=1\r\n\r\n%s"
+                             % (len(piece), start, end, len(body), etag, piece))
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/a.tar", heads
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        thread.join(5)
+
+
+def test_plain_gets_go_as_bytes_made_once_per_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain GET is not built as an httpx.Request each time: the URL's request line and
+    headers are made once (from the request httpx would build) and each GET adds its Range
+    and validator. What the server receives is byte for byte what the httpx.Request would
+    have been, and the answer's headers are read as httpx's (ETag checked, a repeated header
+    joined)."""
+    from shardfs.sources.base import ShardChanged
+    from shardfs.sources.h1 import Answer, _request_head
+    from shardfs.sources.http import _range_headers
+
+    body = bytes(range(256)) * 400
+    built = [0]
+    build = HttpSource._build_request
+
+    def counting(self: HttpSource, url: str, headers: dict[str, str]):
+        built[0] += 1
+        return build(self, url, headers)
+
+    monkeypatch.setattr(HttpSource, "_build_request", counting)
+    spans = [(0, 3000), (5000, 9000), (20000, 20001), (99_000, 102_400)]
+    with recording_server(body, [b'"v1"'] * (len(spans) + 1) + [b'"v2"']) as (url, heads):
+
+        async def check(source: HttpSource) -> None:
+            shard = await source.stat(url)
+            assert shard.etag == '"v1"'
+            answers: list[object] = []
+            send = pool(source).get
+
+            async def get(*args):
+                answers.append(answer := await send(*args))
+                return answer
+
+            monkeypatch.setattr(pool(source), "get", get)
+            for start, end in spans:
+                assert await read(source, shard, start, end) == body[start:end]
+            assert built[0] == 1  # the URL's head, made at the stat's GET
+            assert len(answers) == len(spans) and all(isinstance(a, Answer) for a in answers)
+            assert answers[0].headers["cache-control"] == "no-transform, max-age=1"
+            monkeypatch.setattr(HttpSource, "_build_request", build)
+            for (start, end), head in zip(spans, heads[1:], strict=True):
+                assert head == _request_head(source._build_request(url, _range_headers(
+                    shard, start, end)))
+            assert b"\r\nIf-Match: \"v1\"\r\n" in heads[-1] and b"Range: bytes=" in heads[-1]
+            with pytest.raises(ShardChanged, match="ETag"):  # the server's now says "v2"
+                await read(source, shard, 0, 10)
+
+        with_http(check)

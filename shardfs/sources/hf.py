@@ -34,7 +34,7 @@ import httpx
 
 from shardfs.sources.base import NotFound, SourceError, SourceSettings
 from shardfs.sources.budget import RequestBudget
-from shardfs.sources.http import HttpSource
+from shardfs.sources.http import HttpSource, Response
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 _KINDS = {"datasets": "/datasets", "spaces": "/spaces", "models": ""}
@@ -102,7 +102,7 @@ class HfSource(HttpSource):
         return self._client.build_request("GET", self._parsed(hf_to_https(url, self.endpoint)),
                                           headers=sent)
 
-    def _status_error(self, resp: httpx.Response, url: str) -> Exception:
+    def _status_error(self, resp: Response, url: str) -> Exception:
         status = resp.status_code
         code = resp.headers.get("x-error-code", "")
         if status in (401, 403):

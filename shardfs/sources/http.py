@@ -28,12 +28,13 @@ from shardfs.sources.base import (
     check_span,
 )
 from shardfs.sources.budget import RequestBudget
-from shardfs.sources.h1 import Http11Pool, NotForUs, proxy_in_environment
+from shardfs.sources.h1 import Answer, Http11Pool, NotForUs, RequestHead, proxy_in_environment
 
 GONE = frozenset({403, 404, 410})
 RETRYABLE = frozenset({408, 429})  # plus every 5xx
 THROTTLING = frozenset({429, 503})  # "slow down" (S3 SlowDown is a 503): cut the budget
-URLS_PARSED = 4096  # shard URLs kept parsed (HttpSource._parsed)
+Response = httpx.Response | Answer  # what a GET returns (Answer: h1's, for plain GETs)
+URLS_PARSED = 4096  # shard URLs kept parsed (HttpSource._parsed, HttpSource._head)
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", re.IGNORECASE)
 _UNSATISFIED_RANGE = re.compile(r"bytes\s+\*/(\d+)\s*$", re.IGNORECASE)
 
@@ -197,6 +198,11 @@ class HttpSource:
         self._h1 = None if s.http_client == "httpx" or proxy_in_environment() \
             else Http11Pool(s.max_connections, s.timeout)
         self._urls: LRUCache[str, httpx.URL] = LRUCache(maxsize=URLS_PARSED)
+        # A plain GET (no subclass maps or signs it) goes out as bytes made once per URL
+        # (h1.RequestHead) and comes back as an h1.Answer: no httpx objects per GET.
+        self._lean = self._h1 is not None and \
+            type(self)._build_request is HttpSource._build_request
+        self._heads: LRUCache[str, RequestHead | None] = LRUCache(maxsize=URLS_PARSED)
 
     def take_over(self, earlier: HttpSource) -> None:
         """Continue where `earlier` (closed, of an earlier event loop) stopped: servers that
@@ -295,7 +301,7 @@ class HttpSource:
                 await patience.wait(failure)
 
     async def _check_partial(
-        self, resp: httpx.Response, shard: ShardInfo, pos: int, end: int
+        self, resp: Response, shard: ShardInfo, pos: int, end: int
     ) -> int:
         """Validate a response to a ranged GET; return where its body ends in the shard."""
         url, status = shard.url, resp.status_code
@@ -327,7 +333,7 @@ class HttpSource:
         raise self._status_error(resp, url)
 
     @staticmethod
-    def _check_validators(resp: httpx.Response, shard: ShardInfo) -> None:
+    def _check_validators(resp: Response, shard: ShardInfo) -> None:
         etag = resp.headers.get("etag")
         if shard.etag and etag and _strip_weak(etag) != _strip_weak(shard.etag):
             raise ShardChanged(f"{shard.url}: ETag is now {etag}, was {shard.etag} at mount time")
@@ -367,7 +373,32 @@ class HttpSource:
             self.stats.budget_wait_s += waited
 
     def _request(self, url: str, headers: dict[str, str]) -> _Attempt:
-        return _Attempt(self, url, lambda: self._build_request(url, headers))
+        return _Attempt(self, url, lambda: self._build_request(url, headers), headers)
+
+    def _head(self, url: str) -> RequestHead | None:
+        """The URL's request head for `Http11Pool.get`, or None where the GET goes through
+        httpx.Request (a subclass builds it, proxies, a scheme h1 does not carry)."""
+        if not self._lean:
+            return None
+        try:
+            return self._heads[url]
+        except KeyError:
+            pass
+        assert self._h1 is not None
+        request = self._build_request(url, {})
+        head = self._heads[url] = RequestHead(request) if self._h1.takes(request) else None
+        return head
+
+    async def _send_lean(self, url: str, head: RequestHead,
+                         headers: dict[str, str]) -> Response:
+        """A GET as `_send` sends it, from the URL's request head."""
+        assert self._h1 is not None
+        if self._h1.takes_origin(head.origin):
+            try:
+                return await self._h1.get(head.origin, head.with_headers(headers))
+            except NotForUs:
+                pass
+        return await self._client.send(self._build_request(url, headers), stream=True)
 
     async def _send(self, request: httpx.Request) -> httpx.Response:
         """Send a built request: over our own HTTP/1.1 connections where they take it,
@@ -393,7 +424,7 @@ class HttpSource:
             parsed = self._urls[url] = httpx.URL(url)
         return parsed
 
-    async def _read_small(self, resp: httpx.Response, url: str) -> bytes:
+    async def _read_small(self, resp: Response, url: str) -> bytes:
         limit = self.settings.max_fetch_bytes
         parts: list[bytes] = []
         size = 0
@@ -409,7 +440,7 @@ class HttpSource:
         self.stats.errors += 1
         return _Retry(reason, retry_after)
 
-    def _status_error(self, resp: httpx.Response, url: str) -> Exception:
+    def _status_error(self, resp: Response, url: str) -> Exception:
         status = resp.status_code
         if status >= 500 or status in RETRYABLE:
             retry_after = _retry_after(resp.headers.get("retry-after"))
@@ -424,27 +455,36 @@ class _Attempt:
     """One streamed request: counts it, turns transport failures into _Retry, always closes.
 
     (httpx's own stream context manager, plus the bookkeeping every call site needs.)
-    `url` names the object in messages; `build` makes the request (called once per attempt)."""
+    `url` names the object in messages; `build` makes the request (called once per attempt).
+    A plain GET (`headers` given, see HttpSource._head) goes as bytes over h1 instead."""
 
-    def __init__(self, source: HttpSource, url: str, build: Callable[[], httpx.Request]) -> None:
+    def __init__(self, source: HttpSource, url: str, build: Callable[[], httpx.Request],
+                 headers: dict[str, str] | None = None) -> None:
         self._source = source
         self._url = url
         self._build = build
-        self._resp: httpx.Response | None = None
+        self._headers = headers  # a plain GET's own (HttpSource._request): it may go lean
+        self._resp: Response | None = None
 
-    async def __aenter__(self) -> httpx.Response:
+    async def __aenter__(self) -> Response:
         src = self._source
         await src._before_attempt()
         src.stats.requests += 1
-        request = None
+        origin = None
         try:
-            request = self._build()
-            self._resp = await src._send(request)
+            head = None if self._headers is None else src._head(self._url)
+            if head is not None:
+                assert self._headers is not None
+                origin = _origin(head.url)
+                self._resp = await src._send_lean(self._url, head, self._headers)
+            else:
+                request = self._build()
+                origin = _origin(request.url)
+                self._resp = await src._send(request)
         except (httpx.UnsupportedProtocol, httpx.InvalidURL) as e:
             src.stats.errors += 1
             raise SourceError(f"{self._url}: {e}") from e
         except httpx.ConnectError as e:
-            origin = _origin(request.url) if request is not None else None
             if origin is not None and origin not in src.answered:
                 src.stats.errors += 1
                 raise Unreachable(f"{self._url}: cannot connect to {origin} ({_describe(e)}); "
@@ -452,7 +492,7 @@ class _Attempt:
             raise src._retry(_describe(e)) from e
         except httpx.TransportError as e:
             raise src._retry(_describe(e)) from e
-        src.answered.add(_origin(request.url))
+        src.answered.add(origin)
         status = self._resp.status_code
         src.stats.by_status[status] = src.stats.by_status.get(status, 0) + 1
         if status in THROTTLING:
@@ -493,7 +533,7 @@ def _whole_headers(shard: ShardInfo) -> dict[str, str]:
     return {}
 
 
-def _content_length(resp: httpx.Response, url: str) -> int:
+def _content_length(resp: Response, url: str) -> int:
     value = resp.headers.get("content-length", "")
     if not value.isdigit():
         raise SourceError(f"{url}: the server ignores Range requests and sends no "
@@ -512,7 +552,7 @@ def _range_headers(shard: ShardInfo, start: int, end: int) -> dict[str, str]:
     return headers
 
 
-def _parse_content_range(resp: httpx.Response, url: str) -> tuple[int, int, int]:
+def _parse_content_range(resp: Response, url: str) -> tuple[int, int, int]:
     value = resp.headers.get("content-range", "")
     m = _CONTENT_RANGE.match(value.strip())
     if m is None or m.group(3) == "*":
@@ -520,7 +560,7 @@ def _parse_content_range(resp: httpx.Response, url: str) -> tuple[int, int, int]
     return int(m.group(1)), int(m.group(2)), int(m.group(3))
 
 
-def _unsatisfied_total(resp: httpx.Response, url: str) -> int:
+def _unsatisfied_total(resp: Response, url: str) -> int:
     """Size from a 416 answer to `bytes=0-0`: only an empty object can refuse that range."""
     value = resp.headers.get("content-range", "")
     m = _UNSATISFIED_RANGE.match(value.strip())
