@@ -333,3 +333,46 @@ def test_plain_gets_go_as_bytes_made_once_per_url(monkeypatch: pytest.MonkeyPatc
                 await read(source, shard, 0, 10)
 
         with_http(check)
+
+
+def test_signed_s3_gets_go_as_the_signed_requests_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """S3 GETs take the same way: the object's request head is made once, and each GET adds
+    its Range, validator and SigV4 headers, byte for byte those of the signed httpx.Request
+    (the clock fixed, so both carry the same signature); with a session token too."""
+    from shardfs.sources import sigv4
+    from shardfs.sources.h1 import _request_head
+    from shardfs.sources.http import _range_headers
+    from shardfs.sources.s3 import S3Config, S3Source
+
+    monkeypatch.setattr(sigv4, "amz_date", lambda now=None: "20261127T003000Z")
+    body = bytes(range(256)) * 400
+    spans = [(0, 3000), (5000, 9000), (99_000, 102_400)]
+    creds = sigv4.Credentials("AKIDEXAMPLE", "secret", session_token="token", source="test")
+    with recording_server(body, [b'"v1"']) as (url, heads):
+        endpoint = url.rsplit("/", 1)[0]
+        source = S3Source(FAST, config=S3Config(endpoint=endpoint, addressing="path",
+                                                credentials=creds))
+        built = [0]
+        build = S3Source._build_request
+
+        def counting(self: S3Source, url: str, headers: dict[str, str]):
+            built[0] += 1
+            return build(self, url, headers)
+
+        async def check() -> None:
+            try:
+                shard = await source.stat("s3://bucket/a.tar")
+                monkeypatch.setattr(S3Source, "_build_request", counting)
+                for start, end in spans:
+                    assert await read(source, shard, start, end) == body[start:end]
+                assert built[0] == 0  # no httpx.Request per GET
+                monkeypatch.setattr(S3Source, "_build_request", build)
+                for (start, end), head in zip(spans, heads[1:], strict=True):
+                    assert head == _request_head(source._build_request(
+                        "s3://bucket/a.tar", _range_headers(shard, start, end)))
+                assert b"\r\nx-amz-security-token: token\r\n" in heads[-1]
+                assert b"\r\nauthorization: AWS4-HMAC-SHA256 Credential=AKIDEXAMPLE/" in heads[-1]
+            finally:
+                await source.aclose()
+
+        trio.run(check)

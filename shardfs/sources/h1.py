@@ -207,10 +207,14 @@ class Answer:
     """A response to `Http11Pool.get`: what HttpSource reads of an httpx.Response (status,
     reason, headers by lower-case name, the body as raw pieces), without building one."""
 
-    __slots__ = ("_body", "headers", "reason_phrase", "status_code")
+    __slots__ = ("_body", "headers", "is_stream_consumed", "reason_phrase", "sent",
+                 "status_code")
 
     def __init__(self, status: int, reason: bytes, headers: Headers, body: _Body) -> None:
         self.status_code = status
+        self.is_stream_consumed = False  # the body's iteration has begun (as httpx says it)
+        self.sent: dict[str, str] = {}  # headers of the GET beyond its RequestHead, by
+        # lower-case name (HttpSource fills them in: S3 reads the key it signed with)
         self.reason_phrase = reason.decode("latin-1")
         # A repeated header keeps its values joined, as httpx.Headers.get gives them.
         found: dict[str, str] = {}
@@ -222,6 +226,7 @@ class Answer:
         self._body = body
 
     def aiter_raw(self) -> AsyncIterator[bytes]:
+        self.is_stream_consumed = True
         return self._body.__aiter__()
 
     async def aclose(self) -> None:
@@ -241,11 +246,13 @@ class RequestHead:
     HttpSource would build (so the same Host, User-Agent, Accept-Encoding, in httpx's order),
     to which each GET adds its own headers (Range, a validator)."""
 
-    __slots__ = ("_prefix", "origin", "url")
+    __slots__ = ("_prefix", "host", "origin", "path", "url")
 
     def __init__(self, request: httpx.Request) -> None:
         self.url = request.url
         self.origin = _origin(request.url)
+        self.host = request.headers["host"]  # as sent (what a signature covers)
+        self.path = request.url.raw_path.decode("ascii")
         self._prefix = _request_head(request)[:-2]  # without the blank line that ends it
 
     def with_headers(self, headers: dict[str, str]) -> bytes:

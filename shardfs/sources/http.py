@@ -198,10 +198,9 @@ class HttpSource:
         self._h1 = None if s.http_client == "httpx" or proxy_in_environment() \
             else Http11Pool(s.max_connections, s.timeout)
         self._urls: LRUCache[str, httpx.URL] = LRUCache(maxsize=URLS_PARSED)
-        # A plain GET (no subclass maps or signs it) goes out as bytes made once per URL
-        # (h1.RequestHead) and comes back as an h1.Answer: no httpx objects per GET.
-        self._lean = self._h1 is not None and \
-            type(self)._build_request is HttpSource._build_request
+        # A GET goes out as bytes made once per URL (h1.RequestHead) plus its own headers,
+        # and comes back as an h1.Answer: no httpx objects per GET (see _head).
+        self._lean = self._h1 is not None and self._lean_requests()
         self._heads: LRUCache[str, RequestHead | None] = LRUCache(maxsize=URLS_PARSED)
 
     def take_over(self, earlier: HttpSource) -> None:
@@ -375,6 +374,11 @@ class HttpSource:
     def _request(self, url: str, headers: dict[str, str]) -> _Attempt:
         return _Attempt(self, url, lambda: self._build_request(url, headers), headers)
 
+    def _lean_requests(self) -> bool:
+        """Whether GETs may go as h1.RequestHead bytes: where no subclass builds them its own
+        way (a subclass that does says so itself: S3Source)."""
+        return type(self)._build_request is HttpSource._build_request
+
     def _head(self, url: str) -> RequestHead | None:
         """The URL's request head for `Http11Pool.get`, or None where the GET goes through
         httpx.Request (a subclass builds it, proxies, a scheme h1 does not carry)."""
@@ -385,19 +389,31 @@ class HttpSource:
         except KeyError:
             pass
         assert self._h1 is not None
-        request = self._build_request(url, {})
+        request = self._unsigned_request(url)
         head = self._heads[url] = RequestHead(request) if self._h1.takes(request) else None
         return head
+
+    def _unsigned_request(self, url: str) -> httpx.Request:
+        """The GET for `url` without headers of its own: what its RequestHead is made of."""
+        return self._build_request(url, {})
+
+    def _lean_headers(self, head: RequestHead, headers: dict[str, str]) -> dict[str, str]:
+        """The headers one GET adds to its URL's RequestHead (a subclass adds a signature)."""
+        return headers
 
     async def _send_lean(self, url: str, head: RequestHead,
                          headers: dict[str, str]) -> Response:
         """A GET as `_send` sends it, from the URL's request head."""
         assert self._h1 is not None
         if self._h1.takes_origin(head.origin):
+            sent = self._lean_headers(head, headers)
             try:
-                return await self._h1.get(head.origin, head.with_headers(headers))
+                answer = await self._h1.get(head.origin, head.with_headers(sent))
             except NotForUs:
                 pass
+            else:
+                answer.sent = {name.lower(): value for name, value in sent.items()}
+                return answer
         return await self._client.send(self._build_request(url, headers), stream=True)
 
     async def _send(self, request: httpx.Request) -> httpx.Response:
