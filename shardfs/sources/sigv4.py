@@ -17,6 +17,7 @@ strings. Secrets never appear in reprs, logs or exception messages.
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import hmac
 from collections.abc import Iterable, Mapping
@@ -110,7 +111,10 @@ def string_to_sign(amz_date: str, scope: str, creq: str) -> str:
     return "\n".join((ALGORITHM, amz_date, scope, digest))
 
 
+@functools.lru_cache(maxsize=16)
 def signing_key(secret_key: str, date: str, region: str, service: str) -> bytes:
+    """The day's key (four HMACs): the same for every request of a day, so kept (~10 µs of
+    a ~30 µs signature on 2 cores)."""
     key = f"AWS4{secret_key}".encode()
     for part in (date, region, service, "aws4_request"):
         key = hmac.new(key, part.encode("utf-8"), hashlib.sha256).digest()
