@@ -90,18 +90,7 @@ async def _gets(client: str, url: str, size: int, n: int, get: int,
     """n ranged GETs of `get` bytes at random offsets, `inflight` at once: (µs of CPU per
     GET, GETs/s)."""
     source = HttpSource(SourceSettings(http_client=client))
-    info = ShardInfo(url=url, size=size)
-    rng = random.Random(0)
-    starts = iter([rng.randrange(0, size - get) for _ in range(n)])
-
-    async def one() -> None:
-        for start in starts:
-            async for _ in source.stream(info, start, start + get):
-                pass
-
-    cpu_s, wall_s = await _timed(one, inflight)
-    await source.aclose()
-    return cpu_s / n * 1e6, n / wall_s
+    return await _time_gets(source, ShardInfo(url=url, size=size), n, get, inflight)
 
 
 async def _s3_gets(endpoint: str, keys: tuple[str, str], size: int, n: int, get: int,
@@ -112,9 +101,13 @@ async def _s3_gets(endpoint: str, keys: tuple[str, str], size: int, n: int, get:
 
     source = S3Source(SourceSettings(), config=S3Config(
         endpoint=endpoint, addressing="path", credentials=Credentials(*keys, source="bench")))
-    info = await source.stat("s3://bench/shard.bin")
+    return await _time_gets(source, await source.stat("s3://bench/shard.bin"), n, get, inflight)
+
+
+async def _time_gets(source: HttpSource, info: ShardInfo, n: int, get: int,
+                     inflight: int) -> tuple[float, float]:
     rng = random.Random(0)
-    starts = iter([rng.randrange(0, size - get) for _ in range(n)])
+    starts = iter([rng.randrange(0, info.size - get) for _ in range(n)])
 
     async def one() -> None:
         for start in starts:

@@ -9,7 +9,7 @@ import dataclasses
 import http.server
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -109,29 +109,11 @@ def test_answers_h1_does_not_read_go_to_httpx(nginx: Nginx) -> None:
 
 
 @contextlib.contextmanager
-def closes_on_second_request(body: bytes) -> Iterator[tuple[str, list[int]]]:
-    """Answers the first GET of each connection (keep-alive, a Range of `body`), then closes
-    the connection when the next request comes on it: a server dropping an idle connection
-    just as the client reuses it. Yields the URL and the count of connections accepted."""
+def serving(serve: Callable[[socket.socket], None]) -> Iterator[tuple[str, list[int]]]:
+    """A server on 127.0.0.1 that runs `serve` on each accepted connection in a thread of its
+    own. Yields the URL of /a.tar there and the count of connections accepted."""
     listener = socket.create_server(("127.0.0.1", 0))
     accepted = [0]
-
-    def serve(conn: socket.socket) -> None:
-        with conn:
-            request = b""
-            while b"\r\n\r\n" not in request:
-                data = conn.recv(65536)
-                if not data:
-                    return
-                request += data
-            head = request.split(b"\r\n\r\n")[0].decode("latin-1")
-            span = next(line for line in head.split("\r\n") if line.lower().startswith("range"))
-            start, end = (int(x) for x in span.split("=")[1].split("-"))
-            piece = body[start : end + 1]
-            conn.sendall(b"HTTP/1.1 206 Partial Content\r\nContent-Length: %d\r\n"
-                         b"Content-Range: bytes %d-%d/%d\r\n\r\n%s"
-                         % (len(piece), start, end, len(body), piece))
-            conn.recv(65536)  # the next request on this connection: not answered
 
     def accept() -> None:
         while True:
@@ -150,6 +132,33 @@ def closes_on_second_request(body: bytes) -> Iterator[tuple[str, list[int]]]:
         listener.shutdown(socket.SHUT_RDWR)
         listener.close()
         thread.join(5)
+
+
+@contextlib.contextmanager
+def closes_on_second_request(body: bytes) -> Iterator[tuple[str, list[int]]]:
+    """Answers the first GET of each connection (keep-alive, a Range of `body`), then closes
+    the connection when the next request comes on it: a server dropping an idle connection
+    just as the client reuses it. Yields the URL and the count of connections accepted."""
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            request = b""
+            while b"\r\n\r\n" not in request:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                request += data
+            head = request.split(b"\r\n\r\n")[0].decode("latin-1")
+            span = next(line for line in head.split("\r\n") if line.lower().startswith("range"))
+            start, end = (int(x) for x in span.split("=")[1].split("-"))
+            piece = body[start : end + 1]
+            conn.sendall(b"HTTP/1.1 206 Partial Content\r\nContent-Length: %d\r\n"
+                         b"Content-Range: bytes %d-%d/%d\r\n\r\n%s"
+                         % (len(piece), start, end, len(body), piece))
+            conn.recv(65536)  # the next request on this connection: not answered
+
+    with serving(serve) as served:
+        yield served
 
 
 def test_a_connection_closed_as_it_is_reused_is_replaced_without_a_retry() -> None:
@@ -244,7 +253,6 @@ def recording_server(body: bytes, etags: list[bytes]) -> Iterator[tuple[str, lis
     """Answers every GET of a kept-alive connection with a Range of `body`, its ETag the next
     of `etags` (the last one repeated), two Cache-Control lines (a repeated header), and
     records each request's head. Yields the URL and the heads received."""
-    listener = socket.create_server(("127.0.0.1", 0))
     heads: list[bytes] = []
 
     def serve(conn: socket.socket) -> None:
@@ -268,22 +276,8 @@ def recording_server(body: bytes, etags: list[bytes]) -> Iterator[tuple[str, lis
                              b"Cache-Control: no-transform\r\ncache-control: max-age=1\r\n\r\n%s"
                              % (len(piece), start, end, len(body), etag, piece))
 
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}/a.tar", heads
-    finally:
-        listener.shutdown(socket.SHUT_RDWR)
-        listener.close()
-        thread.join(5)
+    with serving(serve) as (url, _):
+        yield url, heads
 
 
 def test_plain_gets_go_as_bytes_made_once_per_url(monkeypatch: pytest.MonkeyPatch) -> None:
