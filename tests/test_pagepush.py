@@ -81,9 +81,10 @@ def test_files_of_an_arrived_shard_are_read_without_the_daemon(dataset: Dataset,
         assert m.stats()["pages_pushed"] is None
     if push == "auto":
         # Each file whose pages are all in the page cache is read with no READ the daemon
-        # answers. Under memory pressure (a CI machine after 20 minutes of tests) the kernel
-        # may reclaim a pushed page before it is read (likely why session 16's CI saw one READ):
-        # such a file, found by mincore before its read, is let go, if most are resident.
+        # answers. The kernel may reclaim a pushed page before it is read (these VMs run
+        # DAMON's proactive reclaim, see test_node.py; likely why session 16's CI saw one
+        # READ): such a file, found by mincore before its read, is let go, if most are
+        # resident.
         reclaimed = []
         for path in rest:
             resident, pages = resident_pages(path)
