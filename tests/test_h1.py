@@ -370,3 +370,42 @@ def test_signed_s3_gets_go_as_the_signed_requests_bytes(monkeypatch: pytest.Monk
                 await source.aclose()
 
         trio.run(check)
+
+
+def test_gcs_gets_carry_the_bearer_token_as_the_httpx_request_did(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """GCS (the XML API with an OAuth token) takes the same way: the bearer token is added
+    last, where the httpx.Request put it."""
+    from shardfs.sources.gs import GsSource
+    from shardfs.sources.h1 import _request_head
+    from shardfs.sources.http import _range_headers
+
+    for name in ("GS_ACCESS_KEY_ID", "GS_SECRET_ACCESS_KEY", "GOOGLE_APPLICATION_CREDENTIALS",
+                 "CLOUDSDK_CONFIG", "GCE_METADATA_HOST"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GOOGLE_OAUTH_ACCESS_TOKEN", "ya29.token")
+    body = bytes(range(256)) * 400
+    with recording_server(body, [b'"v1"']) as (url, heads):
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", url.rsplit("/", 1)[0])
+        source = GsSource(FAST)
+        built = [0]
+        build = GsSource._build_request
+
+        def counting(self: GsSource, url: str, headers: dict[str, str]):
+            built[0] += 1
+            return build(self, url, headers)
+
+        async def check() -> None:
+            try:
+                shard = await source.stat("gs://bucket/a.tar")
+                monkeypatch.setattr(GsSource, "_build_request", counting)
+                assert await read(source, shard, 5000, 9000) == body[5000:9000]
+                assert built[0] == 0  # no httpx.Request per GET
+                monkeypatch.setattr(GsSource, "_build_request", build)
+                assert heads[-1] == _request_head(source._build_request(
+                    "gs://bucket/a.tar", _range_headers(shard, 5000, 9000)))
+                assert heads[-1].endswith(b"\r\nAuthorization: Bearer ya29.token\r\n\r\n")
+            finally:
+                await source.aclose()
+
+        trio.run(check)

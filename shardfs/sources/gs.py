@@ -42,6 +42,8 @@ import trio
 
 from shardfs.sources.base import SourceError, SourceSettings, SourceStats
 from shardfs.sources.budget import RequestBudget
+from shardfs.sources.h1 import Answer, RequestHead
+from shardfs.sources.http import Response
 from shardfs.sources.s3 import S3Config, S3Source, _check_endpoint
 from shardfs.sources.sigv4 import Credentials
 
@@ -247,13 +249,26 @@ class GsSource(S3Source):
             request.headers["Authorization"] = f"Bearer {self._bearer}"
         return request
 
-    def _reauthorize(self, resp: httpx.Response, code: str) -> bool:
+    # GETs go as S3Source's do (h1.RequestHead bytes), the bearer token added last, where
+    # httpx.Request's headers put it.
+    def _lean_requests(self) -> bool:
+        return type(self)._signed is GsSource._signed and \
+            type(self)._build_request is S3Source._build_request
+
+    def _lean_headers(self, head: RequestHead, headers: dict[str, str]) -> dict[str, str]:
+        sent = super()._lean_headers(head, headers)
+        if self.oauth is not None and self._bearer:
+            sent = sent | {"Authorization": f"Bearer {self._bearer}"}
+        return sent
+
+    def _reauthorize(self, resp: Response, code: str) -> bool:
         if self.oauth is None:
             return super()._reauthorize(resp, code)
         if resp.status_code != 401:
             return False
-        sent = resp.request.headers.get("authorization", "").removeprefix("Bearer ")
-        return self.oauth.invalidate(sent or None)
+        sent = resp.sent if isinstance(resp, Answer) else resp.request.headers
+        return self.oauth.invalidate(sent.get("authorization", "").removeprefix("Bearer ")
+                                     or None)
 
     def _who(self) -> str:
         if self.oauth is None:
