@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import http.server
 import socket
+import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,7 +19,9 @@ import trio
 from shardfs.devtools.nginx import Nginx, self_signed_certificate
 from shardfs.sources import HttpSource, SourceSettings, Unreachable
 from shardfs.sources.h1 import Http11Pool
+from tests.conftest import SHARDFS, Dataset, Mounter, brace
 from tests.faultproxy import FaultProxy
+from tests.test_mount import publish
 from tests.test_sources import FAST, SIZE, http_server, put, read, with_http
 
 
@@ -104,6 +107,8 @@ def test_answers_h1_does_not_read_go_to_httpx(nginx: Nginx) -> None:
             h1 = pool(source)
             assert ("http", "127.0.0.1", int(url.rsplit(":", 1)[1])) in h1.not_ours
             assert h1.sent == 1  # the first GET; the origin's others went to httpx directly
+            # and the stats say so: the chunked answer sent again, the stat, the read
+            assert source.stats.httpx_requests == source.stats.requests == 3
 
         with_http(check)
 
@@ -316,6 +321,7 @@ def test_plain_gets_go_as_bytes_made_once_per_url(monkeypatch: pytest.MonkeyPatc
             for start, end in spans:
                 assert await read(source, shard, start, end) == body[start:end]
             assert built[0] == 1  # the URL's head, made at the stat's GET
+            assert source.stats.httpx_requests == 0
             assert len(answers) == len(spans) and all(isinstance(a, Answer) for a in answers)
             assert answers[0].headers["cache-control"] == "no-transform, max-age=1"
             monkeypatch.setattr(HttpSource, "_build_request", build)
@@ -409,3 +415,26 @@ def test_gcs_gets_carry_the_bearer_token_as_the_httpx_request_did(
                 await source.aclose()
 
         trio.run(check)
+
+
+def test_a_mount_behind_a_proxy_says_its_gets_go_through_httpx(
+        dataset: Dataset, nginx: Nginx, mounter: Mounter,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With http_proxy set, h1 steps aside (httpx sends through the proxy): the log says so
+    once, and the stats count those GETs (`httpx_requests`, and `shardfs stats`)."""
+    for name in ("no_proxy", "NO_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy",
+                 "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    publish(dataset, nginx.root)
+    with FaultProxy(nginx.port) as proxy:  # forwards bytes: nginx reads absolute-form GETs
+        monkeypatch.setenv("http_proxy", proxy.url)
+        m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None, "--no-warm")
+        rel = next(iter(dataset.files()))
+        assert (m.mountpoint / rel).read_bytes() == (dataset.root / rel).read_bytes()
+        source = m.stats()["source"]
+        assert source["httpx_requests"] == source["requests"] > 0, source
+        assert proxy.requests, "nothing went through the proxy"
+        human = subprocess.run([*SHARDFS, "stats", str(m.mountpoint)], capture_output=True,
+                               text=True, check=True).stdout
+        assert " through httpx" in human, human
+        assert m.log().count("a proxy is set in the environment") == 1, m.log()

@@ -179,6 +179,8 @@ def _fmt_bytes(n: float | None) -> str:
 
 def format_stats(s: dict[str, Any]) -> str:
     r, src = s["reader"], s["source"]
+    # GETs a proxy (or an answer h1 leaves to httpx) sent the slow way: docs/sources.md
+    through_httpx = f", {src['httpx_requests']} through httpx" if src.get("httpx_requests") else ""
     ratio = s["amplification"]
     hit = s["hit_ratio"]
     lines = [
@@ -198,7 +200,8 @@ def format_stats(s: dict[str, Any]) -> str:
         f"hit ratio       {'-' if hit is None else f'{100 * hit:.1f} %'} "
         f"(cache {r['cache_hits']}, in-flight {r['frontier_hits']}, waited {r['waits']}, "
         f"member fetches {r['member_fetches']})",
-        f"requests        {src['requests']} ({src['retries']} retries, {src['errors']} errors); "
+        f"requests        {src['requests']} ({src['retries']} retries, {src['errors']} errors"
+        f"{through_httpx}); "
         f"fetch errors {r['fetch_errors']}, EIO {r['eio']}",
     ]
     if s.get("connection_kept_by"):  # a mount that outlives its daemon (docs/design.md)

@@ -54,6 +54,8 @@ _METRICS = (
      "Seconds requests waited for the request budget"),
     ("shardfs_source_credential_refreshes", ("source", "credential_refreshes"), "counter",
      "Temporary credentials obtained again"),
+    ("shardfs_source_httpx_requests", ("source", "httpx_requests"), "counter",
+     "Requests sent through httpx (a proxy, or an answer h1 leaves to it), not h1"),
     # What `shardfs top` shows (docs/tuning.md, "My training is slow: what to look at")
     ("shardfs_dataset_bytes", ("dataset_bytes",), "gauge", "Bytes of all shards (as cached)"),
     ("shardfs_working_set_bytes", ("working_set_bytes",), "gauge",

@@ -84,6 +84,10 @@ class SourceStats:
     """Counters a source keeps; read by `shardfs stats` and the tests."""
 
     requests: int = 0
+    # Of them, sent through httpx's client rather than shardfs's own connections (sources/h1.py):
+    # proxies in the environment, --http-client httpx, answers h1 leaves to httpx (redirects,
+    # chunked bodies). Each costs several times the CPU (docs/sources.md).
+    httpx_requests: int = 0
     bytes_received: int = 0
     retries: int = 0
     errors: int = 0

@@ -107,6 +107,17 @@ class _RetryWarnings:
 
 
 RETRY_WARNINGS = _RetryWarnings(interval=10.0)
+_proxy_said: list[bool] = []
+
+
+def _say_proxy_once() -> None:
+    """Log, once per process, that GETs go through httpx because of a proxy (the stats count
+    them: `httpx_requests`)."""
+    if not _proxy_said:
+        _proxy_said.append(True)
+        log.info("a proxy is set in the environment (http_proxy, https_proxy or all_proxy): "
+                 "GETs go through it with httpx, at several times the CPU per GET of "
+                 "shardfs's own connections (docs/sources.md)")
 
 
 class _Patience:
@@ -195,7 +206,10 @@ class HttpSource:
         )
         # GETs go over connections of our own (sources/h1.py: a fifth of httpx's CPU per
         # GET); proxies and unusual answers stay with httpx.
-        self._h1 = None if s.http_client == "httpx" or proxy_in_environment() \
+        proxied = s.http_client != "httpx" and proxy_in_environment()
+        if proxied:
+            _say_proxy_once()
+        self._h1 = None if s.http_client == "httpx" or proxied \
             else Http11Pool(s.max_connections, s.timeout)
         self._urls: LRUCache[str, httpx.URL] = LRUCache(maxsize=URLS_PARSED)
         # A GET goes out as bytes made once per URL (h1.RequestHead) plus its own headers,
@@ -414,6 +428,7 @@ class HttpSource:
             else:
                 answer.sent = {name.lower(): value for name, value in sent.items()}
                 return answer
+        self.stats.httpx_requests += 1
         return await self._client.send(self._build_request(url, headers), stream=True)
 
     async def _send(self, request: httpx.Request) -> httpx.Response:
@@ -425,6 +440,7 @@ class HttpSource:
                 return await h1.send(request)
             except NotForUs:
                 pass
+        self.stats.httpx_requests += 1
         return await self._client.send(request, stream=True)
 
     def _build_request(self, url: str, headers: dict[str, str]) -> httpx.Request:
