@@ -33,7 +33,7 @@ from shardfs.sources.h1 import Answer, Http11Pool, NotForUs, RequestHead, proxy_
 GONE = frozenset({403, 404, 410})
 RETRYABLE = frozenset({408, 429})  # plus every 5xx
 THROTTLING = frozenset({429, 503})  # "slow down" (S3 SlowDown is a 503): cut the budget
-Response = httpx.Response | Answer  # what a GET returns (Answer: h1's, for plain GETs)
+Response = httpx.Response | Answer  # what a GET returns (Answer: h1.get's, see HttpSource._head)
 URLS_PARSED = 4096  # shard URLs kept parsed (HttpSource._parsed, HttpSource._head)
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", re.IGNORECASE)
 _UNSATISFIED_RANGE = re.compile(r"bytes\s+\*/(\d+)\s*$", re.IGNORECASE)
