@@ -285,6 +285,19 @@ def recording_server(body: bytes, etags: list[bytes]) -> Iterator[tuple[str, lis
         yield url, heads
 
 
+def counting_builds(monkeypatch: pytest.MonkeyPatch, cls: type[HttpSource]) -> list[int]:
+    """Count the httpx.Requests a source class builds from now on (the count's one item)."""
+    built = [0]
+    build = cls._build_request
+
+    def counting(self: HttpSource, url: str, headers: dict[str, str]):
+        built[0] += 1
+        return build(self, url, headers)
+
+    monkeypatch.setattr(cls, "_build_request", counting)
+    return built
+
+
 def test_plain_gets_go_as_bytes_made_once_per_url(monkeypatch: pytest.MonkeyPatch) -> None:
     """A plain GET is not built as an httpx.Request each time: the URL's request line and
     headers are made once (from the request httpx would build) and each GET adds its Range
@@ -296,14 +309,7 @@ def test_plain_gets_go_as_bytes_made_once_per_url(monkeypatch: pytest.MonkeyPatc
     from shardfs.sources.http import _range_headers
 
     body = bytes(range(256)) * 400
-    built = [0]
-    build = HttpSource._build_request
-
-    def counting(self: HttpSource, url: str, headers: dict[str, str]):
-        built[0] += 1
-        return build(self, url, headers)
-
-    monkeypatch.setattr(HttpSource, "_build_request", counting)
+    built = counting_builds(monkeypatch, HttpSource)
     spans = [(0, 3000), (5000, 9000), (20000, 20001), (99_000, 102_400)]
     with recording_server(body, [b'"v1"'] * (len(spans) + 1) + [b'"v2"']) as (url, heads):
 
@@ -324,7 +330,6 @@ def test_plain_gets_go_as_bytes_made_once_per_url(monkeypatch: pytest.MonkeyPatc
             assert source.stats.httpx_requests == 0
             assert len(answers) == len(spans) and all(isinstance(a, Answer) for a in answers)
             assert answers[0].headers["cache-control"] == "no-transform, max-age=1"
-            monkeypatch.setattr(HttpSource, "_build_request", build)
             for (start, end), head in zip(spans, heads[1:], strict=True):
                 assert head == _request_head(source._build_request(url, _range_headers(
                     shard, start, end)))
@@ -352,21 +357,14 @@ def test_signed_s3_gets_go_as_the_signed_requests_bytes(monkeypatch: pytest.Monk
         endpoint = url.rsplit("/", 1)[0]
         source = S3Source(FAST, config=S3Config(endpoint=endpoint, addressing="path",
                                                 credentials=creds))
-        built = [0]
-        build = S3Source._build_request
-
-        def counting(self: S3Source, url: str, headers: dict[str, str]):
-            built[0] += 1
-            return build(self, url, headers)
 
         async def check() -> None:
             try:
                 shard = await source.stat("s3://bucket/a.tar")
-                monkeypatch.setattr(S3Source, "_build_request", counting)
+                built = counting_builds(monkeypatch, S3Source)
                 for start, end in spans:
                     assert await read(source, shard, start, end) == body[start:end]
                 assert built[0] == 0  # no httpx.Request per GET
-                monkeypatch.setattr(S3Source, "_build_request", build)
                 for (start, end), head in zip(spans, heads[1:], strict=True):
                     assert head == _request_head(source._build_request(
                         "s3://bucket/a.tar", _range_headers(shard, start, end)))
@@ -394,20 +392,13 @@ def test_gcs_gets_carry_the_bearer_token_as_the_httpx_request_did(
     with recording_server(body, [b'"v1"']) as (url, heads):
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", url.rsplit("/", 1)[0])
         source = GsSource(FAST)
-        built = [0]
-        build = GsSource._build_request
-
-        def counting(self: GsSource, url: str, headers: dict[str, str]):
-            built[0] += 1
-            return build(self, url, headers)
 
         async def check() -> None:
             try:
                 shard = await source.stat("gs://bucket/a.tar")
-                monkeypatch.setattr(GsSource, "_build_request", counting)
+                built = counting_builds(monkeypatch, GsSource)
                 assert await read(source, shard, 5000, 9000) == body[5000:9000]
                 assert built[0] == 0  # no httpx.Request per GET
-                monkeypatch.setattr(GsSource, "_build_request", build)
                 assert heads[-1] == _request_head(source._build_request(
                     "gs://bucket/a.tar", _range_headers(shard, 5000, 9000)))
                 assert heads[-1].endswith(b"\r\nAuthorization: Bearer ya29.token\r\n\r\n")
