@@ -42,8 +42,8 @@ import trio
 
 from shardfs.sources.base import SourceError, SourceSettings, SourceStats
 from shardfs.sources.budget import RequestBudget
-from shardfs.sources.h1 import Answer, RequestHead
-from shardfs.sources.http import Response
+from shardfs.sources.h1 import RequestHead
+from shardfs.sources.http import Response, sent_headers
 from shardfs.sources.s3 import S3Config, S3Source, _check_endpoint
 from shardfs.sources.sigv4 import Credentials
 
@@ -266,9 +266,8 @@ class GsSource(S3Source):
             return super()._reauthorize(resp, code)
         if resp.status_code != 401:
             return False
-        sent = resp.sent if isinstance(resp, Answer) else resp.request.headers
-        return self.oauth.invalidate(sent.get("authorization", "").removeprefix("Bearer ")
-                                     or None)
+        bearer = sent_headers(resp).get("authorization", "").removeprefix("Bearer ")
+        return self.oauth.invalidate(bearer or None)
 
     def _who(self) -> str:
         if self.oauth is None:

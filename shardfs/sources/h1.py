@@ -280,7 +280,7 @@ class Http11Pool:
     def takes(self, request: httpx.Request) -> bool:
         url = request.url
         return (request.method == "GET" and url.scheme in DEFAULT_PORTS
-                and not request.content and _origin(url) not in self.not_ours)
+                and not request.content and self.takes_origin(_origin(url)))
 
     def takes_origin(self, origin: Origin) -> bool:
         """`get` may carry GETs to `origin` (not one whose answers go to httpx)."""

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import email.utils
+import functools
 import logging
 import random
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from urllib.parse import urlsplit
 
 import httpcore
@@ -107,17 +108,15 @@ class _RetryWarnings:
 
 
 RETRY_WARNINGS = _RetryWarnings(interval=10.0)
-_proxy_said: list[bool] = []
 
 
+@functools.cache
 def _say_proxy_once() -> None:
     """Log, once per process, that GETs go through httpx because of a proxy (the stats count
     them: `httpx_requests`)."""
-    if not _proxy_said:
-        _proxy_said.append(True)
-        log.info("a proxy is set in the environment (http_proxy, https_proxy or all_proxy): "
-                 "GETs go through it with httpx, at several times the CPU per GET of "
-                 "shardfs's own connections (docs/sources.md)")
+    log.info("a proxy is set in the environment (http_proxy, https_proxy or all_proxy): "
+             "GETs go through it with httpx, at several times the CPU per GET of "
+             "shardfs's own connections (docs/sources.md)")
 
 
 class _Patience:
@@ -550,6 +549,12 @@ def _directory_hint(url: str) -> str:
                 "shards with a brace pattern (.../train-{000000..000099}.tar) or a manifest "
                 "(.txt, one URL per line)")
     return ""
+
+
+def sent_headers(resp: Response) -> Mapping[str, str]:
+    """The headers a GET was sent with, by lower-case name (S3 and GCS read their signature
+    or token from them to know which credentials a refusal was for)."""
+    return resp.sent if isinstance(resp, Answer) else resp.request.headers
 
 
 def _origin(url: httpx.URL) -> str:

@@ -33,7 +33,7 @@ from shardfs.sources.base import (
 )
 from shardfs.sources.budget import RequestBudget
 from shardfs.sources.credentials import AwsCredentials
-from shardfs.sources.h1 import Answer, RequestHead
+from shardfs.sources.h1 import RequestHead
 from shardfs.sources.http import (
     RETRYABLE,
     HttpSource,
@@ -43,6 +43,7 @@ from shardfs.sources.http import (
     _Patience,
     _Retry,
     _retry_after,
+    sent_headers,
 )
 from shardfs.sources.sigv4 import EMPTY_SHA256, Credentials, canonical_query, sign, uri_encode
 
@@ -293,9 +294,8 @@ class S3Source(HttpSource):
     def _signed(self, url: str, bucket: str, key: str | None, query: str,
                 headers: dict[str, str]) -> httpx.Request:
         request = self._unsigned(url, bucket, key, query, headers)
-        signature = self._signature(request.headers["host"], request.url.raw_path, query,
-                                    headers)
-        request.headers.update(signature)
+        path = request.url.raw_path.decode("ascii").partition("?")[0]
+        request.headers.update(self._signature(request.headers["host"], path, query, headers))
         return request
 
     def _unsigned(self, url: str, bucket: str, key: str | None, query: str,
@@ -309,39 +309,38 @@ class S3Source(HttpSource):
                               f"({request.url.raw_path!r} instead of {sent!r})")
         return request
 
-    def _signature(self, host: str, raw_path: bytes, query: str,
+    def _signature(self, host: str, path: str, query: str,
                    headers: dict[str, str]) -> dict[str, str]:
-        """The SigV4 headers of a GET (none for an unsigned source). `raw_path` is the request
-        line's target, the query included."""
+        """The SigV4 headers of a GET (none for an unsigned source); `path` and `query` as
+        sent on the request line."""
         creds = self._signing
         if creds is None:
             return {}
-        path = raw_path.decode("ascii").partition("?")[0]
         signed_headers = {name.lower(): value for name, value in headers.items()}
         return sign(creds, "GET", host=host, path=path, query=query, headers=signed_headers,
                     region=self.config.region, service="s3", payload_hash=EMPTY_SHA256)
 
-    def _build_request(self, url: str, headers: dict[str, str]) -> httpx.Request:
+    def _object(self, url: str) -> tuple[str, str]:
         bucket, key = split_bucket_url(url, self.scheme)
         if not key:
             raise SourceError(f"{url}: names a bucket, not an object")
-        return self._signed(url, bucket, key, "", headers)
+        return bucket, key
+
+    def _build_request(self, url: str, headers: dict[str, str]) -> httpx.Request:
+        return self._signed(url, *self._object(url), "", headers)
 
     # A GET of an object goes as h1.RequestHead bytes (HttpSource._head) with its signature
-    # added: the same bytes as the signed httpx.Request, without building one. Only where
-    # no subclass adds its own authorization (GCS's OAuth bearer keeps httpx.Request).
+    # added: the same bytes as the signed httpx.Request, without building one. A subclass
+    # that adds its own authorization says so (GsSource: its OAuth bearer).
     def _lean_requests(self) -> bool:
         return type(self)._signed is S3Source._signed and \
             type(self)._build_request is S3Source._build_request
 
     def _unsigned_request(self, url: str) -> httpx.Request:
-        bucket, key = split_bucket_url(url, self.scheme)
-        if not key:
-            raise SourceError(f"{url}: names a bucket, not an object")
-        return self._unsigned(url, bucket, key, "", {})
+        return self._unsigned(url, *self._object(url), "", {})
 
     def _lean_headers(self, head: RequestHead, headers: dict[str, str]) -> dict[str, str]:
-        return headers | self._signature(head.host, head.path.encode("ascii"), "", headers)
+        return headers | self._signature(head.host, head.path, "", headers)
 
     # -- stat -------------------------------------------------------------------------------
 
@@ -478,7 +477,7 @@ class S3Source(HttpSource):
         if self.auth is None or not (code in REAUTH_CODES or (
                 resp.status_code == 403 and self.auth.temporary and code in REAUTH_IF_TEMPORARY)):
             return False
-        sent = resp.sent if isinstance(resp, Answer) else resp.request.headers
+        sent = sent_headers(resp)
         match = _CREDENTIAL.search(sent.get("authorization", ""))
         return self.auth.invalidate(match.group(1) if match else None,
                                     sent.get("x-amz-security-token"))
