@@ -554,6 +554,69 @@ def test_no_split_when_the_policy_says_so(tmp_path: Path, shards: Shards) -> Non
                policy=ReadPolicy(split_fetches=False))
 
 
+def test_later_reads_of_a_member_read_early_cost_no_new_bytes(tmp_path: Path,
+                                                              shards: Shards) -> None:
+    """The kernel reads a file in several READs (128 KiB each). When the first of them read
+    the member early (its shard's download far behind), the next ones take it from the
+    member cache: one member GET, one early read counted against the duplicate allowance,
+    not one per READ (until session 18 each READ counted the whole member again, so the
+    allowance ran out at half the files it allows, and reads then waited for slots)."""
+    sources = _SlowSources(delay=0.01)
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        first, last = shards.order[5][2], shards.order[5][-2]
+        assert await read_member(reader, catalog, inodes[first]) == shards.contents[first]
+        data = shards.contents[last]
+        half = len(data) // 2
+        assert half > 0
+        got = await read_member(reader, catalog, inodes[last], 0, half)
+        got += await read_member(reader, catalog, inodes[last], half, len(data) - half)
+        assert got == data
+        stats = reader.stats
+        assert stats.early_member_reads == 1 and stats.member_fetches == 1, stats
+        assert stats.early_member_bytes == len(data) and stats.member_hits == 1, stats
+        await wait_idle(reader)
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources,
+               policy=ReadPolicy(split_fetches=False))
+
+
+def test_a_download_just_started_is_judged_by_the_others_rate(tmp_path: Path,
+                                                              shards: Shards) -> None:
+    """A read far into a shard whose download has no rate of its own yet (it just started)
+    estimates when its bytes come from the rate the other downloads get (shared with one
+    more): far enough behind, it reads its member at once instead of waiting its patience
+    for a rate first."""
+    sources = _SlowSources(delay=0.05)  # 4 KiB per 50 ms: a rate after ~0.8 s
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        a = shards.order[1][2]
+        assert await read_member(reader, catalog, inodes[a]) == shards.contents[a]
+        running = reader.fetches[1]
+        with trio.fail_after(10):
+            while running.arrived < MIN_RATE_BYTES + 4096:
+                await trio.sleep(0.005)
+        b, last = shards.order[2][2], shards.order[2][-2]
+        assert await read_member(reader, catalog, inodes[b]) == shards.contents[b]
+        fresh = reader.fetches[2]
+        ref = catalog.tree.file_ref(inodes[last])
+        start, end = ref.offset, ref.offset + ref.size
+        assert fresh.eta(start, end) is None  # no rate of its own yet
+        guess = reader._eta(fresh, start, end)
+        # seconds of its shard to go at half the ~80 KB/s the other gets
+        assert guess is not None and guess > reader._patience(fresh), guess
+        early = reader.stats.early_member_reads
+        assert await read_member(reader, catalog, inodes[last]) == shards.contents[last]
+        assert reader.stats.early_member_reads == early + 1, reader.stats
+        assert not fresh.has(start, end)  # it did not wait for the download
+        await wait_idle(reader)
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources,
+               policy=ReadPolicy(split_fetches=False))
+
+
 def test_a_split_of_a_large_member_takes_the_block_the_read_is_in(tmp_path: Path,
                                                                   big_shards: Shards) -> None:
     """A member larger than a member block is split off block by block: the read at 200 KiB

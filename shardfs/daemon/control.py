@@ -199,7 +199,7 @@ def format_stats(s: dict[str, Any]) -> str:
         f"indexing {_fmt_bytes(s['bytes_indexed'])})",
         f"hit ratio       {'-' if hit is None else f'{100 * hit:.1f} %'} "
         f"(cache {r['cache_hits']}, in-flight {r['frontier_hits']}, waited {r['waits']}, "
-        f"member fetches {r['member_fetches']})",
+        f"member fetches {r['member_fetches']}, member hits {r.get('member_hits', 0)})",
         f"requests        {src['requests']} ({src['retries']} retries, {src['errors']} errors"
         f"{through_httpx}); "
         f"fetch errors {r['fetch_errors']}, EIO {r['eio']}",

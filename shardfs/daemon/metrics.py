@@ -42,6 +42,8 @@ _METRICS = (
      "Cache-file reads that went to a thread (would have waited for the disk)"),
     ("shardfs_early_member_reads", ("reader", "early_member_reads"), "counter",
      "Member reads instead of waiting on a slow whole-shard fetch"),
+    ("shardfs_member_hits", ("reader", "member_hits"), "counter",
+     "Reads of a file whose member an earlier READ fetched or is fetching (no new bytes)"),
     ("shardfs_split_reads", ("reader", "split_reads"), "counter",
      "Reads that split a whole-shard fetch (their file by a GET of its own, fetched once)"),
     ("shardfs_resumed_bytes", ("reader", "resumed_bytes"), "counter",

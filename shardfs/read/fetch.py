@@ -36,12 +36,17 @@ class Get:
     def running(self) -> bool:
         return self.pos < self.stop
 
-    def eta(self, end: int, now: float) -> float | None:
-        """Seconds until this GET passes `end` at its measured rate (None: no rate yet)."""
+    def rate(self, now: float) -> float | None:
+        """Bytes/s since its first byte (None: too few bytes yet to judge)."""
         got = self.pos - self.start
         if self.first_byte is None or got < MIN_RATE_BYTES or now <= self.first_byte:
             return None
-        return max(0, end - self.pos) * (now - self.first_byte) / got
+        return got / (now - self.first_byte)
+
+    def eta(self, end: int, now: float) -> float | None:
+        """Seconds until this GET passes `end` at its measured rate (None: no rate yet)."""
+        rate = self.rate(now)
+        return None if rate is None else max(0, end - self.pos) / rate
 
 
 class Fetch:

@@ -72,8 +72,11 @@ class ReadPolicy:
     # waits for a fetch slot, reads its member instead — as long as such duplicate bytes stay
     # under this fraction of the bytes of whole-shard fetches started (bytes fetched / read
     # stays near 1); past it, reads wait for the fetch. 10 %, the most issue #10 allows
-    # (bytes fetched / read <= 1.1): a cold shuffled epoch's first batch at 1.7-1.9 s instead
-    # of 2.0-3.3 s with 5 % (bench --scale 3), 1.06x the bytes.
+    # (bytes fetched / read <= 1.1). Until session 18 each READ of a file read early counted
+    # its member again, so the 10 % bought about half as many files (1.05-1.06x the bytes);
+    # counted once, a cold shuffled epoch's first batch came at ~1.5-1.7 s instead of
+    # 2.0-2.8 s, for 1.09x the bytes; 6 % gave back the bytes and the late first batch
+    # (docs/benchmarks-notes.md, session 18).
     early_member_fraction: float = 0.10
     # Such a read whose member lies wholly ahead of the GET bringing it may split that GET
     # instead (see _split): its member comes by a GET of its own, written into the part
@@ -99,6 +102,10 @@ class ReaderStats:
     # fetch still queued for a slot): duplicate bytes, bounded by early_member_fraction.
     early_member_reads: int = 0
     early_member_bytes: int = 0
+    # Reads of a member an earlier read fetched (or is fetching): a file is read in several
+    # READs (128 KiB each), and only its first fetches the member. Served from the member
+    # cache, without waiting on a download and without counting against the allowance.
+    member_hits: int = 0
     # Reads that split a whole-shard fetch (their member fetched once, by its own GET), and
     # the bytes received past a GET's new end before it stopped (discarded).
     split_reads: int = 0
@@ -324,7 +331,14 @@ class Reader:
             if fetch is not None and fetch.fill:
                 return await self._read_filled(fetch, key, member_off, member_size, start,
                                                end, want)
-        fetch = await self._fetch_for(shard, key, min(member_size, self.policy.member_block))
+        member = self._member_block(member_off, member_size, start)
+        if self._block_held(shard, member[0]) and \
+                self._block_held(shard, self._member_block(member_off, member_size, end - 1)[0]):
+            # An earlier read of this member (a file is read in several READs) fetched it, or
+            # is fetching it: no wait, and no new bytes to count against the allowance.
+            stats.member_hits += 1
+            return await self._read_blocks(shard, member_off, member_size, start, end)
+        fetch = await self._fetch_for(shard, key, member[1] - member[0])
         if fetch is None and (cached := self.cache.get(key)) is not None:
             stats.cache_hits += 1  # its fetch completed while this read waited for it
             return await self._local(cached.fd, size, start, want)  # type: ignore[arg-type]
@@ -332,11 +346,6 @@ class Reader:
             if fetch.has(start, end):
                 stats.frontier_hits += 1
                 return await self._from_part(fetch, start, end, want)
-            # What a member read would fetch: the member, or the block of it holding `start`
-            # (the unit of _read_blocks, and of a split).
-            block = self.policy.member_block
-            first = member_off + (start - member_off) // block * block
-            member = (first, min(first + block, member_off + member_size))
             if fetch.to_go(start) <= self.policy.wait_ahead:
                 if await self._wait(fetch, key, start, end, member):
                     return await self._from_part(fetch, start, end, want)
@@ -371,6 +380,32 @@ class Reader:
         rtt = self._member_rtt if self._member_rtt is not None else fetch.ttfb
         return max(MIN_PATIENCE, 2 * (rtt if rtt is not None else 0.05))
 
+    def _eta(self, fetch: Fetch, start: int, end: int) -> float | None:
+        """Seconds until a fetch brings bytes [start, end): at the measured rate of the GET
+        bringing them; before that GET has a rate (it just started), at the rate the other
+        whole-shard downloads get now, shared with one more, after their time to first byte.
+        None: nothing measured yet. (Without the guess, a read far into a shard whose
+        download it had just started waited its full patience before reading its member.)"""
+        eta = fetch.eta(start, end)
+        get = fetch.covering(end - 1)
+        if eta is not None or get is None:
+            return eta
+        now = time.monotonic()
+        rates, ttfbs = [], []
+        for other in self.fetches.values():
+            if other is fetch or other.fill or not other.gets:
+                continue
+            rate = other.gets[0].rate(now)
+            if rate is not None and other.ttfb is not None:
+                rates.append(rate)
+                ttfbs.append(other.ttfb)
+        if not rates:
+            return None
+        rate = sum(rates) / (len(rates) + 1)  # the link shared with one more download
+        starts_in = 0.0 if get.first_byte is not None else \
+            max(0.0, sum(ttfbs) / len(ttfbs) - (now - fetch.began))
+        return starts_in + (end - get.pos) / rate
+
     def _early_allowed(self, nbytes: int) -> bool:
         allowance = self.policy.early_member_fraction * self._whole_bytes_started
         return self.stats.early_member_bytes + nbytes <= allowance
@@ -390,13 +425,13 @@ class Reader:
         try:
             if member is not None:
                 patience = self._patience(fetch)
-                eta = fetch.eta(start, end)
+                eta = self._eta(fetch, start, end)
                 if eta is not None and eta > patience and self._read_member_instead(fetch, member):
                     return False
                 with trio.move_on_after(patience):
                     await fetch.wait_for(start, end)
                 if not fetch.has(start, end) and fetch.failed is None:
-                    eta = fetch.eta(start, end)  # the rate is known better by now
+                    eta = self._eta(fetch, start, end)  # the rate is known better by now
                     if (eta is None or eta > patience) and \
                             self._read_member_instead(fetch, member):
                         return False
@@ -1028,18 +1063,26 @@ class Reader:
         return {"total": len(shards), "cached": cached, "failed": failed, "idle": not busy}
 
     # -- member / block reads --------------------------------------------------------------
+    def _member_block(self, member_off: int, member_size: int, pos: int) -> tuple[int, int]:
+        """What a member read of byte `pos` fetches: the member, or the block of it holding
+        `pos` (the unit of _read_blocks, of the member cache, and of a split)."""
+        block = self.policy.member_block
+        if member_size <= block:
+            return member_off, member_off + member_size
+        first = member_off + (pos - member_off) // block * block
+        return first, min(first + block, member_off + member_size)
+
+    def _block_held(self, shard: int, start: int) -> bool:
+        """The block at `start` is in the member cache or on its way."""
+        key = (shard, start)
+        return key in self._blocks or key in self._block_inflight
+
     async def _read_blocks(self, shard: int, member_off: int, member_size: int, start: int,
                            end: int) -> bytes:
         pieces = []
         pos = start
-        block = self.policy.member_block
-        member_end = member_off + member_size
         while pos < end:
-            if member_size <= block:
-                bstart, bend = member_off, member_end
-            else:
-                bstart = member_off + (pos - member_off) // block * block
-                bend = min(bstart + block, member_end)
+            bstart, bend = self._member_block(member_off, member_size, pos)
             data = await self._block(shard, bstart, bend)
             take = min(end, bend) - pos
             pieces.append(data[pos - bstart : pos - bstart + take])
