@@ -6,6 +6,7 @@ first, then a real mount whose daemon is SIGKILLed mid-download and taken over."
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from shardfs.cache.partrecord import BLOCK, HEAD
+from shardfs.cache.partrecord import BLOCK, HEAD, PartRecord, PrefixCrcs, block_crcs
 from shardfs.cache.shardcache import ShardCache
 from shardfs.catalog.catalog import Catalog, open_catalog
 from shardfs.catalog.shardindex import KIND_FILE
@@ -72,6 +73,116 @@ def range_starts(proxy: FaultProxy, ds: RandomDataset) -> list[int]:
             if int(last) == size - 1:
                 starts.append(int(first))
     return starts
+
+
+def test_block_crcs_computed_as_bytes_stream_equal_those_read_back(tmp_path: Path):
+    """A fetch records its blocks' CRCs from the bytes as they stream, in chunks that do not
+    fall on block boundaries (PrefixCrcs); they must be what reading the blocks back from the
+    file gives, so that the next daemon's check (verify_prefix) keeps them. From byte 0, and
+    from a block boundary (a continued fetch); the last block (ending at the shard's end) is
+    never given."""
+    size = 3 * BLOCK + 12345
+    data = os.urandom(size)
+    path = tmp_path / "shard.part"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for start in (0, BLOCK):
+            crcs = PrefixCrcs(start, size)
+            pos, got = start, []
+            for n in (1, 65536, BLOCK - 7, 3 * 65536 + 5, BLOCK):  # then the rest
+                crcs.update(data[pos:pos + n])
+                pos += n
+                got += crcs.take()
+            crcs.update(data[pos:])
+            got += crcs.take()
+            assert got == block_crcs(fd, start, 3 * BLOCK), start
+        whole = PrefixCrcs(0, 2 * BLOCK)  # a shard of exactly 2 blocks: only the first
+        whole.update(data[: 2 * BLOCK])
+        assert whole.take() == [zlib.crc32(data[:BLOCK])]
+        record = PartRecord.create(tmp_path / "shard.crc", size)
+        crcs = PrefixCrcs(0, size)
+        crcs.update(data)
+        for crc in crcs.take():
+            record.append(crc)
+        assert record.verify_prefix(fd) == 3 * BLOCK
+        record.close()
+    finally:
+        os.close(fd)
+
+
+class _OddChunksThenStall:
+    """An HTTP source whose whole-shard stream comes in 3,000-byte pieces (so batches of 4 MiB
+    do not end on block boundaries) and stops, without ending, at byte `stop`."""
+
+    def __init__(self, inner, stop: int) -> None:
+        self.inner, self.stop = inner, stop
+        self.stats = inner.stats
+
+    async def stat(self, url: str):
+        return await self.inner.stat(url)
+
+    async def fetch_optional(self, url: str):
+        return await self.inner.fetch_optional(url)
+
+    async def stream(self, shard, start: int, end: int):
+        whole = end == shard.size
+        pos = start
+        async with contextlib.aclosing(self.inner.stream(shard, start, end)) as chunks:
+            async for chunk in chunks:
+                for i in range(0, len(chunk), 3000):
+                    piece = chunk[i:i + 3000]
+                    if whole and pos + len(piece) > self.stop:
+                        piece = piece[: self.stop - pos]
+                        if piece:
+                            yield piece
+                        await trio.sleep_forever()
+                    pos += len(piece)
+                    yield piece
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def test_a_block_is_recorded_when_the_prefix_passes_its_end(big, nginx: Nginx, tmp_path: Path):
+    """The record takes a block's CRC as soon as the fetch's bytes pass the block's end, not
+    only when the next 4 MiB batch is full: a GET stalled just past a block boundary leaves
+    that block recorded (at most one block is fetched again after a kill)."""
+    publish_with_index(big, nginx.root / "oddchunks")
+    url = f"{nginx.url}/oddchunks/{big.names[0]}"
+    stop = 2 * BLOCK
+
+    class OddSources(Sources):
+        def for_url(self, url: str):
+            return _OddChunksThenStall(super().for_url(url), stop)
+
+    cache = ShardCache(tmp_path / "cache", 1 << 30)
+    cache.open()
+
+    async def main() -> None:
+        sources = OddSources()
+        catalog = await open_catalog([url], sources, cache, warm=False)
+        reader = Reader(catalog, cache, sources)
+        record = tmp_path / "cache" / "parts" / f"{catalog.keys[0]}.crc"
+        async with trio.open_nursery() as nursery:
+            await nursery.start(reader.run)
+            shard, offset, size = min(members(catalog).values(), key=lambda m: m[1])
+            await reader.read(shard, offset, size, 0, size)
+            with trio.fail_after(20):
+                while not record.exists() or record.stat().st_size < HEAD + 4 * 2:
+                    await trio.sleep(0.02)
+            assert reader.fetches[0].arrived == stop
+            data = shard_bytes(big)
+            kept = record.read_bytes()[HEAD:]
+            assert kept == b"".join(struct.pack("<I", zlib.crc32(data[i:i + BLOCK]))
+                                    for i in (0, BLOCK)), kept
+            nursery.cancel_scope.cancel()
+        await sources.aclose()
+
+    try:
+        trio.run(main)
+    finally:
+        cache.close()
 
 
 # -- the reader alone: an interrupted fetch, continued -----------------------------------------

@@ -12,8 +12,10 @@ fetch keeps a record, `parts/KEY.crc`:
     MAGIC, the shard's size (8 bytes, little endian), then one CRC-32 (4 bytes, little endian)
     per BLOCK of the shard's contiguous prefix, appended as the prefix grows past each block.
 
-A block's CRC is appended only after its bytes were written, from the bytes in the file, so
-after the writer is SIGKILLed the record never claims more than the page cache holds; after
+A block's CRC is appended only after its bytes were written, computed from the bytes written
+(as they stream, PrefixCrcs; or read back from the file once a split fetch's prefix came by
+several GETs, block_crcs), so after the writer is SIGKILLed the record never claims more than
+the page cache holds; after
 a power loss or OS crash neither file's pages need be on disk, which is why the next daemon
 checks every claimed block against its CRC before it uses it (verify_prefix): the prefix
 kept is the blocks that match, up to the first that does not. A torn last entry (4 bytes
@@ -52,6 +54,40 @@ def block_crcs(fd: int, start: int, end: int) -> list[int]:
     """The CRC-32 of each BLOCK of bytes [start, end) of a file, both multiples of BLOCK (in a
     worker thread: zlib releases the GIL)."""
     return [block_crc(fd, pos, pos + BLOCK) for pos in range(start, end, BLOCK)]
+
+
+class PrefixCrcs:
+    """The CRC-32s of a shard's BLOCKs, computed from its bytes as a fetch writes them in
+    order from `start` (a multiple of BLOCK): no read back from the part file (which cost
+    about as much as the CRC itself: a 4 MiB copy out of the page cache per block). Feed it
+    only bytes already written, so that what `take` hands over may be recorded at once.
+    The last block (ending at the shard's end) is not given: the fetch commits soon after."""
+
+    __slots__ = ("_crc", "_done", "pos", "size")
+
+    def __init__(self, start: int, size: int) -> None:
+        assert start % BLOCK == 0 or start >= size
+        self.pos, self.size = start, size
+        self._crc = 0
+        self._done: list[int] = []
+
+    def update(self, data: bytes) -> None:
+        """Bytes [pos, pos+len(data)) of the shard (in a worker thread: zlib releases the
+        GIL)."""
+        view = memoryview(data)
+        while view:
+            piece = view[: BLOCK - self.pos % BLOCK]
+            self._crc = zlib.crc32(piece, self._crc)
+            self.pos += len(piece)
+            view = view[len(piece):]
+            if self.pos % BLOCK == 0 and self.pos < self.size:
+                self._done.append(self._crc)
+                self._crc = 0
+
+    def take(self) -> list[int]:
+        """The CRCs of the blocks completed since the last call, in order."""
+        done, self._done = self._done, []
+        return done
 
 
 @dataclass(slots=True)

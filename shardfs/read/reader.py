@@ -31,7 +31,7 @@ from typing import Any
 import trio
 from cachetools import LRUCache
 
-from shardfs.cache.partrecord import BLOCK, block_crcs
+from shardfs.cache.partrecord import BLOCK, PrefixCrcs, block_crcs
 from shardfs.cache.shardcache import DISK_FULL, PartFile, ShardCache, pwrite_all, sha256_of
 from shardfs.catalog.catalog import Catalog
 from shardfs.catalog.codecs import CodecError, decompressor
@@ -827,7 +827,30 @@ class Reader:
             first = fetch.gets[0]
             if fetch.part.resumed:  # bytes an earlier daemon wrote: checked, then kept
                 first.start = first.pos = await self._resume_part(fetch, digest)
-            fetch.record_due = self._next_record(fetch)
+            # The record's CRCs come from the bytes as they stream, in the hashing thread; once
+            # a split has other GETs write parts of the prefix, from the part file instead
+            # (_record_blocks).
+            record = fetch.part.record
+            crcs = PrefixCrcs(first.start, fetch.size) if record is not None else None
+            fetch.record_due = NEVER if crcs is not None else self._next_record(fetch)
+
+            def read_back_crcs() -> None:  # the fetch was split
+                nonlocal crcs
+                if crcs is not None:
+                    crcs = None
+                    fetch.record_due = self._next_record(fetch)
+
+            def record_crcs() -> None:
+                nonlocal crcs
+                if crcs is None or record is None:
+                    return
+                try:
+                    for crc in crcs.take():
+                        record.append(crc)
+                except OSError as exc:  # e.g. a full disk: the fetch goes on, unrecorded
+                    crcs = None
+                    log.warning("cannot record the progress of a fetch (%s): a daemon taking "
+                                "over fetches it from %d", exc, len(record.crcs) * BLOCK)
 
             def append_from_thread(piece: bytes) -> None:
                 trio.from_thread.run_sync(self._write, fetch, first, piece)
@@ -836,6 +859,8 @@ class Reader:
                 for chunk in chunks:
                     if digest is not None:
                         digest.update(chunk)
+                    if crcs is not None:
+                        crcs.update(chunk)
                     if plain is not None:
                         # Output in bounded pieces: a small input may inflate to gigabytes.
                         plain.feed_into(chunk, append_from_thread)
@@ -849,6 +874,9 @@ class Reader:
                 # commit (from the part file, if reads split the fetch: see _split).
                 batch: list[bytes] = []
                 batched = 0
+                # A batch also goes when the prefix passes a block's end, so that the block's
+                # CRC is recorded then (not only once 4 MiB more came: a stalled GET).
+                cut = (first.start // BLOCK + 1) * BLOCK
                 source = self.sources.for_url(info.url)
                 if first.start >= info.size:  # all written before the last daemon ended
                     return
@@ -857,19 +885,24 @@ class Reader:
                         self.stats.shard_bytes += len(chunk)
                         if plain is None:
                             self._write(fetch, first, chunk)
-                            if fetch.split and not first.running:
-                                break  # the rest comes by the GETs of the split
-                        if (digest is None or fetch.split) and plain is None:
+                            if fetch.split:
+                                read_back_crcs()
+                                if not first.running:
+                                    break  # the rest comes by the GETs of the split
+                        if (digest is None or fetch.split) and crcs is None and plain is None:
                             continue
                         batch.append(chunk)
                         batched += len(chunk)
-                        if batched >= THREAD_BATCH:
+                        if batched >= THREAD_BATCH or (crcs is not None and first.pos >= cut):
                             await trio.to_thread.run_sync(check_and_decode, batch,
                                                           thread_name=HASH_THREAD)
+                            record_crcs()
                             batch, batched = [], 0
+                            cut = (first.pos // BLOCK + 1) * BLOCK
                 if batch:
                     await trio.to_thread.run_sync(check_and_decode, batch,
                                                   thread_name=HASH_THREAD)
+                    record_crcs()
                 if plain is not None:
                     self._write(fetch, first, plain.finish())
 
@@ -959,7 +992,9 @@ class Reader:
     async def _record_blocks(self, fetch: Fetch) -> None:
         """Append the CRCs of the prefix's complete blocks not recorded yet to the part's
         record (read back from the part file in a thread, so the record never claims bytes
-        not written), so that a daemon taking over continues the fetch from there."""
+        not written), so that a daemon taking over continues the fetch from there. For a
+        split fetch only: an unsplit one records the CRCs computed as its bytes stream
+        (`_run_fetch`, PrefixCrcs)."""
         record = fetch.part.record
         assert record is not None
         while fetch.failed is None:
