@@ -144,52 +144,12 @@ class _OddChunksThenStall:
         await self.inner.aclose()
 
 
-def test_a_block_is_recorded_when_the_prefix_passes_its_end(big, nginx: Nginx, tmp_path: Path):
-    """The record takes a block's CRC as soon as the fetch's bytes pass the block's end, not
-    only when the next 4 MiB batch is full: a GET stalled just past a block boundary leaves
-    that block recorded (at most one block is fetched again after a kill)."""
-    publish_with_index(big, nginx.root / "oddchunks")
-    url = f"{nginx.url}/oddchunks/{big.names[0]}"
-    stop = 2 * BLOCK
-
-    class OddSources(Sources):
-        def for_url(self, url: str):
-            return _OddChunksThenStall(super().for_url(url), stop)
-
-    cache = ShardCache(tmp_path / "cache", 1 << 30)
-    cache.open()
-
-    async def main() -> None:
-        sources = OddSources()
-        catalog = await open_catalog([url], sources, cache, warm=False)
-        reader = Reader(catalog, cache, sources)
-        record = tmp_path / "cache" / "parts" / f"{catalog.keys[0]}.crc"
-        async with trio.open_nursery() as nursery:
-            await nursery.start(reader.run)
-            shard, offset, size = min(members(catalog).values(), key=lambda m: m[1])
-            await reader.read(shard, offset, size, 0, size)
-            with trio.fail_after(20):
-                while not record.exists() or record.stat().st_size < HEAD + 4 * 2:
-                    await trio.sleep(0.02)
-            assert reader.fetches[0].arrived == stop
-            data = shard_bytes(big)
-            kept = record.read_bytes()[HEAD:]
-            assert kept == b"".join(struct.pack("<I", zlib.crc32(data[i:i + BLOCK]))
-                                    for i in (0, BLOCK)), kept
-            nursery.cancel_scope.cancel()
-        await sources.aclose()
-
-    try:
-        trio.run(main)
-    finally:
-        cache.close()
-
-
 # -- the reader alone: an interrupted fetch, continued -----------------------------------------
 Body = Callable[[Reader, Catalog], Awaitable[None]]
 
 
-def run_reader(cache_dir: Path, url: str, body: Body, *, keep_partial: bool = False) -> Reader:
+def run_reader(cache_dir: Path, url: str, body: Body, *, keep_partial: bool = False,
+               sources: Sources | None = None) -> Reader:
     """A reader on the cache dir: body runs, then the reader is cancelled (as a daemon's
     exit; `keep_partial`: as one exiting for a new daemon, which leaves its part files)."""
     cache = ShardCache(cache_dir, 1 << 30)
@@ -197,7 +157,8 @@ def run_reader(cache_dir: Path, url: str, body: Body, *, keep_partial: bool = Fa
     box: list[Reader] = []
 
     async def main() -> None:
-        sources = Sources()
+        nonlocal sources
+        sources = sources or Sources()
         catalog = await open_catalog([url], sources, cache, warm=False)
         reader = Reader(catalog, cache, sources)
         box.append(reader)
@@ -213,6 +174,34 @@ def run_reader(cache_dir: Path, url: str, body: Body, *, keep_partial: bool = Fa
     finally:
         cache.close()
     return box[0]
+
+
+def test_a_block_is_recorded_when_the_prefix_passes_its_end(big, nginx: Nginx, tmp_path: Path):
+    """The record takes a block's CRC as soon as the fetch's bytes pass the block's end, not
+    only when the next 4 MiB batch is full: a GET stalled just past a block boundary leaves
+    that block recorded (at most one block is fetched again after a kill)."""
+    publish_with_index(big, nginx.root / "oddchunks")
+    stop = 2 * BLOCK
+
+    class OddSources(Sources):
+        def for_url(self, url: str):
+            return _OddChunksThenStall(super().for_url(url), stop)
+
+    async def body(reader: Reader, catalog: Catalog) -> None:
+        record = tmp_path / "cache" / "parts" / f"{catalog.keys[0]}.crc"
+        shard, offset, size = min(members(catalog).values(), key=lambda m: m[1])
+        await reader.read(shard, offset, size, 0, size)
+        with trio.fail_after(20):
+            while not record.exists() or record.stat().st_size < HEAD + 4 * 2:
+                await trio.sleep(0.02)
+        assert reader.fetches[0].arrived == stop
+        data = shard_bytes(big)
+        kept = record.read_bytes()[HEAD:]
+        assert kept == b"".join(struct.pack("<I", zlib.crc32(data[i:i + BLOCK]))
+                                for i in (0, BLOCK)), kept
+
+    run_reader(tmp_path / "cache", f"{nginx.url}/oddchunks/{big.names[0]}", body,
+               sources=OddSources())
 
 
 def members(catalog: Catalog) -> dict[str, tuple[int, int, int]]:
