@@ -103,8 +103,7 @@ def test_block_crcs_computed_as_bytes_stream_equal_those_read_back(tmp_path: Pat
         record = PartRecord.create(tmp_path / "shard.crc", size)
         crcs = PrefixCrcs(0, size)
         crcs.update(data)
-        for crc in crcs.take():
-            record.append(crc)
+        record.extend(crcs.take())
         assert record.verify_prefix(fd) == 3 * BLOCK
         record.close()
     finally:

@@ -26,6 +26,7 @@ the fetch completes, where the index has one.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import struct
 import zlib
@@ -40,6 +41,7 @@ HEAD = len(MAGIC) + 8
 BLOCK = 4 << 20  # a record entry per 4 MiB: at most this much is fetched again after a kill
 _SIZE = struct.Struct("<Q")
 _CRC = struct.Struct("<I")
+log = logging.getLogger(__name__)
 
 
 def block_crc(fd: int, start: int, end: int) -> int:
@@ -136,9 +138,16 @@ class PartRecord:
         crcs = [_CRC.unpack_from(data, HEAD + 4 * i)[0] for i in range(count)]
         return cls(path, fd, size, crcs)
 
-    def append(self, crc: int) -> None:
-        pwrite_all(self.fd, _CRC.pack(crc), HEAD + 4 * len(self.crcs))
-        self.crcs.append(crc)
+    def extend(self, crcs: list[int]) -> None:
+        """Append the CRCs of the next blocks (one write). OSError: not recorded (a full
+        disk): the caller's fetch goes on, and a daemon taking over fetches from what was."""
+        if crcs:
+            pwrite_all(self.fd, b"".join(map(_CRC.pack, crcs)), HEAD + 4 * len(self.crcs))
+            self.crcs.extend(crcs)
+
+    def unrecorded(self, exc: OSError) -> None:
+        log.warning("cannot record the progress of a fetch (%s): a daemon taking over "
+                    "fetches it from %d", exc, len(self.crcs) * BLOCK)
 
     def verify_prefix(self, part_fd: int, digest: Any | None = None) -> int:
         """Check the claimed blocks of the part file against their CRCs, in order; return

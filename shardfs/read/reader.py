@@ -332,8 +332,8 @@ class Reader:
                 return await self._read_filled(fetch, key, member_off, member_size, start,
                                                end, want)
         member = self._member_block(member_off, member_size, start)
-        if self._block_held(shard, member[0]) and \
-                self._block_held(shard, self._member_block(member_off, member_size, end - 1)[0]):
+        if self._block_held(shard, member[0]) and (end <= member[1] or self._block_held(
+                shard, self._member_block(member_off, member_size, end - 1)[0])):
             # An earlier read of this member (a file is read in several READs) fetched it, or
             # is fetching it: no wait, and no new bytes to count against the allowance.
             stats.member_hits += 1
@@ -845,12 +845,10 @@ class Reader:
                 if crcs is None or record is None:
                     return
                 try:
-                    for crc in crcs.take():
-                        record.append(crc)
-                except OSError as exc:  # e.g. a full disk: the fetch goes on, unrecorded
+                    record.extend(crcs.take())
+                except OSError as exc:
                     crcs = None
-                    log.warning("cannot record the progress of a fetch (%s): a daemon taking "
-                                "over fetches it from %d", exc, len(record.crcs) * BLOCK)
+                    record.unrecorded(exc)
 
             def append_from_thread(piece: bytes) -> None:
                 trio.from_thread.run_sync(self._write, fetch, first, piece)
@@ -1003,13 +1001,10 @@ class Reader:
             if stop <= start:
                 break
             try:
-                crcs = await trio.to_thread.run_sync(block_crcs, fetch.part.fd, start, stop,
-                                                     thread_name=HASH_THREAD)
-                for crc in crcs:
-                    record.append(crc)
-            except OSError as exc:  # e.g. a full disk: the fetch goes on, unrecorded
-                log.warning("cannot record the progress of a fetch (%s): a daemon taking "
-                            "over fetches it from %d", exc, len(record.crcs) * BLOCK)
+                record.extend(await trio.to_thread.run_sync(
+                    block_crcs, fetch.part.fd, start, stop, thread_name=HASH_THREAD))
+            except OSError as exc:
+                record.unrecorded(exc)
                 return
         fetch.record_due = self._next_record(fetch)
 
