@@ -254,7 +254,7 @@ def test_stats_command_during_reads(dataset: Dataset, nginx, mounter: Mounter):
         assert snap["reader"]["waits"] == 1 and snap["reader"]["reads"] == 1, snap["reader"]
         assert 0 < snap["reader"]["shard_bytes"] < dataset.shards.shards[0].size
         assert f"{shards} indexed, 0 cached, 1 fetching" in human, human
-        assert "waited 1" in human, human
+        assert "waited 1" in human and "member hits 0)" in human, human
         assert_same_bytes(dataset, m.mountpoint)
         after = _stats_json(m.mountpoint)
         requests_seen = len(proxy.requests)
