@@ -8,10 +8,12 @@ import contextlib
 import dataclasses
 import http.server
 import socket
+import ssl
 import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -109,6 +111,32 @@ def test_answers_h1_does_not_read_go_to_httpx(nginx: Nginx) -> None:
             assert h1.sent == 1  # the first GET; the origin's others went to httpx directly
             # and the stats say so: the chunked answer sent again, the stat, the read
             assert source.stats.httpx_requests == source.stats.requests == 3
+
+        with_http(check)
+
+
+def test_no_ssl_context_is_made_until_httpx_sends(nginx: Nginx,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """httpx's transport makes an SSL context (~35 ms of CPU here), and a mount makes its
+    source when its first read arrives: plain http:// GETs over h1 make none, the first
+    answer left to httpx makes httpx's transport and its context."""
+    made: list[ssl.SSLContext] = []
+    make = ssl.create_default_context
+
+    def counted(*args: Any, **kwargs: Any) -> ssl.SSLContext:
+        made.append(make(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(ssl, "create_default_context", counted)
+    data = put(nginx.root, "a.tar")
+    with odd_server(nginx) as odd:
+
+        async def check(source: HttpSource) -> None:
+            shard = await source.stat(f"{nginx.url}/a.tar")
+            assert await read(source, shard, 100, 5000) == data[100:5000]
+            assert pool(source).sent == 2 and made == [], made
+            assert await source.fetch_optional(f"{odd}/chunked.idx") == b"chunked index"
+            assert len(made) == 1 and source.stats.httpx_requests == 1
 
         with_http(check)
 

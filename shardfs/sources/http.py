@@ -9,6 +9,7 @@ import random
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpcore
@@ -57,6 +58,26 @@ def receive_in_larger_pieces() -> bool:
         return False
     conn.READ_NUM_BYTES = max(conn.READ_NUM_BYTES, HTTP_RECEIVE_BYTES)
     return True
+
+
+class _TransportMadeOnFirstUse(httpx.AsyncBaseTransport):
+    """httpx's transport, made when httpx first sends a request. Making it makes an SSL
+    context (~35 ms of CPU on 2 cores, ~70 ms under load), and a mount makes its source when
+    its first read arrives, so that time was every reader's first wait; most mounts never
+    send a request through httpx (sources/h1.py carries their GETs)."""
+
+    def __init__(self, **options: Any) -> None:
+        self._options = options
+        self._made: httpx.AsyncHTTPTransport | None = None
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self._made is None:
+            self._made = httpx.AsyncHTTPTransport(**self._options)
+        return await self._made.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        if self._made is not None:
+            await self._made.aclose()
 
 
 class _HideQueries(logging.Filter):
@@ -193,19 +214,21 @@ class HttpSource:
         self.answered: set[str] = set()
         receive_in_larger_pieces()
         s = self.settings
+        limits = httpx.Limits(max_connections=s.max_connections,
+                              max_keepalive_connections=s.max_connections)
+        env_proxy = proxy_in_environment()
         self._client = httpx.AsyncClient(
             # No pool timeout: waiting for one of our own connections is not a server failure.
             timeout=httpx.Timeout(s.timeout, pool=None),
-            limits=httpx.Limits(
-                max_connections=s.max_connections, max_keepalive_connections=s.max_connections
-            ),
+            # httpx reads proxies from the environment only when it makes its own transport.
+            limits=limits, transport=None if env_proxy else _TransportMadeOnFirstUse(limits=limits),
             # Byte offsets refer to the stored bytes, so no transparent compression.
             headers={"Accept-Encoding": "identity", "User-Agent": f"shardfs/{__version__}"},
             follow_redirects=True,
         )
         # GETs go over connections of our own (sources/h1.py: a fifth of httpx's CPU per
         # GET); proxies and unusual answers stay with httpx.
-        proxied = s.http_client != "httpx" and proxy_in_environment()
+        proxied = s.http_client != "httpx" and env_proxy
         if proxied:
             _say_proxy_once()
         self._h1 = None if s.http_client == "httpx" or proxied \
