@@ -617,37 +617,6 @@ def test_a_download_just_started_is_judged_by_the_others_rate(tmp_path: Path,
                policy=ReadPolicy(split_fetches=False))
 
 
-def test_shards_queued_for_a_slot_count_in_the_duplicate_allowance(tmp_path: Path,
-                                                                   shards: Shards) -> None:
-    """One fetch slot, taken by a crawling download: reads of seven other shards queue those
-    shards and read their members early. The allowance counts the queued shards' bytes (they
-    will be fetched whole), so none of these reads waits for the slot; counted against the
-    one download started only, it ran out after a few of them (a cold shuffled epoch's first
-    batch then waited up to 1.4 s for slots)."""
-    sources = _SlowSources(delay=0.05)  # ~2 s for a shard: the slot stays taken
-
-    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
-        inodes = file_inodes(catalog)
-        first = shards.order[0][2]
-        assert await read_member(reader, catalog, inodes[first]) == shards.contents[first]
-        assert list(reader.fetches) == [0]
-        paths = [shards.order[s][3] for s in range(1, N_SHARDS)]
-        early = sum(len(shards.contents[p]) for p in paths)
-        # More than the download started alone would allow: the test shows the difference.
-        assert early > reader.policy.early_member_fraction * reader.sizes[0], early
-        stats = reader.stats
-        reads, nbytes = stats.early_member_reads, stats.early_member_bytes
-        with trio.fail_after(1):  # a read waiting for the slot would wait ~2 s
-            for path in paths:
-                assert await read_member(reader, catalog, inodes[path]) == shards.contents[path]
-        assert list(reader.fetches) == [0], "the slot was freed: nothing shown"
-        assert stats.early_member_reads == reads + N_SHARDS - 1, stats
-        assert stats.early_member_bytes == nbytes + early, stats
-
-    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources,
-               policy=ReadPolicy(max_fetches=1, split_fetches=False))
-
-
 def test_a_split_of_a_large_member_takes_the_block_the_read_is_in(tmp_path: Path,
                                                                   big_shards: Shards) -> None:
     """A member larger than a member block is split off block by block: the read at 200 KiB

@@ -37,7 +37,6 @@ from shardfs.catalog.catalog import Catalog
 from shardfs.catalog.codecs import CodecError, decompressor
 from shardfs.read.diskread import DiskReads
 from shardfs.read.fetch import NEVER, Fetch, FetchFailed, Get
-from shardfs.read.fetchqueue import FetchQueue
 from shardfs.read.layout import ShardLayout
 from shardfs.read.lookahead import Lookahead
 from shardfs.read.states import ShardStates
@@ -151,6 +150,7 @@ class Reader:
         self.stats = ReaderStats()
         self.fetches: dict[int, Fetch] = {}
         self._fills = 0  # of those, filled by the Lookahead (see open_fill): no fetch slot
+        self._queue: OrderedDict[int, None] = OrderedDict()  # shards waiting for a fetch slot
         self._forced: set[int] = set()  # asked for by `shardfs warm`: fetch whatever the policy
         self.failed: set[int] = set()  # shards whose last whole-shard fetch failed
         # Announced by a sampler as read next (queue_ahead), in its order, with the
@@ -167,7 +167,6 @@ class Reader:
         # Bytes each shard takes in the cache: the plain tar size (compressed shards are
         # decompressed into the cache).
         self.sizes = catalog.data_sizes or [info.size for info in catalog.shards]
-        self._queue = FetchQueue(self.sizes)  # shards waiting for a fetch slot
         self.codecs = catalog.codecs or [None] * len(catalog.shards)
         # Shards read only whole (compressed, or on a server without Range support).
         self.whole_only = catalog.whole_only or [c is not None for c in self.codecs]
@@ -219,13 +218,13 @@ class Reader:
             self._nursery = nursery
             for shard in self._resume:  # downloads in flight when the last daemon ended
                 self._forced.add(shard)
-                self._queue.add(shard)
+                self._queue[shard] = None
             self._resume.clear()
             self._start_queued()
             if self.policy.prefetch == "all" and self._dataset_fits():
                 for shard in range(len(self.catalog.shards)):
                     if not self.cache.has(self.catalog.keys[shard]):
-                        self._queue.add(shard)
+                        self._queue[shard] = None
                 self._start_queued()
             task_status.started()
             await trio.sleep_forever()
@@ -408,14 +407,8 @@ class Reader:
         return starts_in + (end - get.pos) / rate
 
     def _early_allowed(self, nbytes: int) -> bool:
-        # Shards queued for a slot count with those started: they will be fetched whole,
-        # so a member read of either fetches bytes twice. (Counting only those started, a
-        # cold shuffled epoch spent its allowance within ~1 s, while 8 of its 28 shards had
-        # slots: reads of the queued ones then waited for a slot, up to 1.4 s in the first
-        # batch; docs/benchmarks-notes.md, session 19.)
-        committed = self._whole_bytes_started + self._queue.bytes
-        return self.stats.early_member_bytes + nbytes <= \
-            self.policy.early_member_fraction * committed
+        allowance = self.policy.early_member_fraction * self._whole_bytes_started
+        return self.stats.early_member_bytes + nbytes <= allowance
 
     def _count_early(self, nbytes: int) -> None:
         self.stats.early_member_reads += 1
@@ -517,7 +510,7 @@ class Reader:
                                     "be read whole; give it a larger --cache-size")
             if fetch is None:  # every slot busy: queue it ahead of the policy and wait
                 self._forced.add(shard)
-                self._queue.add(shard)
+                self._queue[shard] = None
                 event = self._slot_waiters.setdefault(shard, trio.Event())
                 await event.wait()
                 continue
@@ -567,7 +560,7 @@ class Reader:
         fetch.fill = fetch.split = True  # split: the bytes arrive in runs, out of order
         self.fetches[shard] = fetch
         self._fills += 1
-        self._queue.discard(shard)
+        self._queue.pop(shard, None)
         self.stats.fills_started += 1
         assert self._nursery is not None, "Reader.run() must be started before fills"
         self._nursery.start_soon(self._run_fill, fetch)
@@ -705,7 +698,7 @@ class Reader:
         if shard in self._mismatched and not self.whole_only[shard]:
             return None
         if self._whole_fetches() >= self.policy.max_fetches:
-            self._queue.add(shard)
+            self._queue[shard] = None
             return None
         return self._start(shard)
 
@@ -738,7 +731,7 @@ class Reader:
         fetch = Fetch(shard, part, part.size)
         self.fetches[shard] = fetch
         self._whole_bytes_started += self.sizes[shard]
-        self._queue.discard(shard)
+        self._queue.pop(shard, None)
         self.stats.shard_fetches_started += 1
         assert self._nursery is not None, "Reader.run() must be started before reads"
         self._nursery.start_soon(self._run_fetch, fetch)
@@ -752,7 +745,7 @@ class Reader:
 
     def _start_queued(self) -> None:
         while self._queue and self._whole_fetches() < self.policy.max_fetches:
-            shard = self._queue.pop_oldest()
+            shard, _ = self._queue.popitem(last=False)
             self._wake_slot_waiter(shard)  # whatever happens next, a waiter looks again
             forced = shard in self._forced
             wanted = forced or self.policy.prefetch == "all" or shard in self.working_set
@@ -960,7 +953,7 @@ class Reader:
             self._ahead.pop(shard, None)  # fetched (or failed): no longer awaited ahead
             if again:
                 self._forced.add(shard)
-                self._queue.add(shard)
+                self._queue[shard] = None
             self._start_queued()
 
     async def _resume_part(self, fetch: Fetch, digest: Any | None) -> int:
@@ -1089,7 +1082,7 @@ class Reader:
                 continue
             self.failed.discard(shard)
             self._forced.add(shard)
-            self._queue.add(shard)
+            self._queue[shard] = None
         self._start_queued()
         return {"shards": planned, "bytes": total, "already_cached": cached, "over_budget": over}
 
