@@ -617,6 +617,37 @@ def test_a_download_just_started_is_judged_by_the_others_rate(tmp_path: Path,
                policy=ReadPolicy(split_fetches=False))
 
 
+def test_a_read_waiting_for_a_slot_reads_its_member_once_the_allowance_grows(
+        tmp_path: Path, shards: Shards) -> None:
+    """One fetch slot, six shards queued ahead, and the duplicate allowance too small for the
+    member a read of a seventh asks for: the read waits. When the next download starts, the
+    allowance grows (it counts the bytes of downloads started) and the read takes its member
+    then, instead of waiting for its own shard's slot behind six crawling downloads (a cold
+    shuffled epoch's first batch waited up to 1.4 s so)."""
+    sources = _SlowSources(delay=0.01)  # ~0.4 s a shard
+    wanted = shards.order[7][3]
+    size = len(shards.contents[wanted])
+    # Allowance: 2/3 of the member with one download started, 4/3 with two.
+    fraction = size / (1.5 * shards.shard_size)
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        first = shards.order[0][1]
+        assert await read_member(reader, catalog, inodes[first]) == shards.contents[first]
+        assert list(reader.fetches) == [0]
+        reader.warm([1, 2, 3, 4, 5, 6])  # queued, in this order, ahead of shard 7
+        assert await read_member(reader, catalog, inodes[wanted]) == shards.contents[wanted]
+        stats = reader.stats
+        assert 7 not in reader.fetches and not cache.has(catalog.keys[7]), \
+            "the read waited for its own shard's slot"
+        assert stats.early_member_reads == 1 and stats.early_member_bytes == size, stats
+        assert stats.shard_fetches_started >= 2, stats
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources,
+               policy=ReadPolicy(max_fetches=1, split_fetches=False,
+                                 early_member_fraction=fraction))
+
+
 def test_a_split_of_a_large_member_takes_the_block_the_read_is_in(tmp_path: Path,
                                                                   big_shards: Shards) -> None:
     """A member larger than a member block is split off block by block: the read at 200 KiB

@@ -170,7 +170,9 @@ class Reader:
         self.codecs = catalog.codecs or [None] * len(catalog.shards)
         # Shards read only whole (compressed, or on a server without Range support).
         self.whole_only = catalog.whole_only or [c is not None for c in self.codecs]
-        self._slot_waiters: dict[int, trio.Event] = {}  # compressed shards waiting to start
+        # Reads waiting for their shard's fetch slot (compressed shards, or the duplicate
+        # allowance spent), by shard.
+        self._slot_waiters: dict[int, trio.Event] = {}
         self.dataset_bytes = sum(self.sizes)
         files = catalog.tree.count_files()
         per_shard = files // max(1, len(catalog.shards))
@@ -372,7 +374,9 @@ class Reader:
                 self._count_early(member_bytes)
                 return None
             event = self._slot_waiters.setdefault(shard, trio.Event())
-            await event.wait()  # set when the shard's fetch starts or it leaves the queue
+            # Set when the shard's fetch starts or it leaves the queue, and when any whole
+            # fetch starts (the allowance grew).
+            await event.wait()
 
     def _patience(self, fetch: Fetch) -> float:
         """How long a read waits on a frontier before reading its member instead: about two
@@ -735,8 +739,17 @@ class Reader:
         self.stats.shard_fetches_started += 1
         assert self._nursery is not None, "Reader.run() must be started before reads"
         self._nursery.start_soon(self._run_fetch, fetch)
-        self._wake_slot_waiter(shard)
+        self._wake_slot_waiters()
         return fetch
+
+    def _wake_slot_waiters(self) -> None:
+        """A whole-shard download started, so the duplicate allowance grew: every read
+        waiting for a slot looks again, and may read its member now. (Woken only when their
+        own shard started, reads of a cold shuffled epoch, its allowance spent within ~1 s,
+        waited up to 1.4 s in the first batch: docs/benchmarks-notes.md, session 19.)"""
+        waiters, self._slot_waiters = self._slot_waiters, {}
+        for event in waiters.values():
+            event.set()
 
     def _wake_slot_waiter(self, shard: int) -> None:
         event = self._slot_waiters.pop(shard, None)
