@@ -334,7 +334,8 @@ class Bench:
             if small is not None:
                 ctxs["small"] = dataclasses.replace(
                     ctx, data=small, fits_cache_bytes=max(2 * small.shard_bytes, 64 << 20))
-            with PortCap(self.nginx.port, None if a.no_tc else a.rate, burst=a.burst) as cap:
+            with PortCap(self.nginx.port, None if a.no_tc else a.rate, burst=a.burst,
+                         latency=f"{a.queue_ms:g}ms") as cap:
                 self.cap = cap
                 record["link"] = {"cap": cap.describe(), "active": cap.active,
                                   "bytes_per_s": cap.bytes_per_s, "rate": a.rate,
@@ -414,6 +415,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-request delay at nginx (default 20)")
     p.add_argument("--rate", default="800mbit", help="loopback cap for tc tbf (default 800mbit)")
     p.add_argument("--burst", default="1mb")
+    p.add_argument("--queue-ms", type=float, default=100.0,
+                   help="the link's queue: tc tbf's latency, the longest a reply may wait in "
+                   "it (default 100)")
     p.add_argument("--no-tc", action="store_true", help="no bandwidth cap")
     p.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS),
                    help="comma-separated subset of: " + ", ".join(CONTENDER_NAMES)
