@@ -236,7 +236,7 @@ def perf_split(path: Path, tid_group: dict[int, str]) -> dict:
 # What a Python stack is doing, by the first of these found in it (file or function names).
 PHASES = [
     ("page push", ("fuse/pagepush.py",)),
-    ("hashing", ("check_and_decode", "sha256_of")),
+    ("hashing", ("check_and_decode", "digest_of_file")),
     ("source read (file://)", ("sources/file.py",)),
     ("HTTP receive", ("httpcore/", "h11/", "httpx/", "sources/http.py")),
     ("cache write + frontier", ("Reader._write", "pwrite_all", "read/fetch.py",

@@ -15,7 +15,6 @@ reproducibility, an index beside each shard as for tar.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import random
 import re
@@ -33,6 +32,7 @@ from typing import BinaryIO
 from shardfs import packzip
 from shardfs.catalog.shardindex import INDEX_SUFFIX, ShardIndex, encode_index
 from shardfs.catalog.tar import Member
+from shardfs.util.checksum import ShardSums
 from shardfs.util.progress import ProgressLine
 from shardfs.util.sizes import UNITS_HELP, format_size, parse_size
 
@@ -56,6 +56,7 @@ class ShardRecord:
     path: Path
     size: int
     sha256: str
+    crc32c: str
     nsamples: int
     members: list[tuple[str, int, int, int]]  # (name, data offset, size, mtime)
 
@@ -202,12 +203,12 @@ def _plan(samples: list[_Sample], shard_size: int,
 
 
 class _HashingWriter:
-    """Writes through to a file while tracking the offset and the sha256 of everything written."""
+    """Writes through to a file while tracking the offset and the digests of everything written."""
 
     def __init__(self, fileobj: BinaryIO) -> None:
         self.fileobj = fileobj
         self.offset = 0
-        self.digest = hashlib.sha256()
+        self.digest = ShardSums()
         self.crc = 0  # CRC-32 of what was written since it was last reset (zip members)
 
     def write(self, data: bytes | memoryview) -> None:
@@ -245,10 +246,12 @@ def _copy_data(f: _SourceFile, out: _HashingWriter, pad: bool = True) -> None:
 
 
 def _write_zip(raw: BinaryIO, fd: int, samples: list[_Sample],
-               on_file: Callable[[], None]) -> tuple[int, str, list[tuple[str, int, int, int]]]:
+               on_file: Callable[[], None]
+               ) -> tuple[int, tuple[str, str], list[tuple[str, int, int, int]]]:
     """The zip layout (packzip.py): local headers and data, then each member's CRC-32
-    written into its local header, then the central directory. Returns (size, sha256,
-    members); the digest is taken from the finished file (the CRCs go in afterwards)."""
+    written into its local header, then the central directory. Returns (size, (sha256,
+    crc32c), members); the digests are taken from the finished file (the CRCs go in
+    afterwards)."""
     out = _HashingWriter(raw)
     members: list[tuple[str, int, int, int]] = []
     central = []
@@ -272,12 +275,12 @@ def _write_zip(raw: BinaryIO, fd: int, samples: list[_Sample],
         out.write(entry)
     out.write(packzip.end_records(len(central), cd_start, out.offset - cd_start))
     raw.flush()
-    digest = hashlib.sha256()
+    digest = ShardSums()
     with open(fd, "rb", buffering=0, closefd=False) as back:
         back.seek(0)
         while chunk := back.read(CHUNK):
             digest.update(chunk)
-    return out.offset, digest.hexdigest(), members
+    return out.offset, digest.hexdigests(), members
 
 
 def _write_shard(path: Path, samples: list[_Sample], on_file: Callable[[], None],
@@ -288,7 +291,7 @@ def _write_shard(path: Path, samples: list[_Sample], on_file: Callable[[], None]
     try:
         if fmt == "zip":
             with open(fd, "w+b", buffering=CHUNK) as raw:
-                size, sha256, members = _write_zip(raw, fd, samples, on_file)
+                size, digests, members = _write_zip(raw, fd, samples, on_file)
         else:
             with open(fd, "wb", buffering=CHUNK) as raw:
                 out = _HashingWriter(raw)
@@ -299,13 +302,13 @@ def _write_shard(path: Path, samples: list[_Sample], on_file: Callable[[], None]
                         _copy_data(f, out)
                         on_file()
                 out.write(bytes(_shard_file_size(out.offset) - out.offset))
-            size, sha256 = out.offset, out.digest.hexdigest()
+            size, digests = out.offset, out.digest.hexdigests()
         os.chmod(tmp, SHARD_MODE)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
-    record = ShardRecord(path, size, sha256, len(samples), members)
+    record = ShardRecord(path, size, *digests, len(samples), members)
     _write_index(record)
     return record
 
@@ -316,7 +319,7 @@ def index_path(shard: Path) -> Path:
 
 def _write_index(record: ShardRecord) -> None:
     """The shard's index file beside it, so mounts list it without reading the shard."""
-    index = ShardIndex(size=record.size, sha256=record.sha256)
+    index = ShardIndex(size=record.size, sha256=record.sha256, crc32c=record.crc32c)
     for name, offset, size, mtime in record.members:
         index.add(Member(name.encode(), "f", offset, size, mtime, FILE_MODE))
     path = index_path(record.path)

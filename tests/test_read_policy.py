@@ -104,11 +104,13 @@ def test_read_far_ahead_of_the_frontier_reads_the_member(nginx: Nginx, mounter: 
             assert tail_requests[0].headers["range"] == f"bytes={tail_off}-{tail_off + 4095}"
 
 
-def test_whole_shard_download_is_checked_against_the_index_sha256(dataset: Dataset,
-                                                                  nginx: Nginx,
-                                                                  mounter: Mounter):
+@pytest.mark.parametrize("verify", ["auto", "sha256"])
+def test_whole_shard_download_is_checked_against_the_index(dataset: Dataset, nginx: Nginx,
+                                                           mounter: Mounter, verify: str):
     """A served shard whose bytes differ from what its published index recorded (same size,
-    same ETag: a silent corruption on the server) never enters the cache as complete."""
+    same ETag: a silent corruption on the server) never enters the cache as complete. The
+    index (`shardfs pack`'s) records both digests: by default the CRC-32C is checked,
+    with `--verify sha256` the sha256."""
     dest = nginx.root / "data"
     dest.mkdir()
     for name in shard_names(dataset):
@@ -121,7 +123,8 @@ def test_whole_shard_download_is_checked_against_the_index_sha256(dataset: Datas
     data[last_off + last_size // 2] ^= 0xFF  # in the last member's data: headers stay valid
     bad.write_bytes(bytes(data))
     os.utime(bad, ns=(st.st_atime_ns, st.st_mtime_ns))  # nginx's ETag/Last-Modified unchanged
-    m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None, "--no-warm")
+    m = mounter.mount([brace(dataset, f"{nginx.url}/data")], None, None, "--no-warm",
+                      "--verify", verify)
     first = min((r for r in dataset.files()
                  if os.getxattr(m.mountpoint / r, "user.shardfs.shard").decode()
                  .endswith("/" + bad.name)),
@@ -131,7 +134,8 @@ def test_whole_shard_download_is_checked_against_the_index_sha256(dataset: Datas
     assert stats["reader"]["fetch_errors"] == 1, stats["reader"]
     assert stats["reader"]["shard_fetches_done"] == 0 and stats["shards_cached"] == 0, stats
     assert [p.name for p in (m.cache_dir / "shards").iterdir()] == []  # no final name, no .part
-    assert "content differs from its index (sha256)" in m.log()
+    kind = "crc32c" if verify == "auto" else "sha256"
+    assert f"content differs from its index ({kind})" in m.log()
     # Not downloaded whole again (it would not match again): the shard's other files come from
     # member reads.
     other = max((r for r in dataset.files()

@@ -8,9 +8,7 @@ from shardfs.cache.shardcache import (
     PartFile,
     ShardCache,
     pwrite_all,
-    sha256_of,
     shard_key,
 )
 
-__all__ = ["DISK_FULL", "CacheError", "PartFile", "ShardCache", "pwrite_all", "sha256_of",
-           "shard_key"]
+__all__ = ["DISK_FULL", "CacheError", "PartFile", "ShardCache", "pwrite_all", "shard_key"]

@@ -43,19 +43,6 @@ class CacheError(Exception):
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
-def sha256_of(fd: int, size: int) -> hashlib._Hash:
-    """The sha256 of bytes [0, size) of a file (a shard filled out of order; in a thread)."""
-    digest = hashlib.sha256()
-    pos = 0
-    while pos < size:
-        data = os.pread(fd, min(8 << 20, size - pos), pos)
-        if not data:
-            raise OSError(errno.EIO, f"cache file ends at {pos} of {size} bytes")
-        digest.update(data)
-        pos += len(data)
-    return digest
-
-
 def shard_key(identity: str) -> str:
     return hashlib.sha256(identity.encode("utf-8", "surrogateescape")).hexdigest()[:40]
 

@@ -39,6 +39,7 @@ from shardfs.catalog.tar import TarError, TarScanner
 from shardfs.catalog.tree import TREE_FORMAT, Tree
 from shardfs.sources import ShardInfo, Source, SourceError, Sources
 from shardfs.util.aioutil import first_error
+from shardfs.util.checksum import ShardCheck, ShardSums, shard_check, valid_crc32c
 from shardfs.util.sizes import format_size
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,12 @@ class Catalog:
     whole_only: list[bool] = field(default_factory=list)
     indexed_bytes: int = 0  # bytes streamed to build indexes in this run
     warmed: int = 0  # shards cached while indexing
+    crc32c: list[str | None] = field(default_factory=list)  # whole-shard CRC-32C when known
+
+    def check(self, shard: int, verify: str = "auto") -> ShardCheck | None:
+        """What a complete fetch of `shard` is checked against (util/checksum.py)."""
+        crc32c = self.crc32c[shard] if self.crc32c else None
+        return shard_check(self.sha256[shard], crc32c, verify)
 
 
 def local_path(url: str) -> str | None:
@@ -105,7 +112,7 @@ def _scan_local_compressed(path: str, codec: str) -> ShardIndex:
     index = ShardIndex(size=os.stat(path).st_size, compression=codec)
     scanner = TarScanner()
     plain = decompressor(codec)
-    digest = hashlib.sha256()
+    digest = ShardSums()
     tar_size = 0
 
     def take(data: bytes) -> None:
@@ -120,7 +127,7 @@ def _scan_local_compressed(path: str, codec: str) -> ShardIndex:
             plain.feed_into(chunk, take)
     take(plain.finish())
     scanner.finish()
-    index.sha256, index.tar_size = digest.hexdigest(), tar_size
+    (index.sha256, index.crc32c), index.tar_size = digest.hexdigests(), tar_size
     index.skipped = dict(scanner.skipped)
     index.notes = _notes(scanner, plain, path)
     return index
@@ -148,7 +155,7 @@ async def scan_stream(
     index = ShardIndex(size=info.size, compression=codec)
     plain = decompressor(codec) if codec else None
     scanner = TarScanner()
-    digest = hashlib.sha256()
+    digest = ShardSums()
     pos = 0
 
     def take(data: bytes) -> None:
@@ -176,7 +183,7 @@ async def scan_stream(
         take(plain.finish())
         index.tar_size = pos
     scanner.finish()
-    index.sha256 = digest.hexdigest()
+    index.sha256, index.crc32c = digest.hexdigests()
     index.skipped = dict(scanner.skipped)
     index.notes = _notes(scanner, plain, info.url) if plain else dict(scanner.notes)
     return index
@@ -506,6 +513,7 @@ async def open_catalog(urls: list[str], sources: Sources, cache: ShardCache, *,
     if notes:
         log.info("member names or headers fixed up as GNU tar does: %s", notes)
     return Catalog(shards=infos, keys=keys, sha256=[h.get("sha256") for h in headers],
+                   crc32c=[c if valid_crc32c(c := h.get("crc32c")) else None for h in headers],
                    skipped=skipped,
                    tree=tree, codecs=codecs, data_sizes=sizes, whole_only=whole_only,
                    indexed_bytes=indexer.streamed if indexer else 0,

@@ -4,9 +4,13 @@ Columns (not one object per member) keep 1.3 M members affordable in memory.
 
 Index file format (`<shard>.shardfs.idx`, also cached under the cache dir):
     line 1: JSON header {"format": "shardfs-index/1", "size": ..., "sha256": ...|null,
-            "members": N, "body_sha256": ..., "skipped": {...}[, "notes": {...}]}
+            ["crc32c": "8 hex digits",] "members": N, "body_sha256": ...,
+            "skipped": {...}[, "notes": {...}]}
     then one line per member: KIND \t OFFSET \t SIZE \t MTIME \t MODE \t PATH [\t LINKNAME]
 with backslash escapes for backslash, tab and newline inside PATH/LINKNAME (bytes, not text).
+"crc32c" (the whole shard's CRC-32C, util/checksum.py) is written beside "sha256" where the
+indexer saw every byte; readers that predate it ignore it, and a fetch of a shard whose index
+lacks it is checked against the sha256.
 
 A shard with sparse members gets format "shardfs-index/2": the line of a sparse file has a
 7th field, its sparse map (`off,len,off,len...`, see sparse.py), and SIZE is its logical
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 
 from shardfs.catalog.sparse import Runs, decode_map, encode_map, stored_size
 from shardfs.catalog.tar import Member, _symlink_inside, normalize_path
+from shardfs.util.checksum import valid_crc32c
 
 INDEX_FORMAT = "shardfs-index/1"
 INDEX_FORMAT_SPARSE = "shardfs-index/2"  # written only for shards with sparse members
@@ -54,6 +59,7 @@ class IndexFormatError(ValueError):
 class ShardIndex:
     size: int  # size of the shard the index describes
     sha256: str | None = None  # of the whole shard, when the indexer saw every byte
+    crc32c: str | None = None  # likewise (8 hex digits): the cheaper check (util/checksum.py)
     compression: str | None = None  # "gzip", "zstd", "lz4" for compressed shards
     tar_size: int | None = None  # decompressed size of a compressed shard
     paths: list[bytes] = field(default_factory=list)
@@ -164,6 +170,8 @@ def encode_index(index: ShardIndex) -> bytes:
         "body_sha256": hashlib.sha256(body).hexdigest(),
         "skipped": index.skipped,
     }
+    if index.crc32c is not None:
+        header["crc32c"] = index.crc32c
     if index.notes:
         header["notes"] = index.notes
     return json.dumps(header, sort_keys=True).encode() + b"\n" + body
@@ -198,7 +206,11 @@ def decode_index(data: bytes, *, expect_size: int | None = None) -> ShardIndex:
         raise IndexFormatError(f"index names an unknown compression {compression!r}")
     if compression is not None and not (isinstance(tar_size, int) and tar_size >= 0):
         raise IndexFormatError("index of a compressed shard lacks its tar_size")
-    index = ShardIndex(size=size, sha256=header.get("sha256"), skipped=skipped, notes=notes,
+    crc32c = header.get("crc32c")
+    if crc32c is not None and not valid_crc32c(crc32c):
+        raise IndexFormatError(f"index header field 'crc32c' is not 8 hex digits: {crc32c!r}")
+    index = ShardIndex(size=size, sha256=header.get("sha256"), crc32c=crc32c,
+                       skipped=skipped, notes=notes,
                        compression=compression, tar_size=tar_size if compression else None)
     if body:
         # The checksum only proves the body is intact, not that its writer was sane: a

@@ -55,7 +55,7 @@ def absolute_specs(specs: list[str]) -> list[str]:
 # a config file or -o option is only overridden by flags the user really typed.
 _FLAG_KEYS = ("cache_dir", "cache_size", "timeout", "deadline", "max_fetches",
               "max_member_fetches", "prefetch", "push_pages", "split_fetches", "index_parallel",
-              "workers",
+              "workers", "verify",
               "log_level", "log_file", "metrics_listen", "uid", "gid",
               "s3_endpoint", "s3_region", "s3_profile", "s3_addressing", "ais_endpoint",
               "hf_endpoint", "gs_endpoint", "request_rate", "http_client", "lookahead_buffer",
@@ -89,6 +89,10 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--push-pages", choices=("auto", "off"),
                    help="put each fetched shard's files into the kernel's page cache when the "
                    "dataset fits the cache and a quarter of RAM (auto, default) or never (off)")
+    p.add_argument("--verify", choices=("auto", "sha256"),
+                   help="check each complete download against its index's CRC-32C where it "
+                   "has one, else its sha256 (auto, default), or its sha256 where it has one "
+                   "(sha256: ten times the CPU)")
     p.add_argument("--split-fetches", choices=("on", "off"),
                    help="a read far ahead of a whole-shard download gets its file by a request "
                    "of its own, which the download then skips (on; the download's bytes already in "
@@ -389,7 +393,7 @@ def _mount_config(s: dict):
             s3_credentials=resolve_credentials(s["credentials"]) or None),
         policy=ReadPolicy(max_fetches=s["max_fetches"],
                           max_member_fetches=s["max_member_fetches"], prefetch=s["prefetch"],
-                          split_fetches=s["split_fetches"]),
+                          split_fetches=s["split_fetches"], verify=s["verify"]),
         lookahead=LookaheadPolicy(buffer_bytes=s["lookahead_buffer"],
                                   max_requests=s["lookahead_requests"],
                                   fill_parts=s["lookahead_fill"]),

@@ -19,7 +19,6 @@ reads instead of thrashing an LRU of whole shards.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import time
 from collections import OrderedDict
@@ -32,7 +31,7 @@ import trio
 from cachetools import LRUCache
 
 from shardfs.cache.partrecord import BLOCK, PrefixCrcs, block_crcs
-from shardfs.cache.shardcache import DISK_FULL, PartFile, ShardCache, pwrite_all, sha256_of
+from shardfs.cache.shardcache import DISK_FULL, PartFile, ShardCache, pwrite_all
 from shardfs.catalog.catalog import Catalog
 from shardfs.catalog.codecs import CodecError, decompressor
 from shardfs.read.diskread import DiskReads
@@ -42,6 +41,7 @@ from shardfs.read.lookahead import Lookahead
 from shardfs.read.states import ShardStates
 from shardfs.read.workingset import WorkingSet
 from shardfs.sources import ShardChanged, SourceError, Sources
+from shardfs.util.checksum import VERIFY_MODES, digest_of_file
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
@@ -87,6 +87,14 @@ class ReadPolicy:
     max_gets_per_fetch: int = 16
     member_cache: int = 64 * MiB  # RAM for recently fetched members/blocks
     prefetch: str = "touched"  # "touched": shards once read; "all": warm all if they fit
+    # What a complete fetch is checked against (util/checksum.py): "auto", the index's
+    # CRC-32C where it has one (a tenth of sha256's CPU), else its sha256; "sha256", its
+    # sha256 where it has one.
+    verify: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}")
 
 
 @dataclass(slots=True)
@@ -156,7 +164,7 @@ class Reader:
         # Announced by a sampler as read next (queue_ahead), in its order, with the
         # announcing connection: waiting or being fetched, until read or its fetch ends.
         self._ahead: OrderedDict[int, Hashable] = OrderedDict()
-        # Shards whose whole download did not match their index (sha256, size): downloading
+        # Shards whose whole download did not match their index (digest, size): downloading
         # them again would fail again, so the policy serves them by member reads instead
         # (unless they can only be read whole: compressed shards).
         self._mismatched: set[int] = set()
@@ -529,7 +537,7 @@ class Reader:
     # -- shards filled by the Lookahead's member GETs -------------------------------------
     # When the dataset fits the cache, the Lookahead fetches announced members in read order
     # into their shard's part file (each GET taking the member's headers with it: layout.py),
-    # and the shard is committed once every byte is in, its sha256 checked from the part
+    # and the shard is committed once every byte is in, its digest checked from the part
     # file. Such a fill has no whole-shard GET and holds no fetch slot; a read of it waits on
     # the GET that brings its member.
     def prepare_fills(self) -> None:
@@ -611,10 +619,10 @@ class Reader:
                 fetch.gets.remove(get)
 
     async def _run_fill(self, fetch: Fetch) -> None:
-        """Commit a fill once every byte is in and its sha256 matches the index."""
+        """Commit a fill once every byte is in and its digest matches the index."""
         shard = fetch.shard
         info, key = self.catalog.shards[shard], self.catalog.keys[shard]
-        expected = self.catalog.sha256[shard]
+        check = self.catalog.check(shard, self.policy.verify)
         began = time.monotonic()
         try:
             try:
@@ -622,11 +630,12 @@ class Reader:
             except FetchFailed as exc:
                 raise (exc.cause if isinstance(exc.cause, Exception)
                        else SourceError(str(exc))) from None
-            if expected:
-                digest = await trio.to_thread.run_sync(sha256_of, fetch.part.fd, fetch.size,
-                                                       thread_name=HASH_THREAD)
-                if digest.hexdigest() != expected:
-                    raise ShardChanged(f"{info.url}: content differs from its index (sha256)")
+            if check is not None:
+                digest = await trio.to_thread.run_sync(digest_of_file, check, fetch.part.fd,
+                                                       fetch.size, thread_name=HASH_THREAD)
+                if not check.matches(digest):
+                    raise ShardChanged(f"{info.url}: content differs from its index "
+                                       f"({check.kind})")
             await self.cache.commit(fetch.part)
             self.states.complete(shard)
             self.stats.shard_fetches_done += 1
@@ -829,8 +838,8 @@ class Reader:
     async def _run_fetch(self, fetch: Fetch) -> None:
         shard = fetch.shard
         info, key = self.catalog.shards[shard], self.catalog.keys[shard]
-        expected = self.catalog.sha256[shard]
-        digest = hashlib.sha256() if expected else None
+        check = self.catalog.check(shard, self.policy.verify)
+        digest = check.digest() if check is not None else None
         codec = self.codecs[shard]
         began = time.monotonic()
         again = False  # fetch it again from byte 0 (a continued fetch that did not check out)
@@ -877,12 +886,13 @@ class Reader:
                         plain.feed_into(chunk, append_from_thread)
 
             async def first_get() -> None:
-                # Hashing and decompressing cost milliseconds per MiB; hashlib, zlib, zstd and
-                # lz4 release the GIL, so a worker thread keeps them off the loop that answers
-                # FUSE requests. A thread hop costs ~100 us, and HTTP yields ~64 KiB at a
-                # time: chunks go to the thread in batches of THREAD_BATCH. Plain bytes are
-                # written (and announced to readers) at once; the digest is checked before
-                # commit (from the part file, if reads split the fetch: see _split).
+                # Hashing and decompressing cost milliseconds per MiB; hashlib, zlib, zstd,
+                # lz4 and our CRC-32C (util/checksum.py) release the GIL, so a worker thread
+                # keeps them off the loop that answers FUSE requests. A thread hop costs
+                # ~100 us, and HTTP yields ~64 KiB at a time: chunks go to the thread in
+                # batches of THREAD_BATCH. Plain bytes are written (and announced to
+                # readers) at once; the digest is checked before commit (from the part
+                # file, if reads split the fetch: see _split).
                 batch: list[bytes] = []
                 batched = 0
                 # A batch also goes when the prefix passes a block's end, so that the block's
@@ -926,11 +936,11 @@ class Reader:
             if fetch.arrived != fetch.part.size:
                 raise ShardChanged(f"{info.url}: {fetch.arrived} bytes of tar, its index "
                                    f"says {fetch.part.size}")
-            if digest is not None and fetch.split:
-                digest = await trio.to_thread.run_sync(sha256_of, fetch.part.fd, fetch.size,
-                                                       thread_name=HASH_THREAD)
-            if digest is not None and digest.hexdigest() != expected:
-                raise ShardChanged(f"{info.url}: content differs from its index (sha256)")
+            if check is not None and fetch.split:
+                digest = await trio.to_thread.run_sync(digest_of_file, check, fetch.part.fd,
+                                                       fetch.size, thread_name=HASH_THREAD)
+            if check is not None and digest is not None and not check.matches(digest):
+                raise ShardChanged(f"{info.url}: content differs from its index ({check.kind})")
             await self.cache.commit(fetch.part)
             self.states.complete(shard)
             self.stats.shard_fetches_done += 1
@@ -944,7 +954,7 @@ class Reader:
             again = isinstance(exc, ShardChanged) and fetch.part.resumed
             if again:
                 # The bytes kept from the earlier daemon may be what differs (they passed
-                # their CRCs, but the sha256 or size did not): fetch the shard again from 0
+                # their CRCs, but the digest or size did not): fetch the shard again from 0
                 # before judging it; waiters read their members meanwhile (not EIO).
                 log.warning("continued fetch of shard %s failed its check (%s): fetching it "
                             "again from byte 0", info.url, exc)

@@ -1,0 +1,134 @@
+"""Whole-shard checksums: what an index records of a shard's bytes, and what a fetch checks.
+
+An indexer that sees every byte of a shard (`shardfs pack`, the streaming indexer, the
+scan of a compressed local shard) records the shard's sha256 and its CRC-32C. A complete
+fetch is checked against one of them before the shard is committed to the cache:
+
+- CRC-32C where the index has one and google-crc32c's C implementation (SSE 4.2 / ARMv8
+  CRC instructions) is present: ~0.07 ms per MiB against sha256's ~0.64 on the 2-core
+  test machine, which is most of what checking costs a cold ~24 KiB file (issue 26). It is
+  the check S3, GCS and HDFS use for data integrity: it catches every burst error up to 32
+  bits and all but 2^-32 of random corruptions; it does not resist a deliberate forgery,
+  which needs write access to the store (and the index beside the shard) anyway.
+- sha256 otherwise (indexes written before CRC-32C was recorded, or no C implementation),
+  and wherever the index has one when the mount is told `verify: sha256`.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Protocol
+
+import google_crc32c
+
+# google-crc32c releases the GIL only for `bytes` of at least 1 MiB. Smaller pieces are
+# joined first: a hashing thread holding the GIL through a batch of 64 KiB pieces would
+# stall the event loop for up to Python's switch interval (5 ms; measured).
+_GIL_FREE = 1 << 20
+FAST_CRC32C: bool = google_crc32c.implementation == "c"
+VERIFY_MODES = ("auto", "sha256")
+
+
+class Digest(Protocol):
+    def update(self, data: bytes, /) -> None: ...
+
+    def hexdigest(self) -> str: ...
+
+
+class Crc32c:
+    """CRC-32C (Castagnoli) of a stream of bytes, hashlib-style: update(), hexdigest()
+    (8 lowercase hex digits). Safe to feed from a worker thread."""
+
+    __slots__ = ("_crc", "_pending", "_pending_len")
+
+    def __init__(self) -> None:
+        self._crc = 0
+        self._pending: list[bytes] = []
+        self._pending_len = 0
+
+    def update(self, data: bytes | memoryview, /) -> None:
+        if not self._pending and type(data) is bytes and len(data) >= _GIL_FREE:
+            self._crc = google_crc32c.extend(self._crc, data)
+            return
+        self._pending.append(bytes(data))
+        self._pending_len += len(data)
+        if self._pending_len >= _GIL_FREE:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._pending:
+            self._crc = google_crc32c.extend(self._crc, b"".join(self._pending))
+            self._pending.clear()
+            self._pending_len = 0
+
+    def hexdigest(self) -> str:
+        self._flush()
+        return f"{self._crc:08x}"
+
+
+class ShardSums:
+    """Both digests an indexer records of a whole shard (sha256, CRC-32C)."""
+
+    __slots__ = ("_crc32c", "_sha256")
+
+    def __init__(self) -> None:
+        self._sha256 = hashlib.sha256()
+        self._crc32c = Crc32c()
+
+    def update(self, data: bytes | memoryview, /) -> None:
+        self._sha256.update(data)
+        self._crc32c.update(data)
+
+    def hexdigests(self) -> tuple[str, str]:
+        """(sha256, crc32c)"""
+        return self._sha256.hexdigest(), self._crc32c.hexdigest()
+
+
+def valid_crc32c(value: object) -> bool:
+    """Whether an index's "crc32c" field is well formed (8 lowercase hex digits)."""
+    return (isinstance(value, str) and len(value) == 8
+            and all(c in "0123456789abcdef" for c in value))
+
+
+@dataclass(frozen=True, slots=True)
+class ShardCheck:
+    """What a complete fetch of one shard is checked against."""
+
+    kind: str  # "crc32c" or "sha256"
+    expected: str  # hex digest from the index
+
+    def digest(self) -> Digest:
+        return Crc32c() if self.kind == "crc32c" else hashlib.sha256()
+
+    def matches(self, digest: Digest) -> bool:
+        return digest.hexdigest() == self.expected
+
+
+def shard_check(sha256: str | None, crc32c: str | None, verify: str = "auto") -> ShardCheck | None:
+    """The check for a shard whose index recorded these; None where it recorded neither (e.g.
+    a local tar indexed by walking its headers). `verify` "sha256" prefers sha256."""
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, not {verify!r}")
+    recorded = {"crc32c": crc32c, "sha256": sha256}
+    # Without the C implementation CRC-32C costs more than sha256: then it is the fallback.
+    order = ("crc32c", "sha256") if verify == "auto" and FAST_CRC32C else ("sha256", "crc32c")
+    for kind in order:
+        if expected := recorded[kind]:
+            return ShardCheck(kind, expected)
+    return None
+
+
+def digest_of_file(check: ShardCheck, fd: int, size: int) -> Digest:
+    """The digest of bytes [0, size) of a file (a shard filled out of order; in a thread)."""
+    digest = check.digest()
+    pos = 0
+    while pos < size:
+        data = os.pread(fd, min(8 << 20, size - pos), pos)
+        if not data:
+            raise OSError(errno.EIO, f"cache file ends at {pos} of {size} bytes")
+        digest.update(data)
+        pos += len(data)
+    return digest

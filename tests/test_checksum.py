@@ -1,0 +1,169 @@
+"""Whole-shard checksums (util/checksum.py): the CRC-32C an index records and a fetch checks,
+and which of an index's digests a fetch is checked against."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import google_crc32c
+import pytest
+import trio
+
+from shardfs.catalog.catalog import scan_local_file, scan_stream
+from shardfs.catalog.shardindex import IndexFormatError, ShardIndex, decode_index, encode_index
+from shardfs.pack import pack
+from shardfs.sources import SourceSettings
+from shardfs.sources.file import FileSource
+from shardfs.util import checksum
+from shardfs.util.checksum import Crc32c, ShardSums, digest_of_file, shard_check
+
+
+def crc_hex(data: bytes) -> str:
+    return f"{google_crc32c.value(data):08x}"
+
+
+def test_crc32c_of_the_standard_check_string() -> None:
+    digest = Crc32c()
+    digest.update(b"123456789")
+    assert digest.hexdigest() == "e3069283"  # CRC-32C's published check value
+
+
+def test_crc32c_fed_in_pieces_of_every_kind_equals_the_whole() -> None:
+    data = os.urandom(5 << 20)
+    digest = Crc32c()
+    pieces = [data[:100], memoryview(data)[100:70_000], data[70_000:(3 << 20)],
+              bytearray(data[(3 << 20):(3 << 20) + 1]), data[(3 << 20) + 1:]]
+    for piece in pieces:
+        digest.update(piece)
+    assert digest.hexdigest() == crc_hex(data)
+    assert Crc32c().hexdigest() == "00000000"
+
+
+def test_crc32c_hands_the_library_only_pieces_that_release_the_gil(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """google-crc32c holds the GIL for pieces under 1 MiB: small pieces are joined first, so
+    a hashing thread never holds the GIL through a batch of them (only the last, short
+    remainder at hexdigest may be smaller)."""
+    sizes: list[int] = []
+    real = google_crc32c.extend
+
+    def extend(crc: int, data: bytes) -> int:
+        sizes.append(len(data))
+        return real(crc, data)
+
+    monkeypatch.setattr(checksum.google_crc32c, "extend", extend)
+    data = os.urandom(3 << 20)
+    digest = Crc32c()
+    for pos in range(0, len(data) - 1000, 65536):
+        digest.update(data[pos:min(pos + 65536, len(data) - 1000)])
+    digest.update(data[len(data) - 1000:])
+    assert digest.hexdigest() == crc_hex(data)
+    assert all(size >= 1 << 20 for size in sizes[:-1]) and sum(sizes) == len(data), sizes
+
+
+def test_shard_sums_are_sha256_and_crc32c() -> None:
+    data = os.urandom(300_000)
+    sums = ShardSums()
+    sums.update(data[:1000])
+    sums.update(data[1000:])
+    assert sums.hexdigests() == (hashlib.sha256(data).hexdigest(), crc_hex(data))
+
+
+def test_which_digest_a_fetch_is_checked_against() -> None:
+    sha, crc = "ab" * 32, "0123abcd"
+    assert checksum.FAST_CRC32C  # the C implementation is installed (a wheel for this CPU)
+    assert shard_check(sha, crc) == checksum.ShardCheck("crc32c", crc)
+    assert shard_check(sha, crc, "sha256") == checksum.ShardCheck("sha256", sha)
+    assert shard_check(sha, None) == checksum.ShardCheck("sha256", sha)
+    assert shard_check(None, crc, "sha256") == checksum.ShardCheck("crc32c", crc)
+    assert shard_check(None, None) is None
+    with pytest.raises(ValueError, match="verify must be one of"):
+        shard_check(sha, crc, "md5")
+
+
+def test_without_the_c_implementation_sha256_comes_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(checksum, "FAST_CRC32C", False)
+    assert shard_check("ab" * 32, "0123abcd").kind == "sha256"
+    assert shard_check(None, "0123abcd").kind == "crc32c"
+
+
+def test_digest_of_a_file(tmp_path: Path) -> None:
+    data = os.urandom((9 << 20) + 17)
+    path = tmp_path / "part"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for kind, want in (("crc32c", crc_hex(data)), ("sha256", hashlib.sha256(data).hexdigest())):
+            check = checksum.ShardCheck(kind, want)
+            assert check.matches(digest_of_file(check, fd, len(data)))
+        with pytest.raises(OSError, match="ends at"):
+            digest_of_file(checksum.ShardCheck("crc32c", "0" * 8), fd, len(data) + 1)
+    finally:
+        os.close(fd)
+
+
+def test_an_index_keeps_its_crc32c_and_refuses_a_malformed_one() -> None:
+    index = ShardIndex(size=1024, sha256="cd" * 32, crc32c="89abcdef")
+    back = decode_index(encode_index(index), expect_size=1024)
+    assert (back.sha256, back.crc32c) == ("cd" * 32, "89abcdef")
+    plain = encode_index(ShardIndex(size=1024, sha256="cd" * 32))
+    assert b"crc32c" not in plain  # indexes without one are written as before
+    assert decode_index(plain).crc32c is None
+    bad = encode_index(index).replace(b'"89abcdef"', b'"89ABCDEF"')
+    with pytest.raises(IndexFormatError, match="crc32c"):
+        decode_index(bad)
+
+
+def test_pack_records_both_digests_of_each_shard(tmp_path: Path) -> None:
+    src = tmp_path / "src" / "cls"
+    src.mkdir(parents=True)
+    for i in range(6):
+        (src / f"{i}.jpg").write_bytes(os.urandom(3000 + i))
+    result = pack(tmp_path / "src", tmp_path / "out", prefix="t", samples_per_shard=4)
+    assert len(result.shards) == 2
+    for record in result.shards:
+        data = record.path.read_bytes()
+        index = decode_index(Path(f"{record.path}.shardfs.idx").read_bytes())
+        assert (record.crc32c, index.crc32c) == (crc_hex(data), crc_hex(data))
+        assert index.sha256 == hashlib.sha256(data).hexdigest()
+
+
+def test_a_compressed_local_shard_is_indexed_with_both_digests(tmp_path: Path) -> None:
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        info = tarfile.TarInfo("a/b.txt")
+        info.size = 5
+        tar.addfile(info, io.BytesIO(b"hello"))
+    path = tmp_path / "s.tar.gz"
+    path.write_bytes(gzip.compress(raw.getvalue()))
+    index = scan_local_file(str(path))
+    data = path.read_bytes()
+    assert (index.sha256, index.crc32c) == (hashlib.sha256(data).hexdigest(), crc_hex(data))
+
+
+def test_the_streaming_indexer_records_both_digests(tmp_path: Path) -> None:
+    """What indexes a remote shard (no sidecar index): it sees every byte as it streams."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        for i in range(40):
+            info = tarfile.TarInfo(f"c/{i}.bin")
+            data = os.urandom(30_000)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    path = tmp_path / "s.tar"
+    path.write_bytes(raw.getvalue())
+    source = FileSource(SourceSettings(chunk_size=65536))  # pieces as HTTP brings them
+
+    async def index() -> ShardIndex:
+        info = await source.stat(path.as_uri())
+        return await scan_stream(source, info, None, lambda n: None)
+
+    got = trio.run(index)
+    data = path.read_bytes()
+    assert (got.sha256, got.crc32c) == (hashlib.sha256(data).hexdigest(), crc_hex(data))
+    assert len(got.paths) == 40
