@@ -321,11 +321,33 @@ class Variant:
             # Ahead of what is there (the dependencies may come from PYTHONPATH too)
             changes["PYTHONPATH"] = os.pathsep.join(
                 p for p in (self.path, os.environ.get("PYTHONPATH")) if p)
+            # `python -m shardfs` puts the working directory first on sys.path, ahead of
+            # PYTHONPATH: run from a checkout, every variant ran that checkout (session 20).
+            changes["PYTHONSAFEPATH"] = "1"
         for key, value in changes.items():
             saved[key] = os.environ.get(key)
             os.environ[key] = value
         return saved
 
+
+    def wrong_tree(self) -> str | None:
+        """Why this variant's mounts would not run its tree, or None: asks a Python started
+        as a mount is (this working directory, the variant's environment; `-c` puts the
+        working directory on sys.path as `-m` does)."""
+        if not self.path:
+            return None
+        saved = self.apply()
+        try:
+            probe = "import shardfs, sys; sys.stdout.write(list(shardfs.__path__)[0])"
+            out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                                 timeout=60)
+        finally:
+            _restore(saved)
+        where = Path(out.stdout.strip() or "/")
+        if out.returncode == 0 and where.resolve().is_relative_to(Path(self.path).resolve()):
+            return None
+        return (f"its mounts would import shardfs from {out.stdout.strip() or out.stderr.strip()},"
+                f" not from {self.path}")
 
     def missing_shim(self) -> str | None:
         """Why this variant's mounts would run without the pyfuse3 shim, or None. A tree
@@ -566,7 +588,7 @@ def cpusplit_command(args: argparse.Namespace, argv: list[str]) -> int:
     args.workers = [int(x) for x in str(args.workers).split(",")]
     args.variant = [Variant.parse(v) for v in args.variant] or [Variant("this")]
     for variant in args.variant:
-        why = variant.missing_shim()
+        why = variant.wrong_tree() or variant.missing_shim()
         if why:
             print(f"bench cpusplit: variant {variant.name}: {why}", file=sys.stderr)
             return 2

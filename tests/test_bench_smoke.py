@@ -275,6 +275,24 @@ def test_cpusplit_splits_a_process_by_thread() -> None:
     assert (v.name, v.path, v.env) == ("new", "/tmp/x", {"SHARDFS_LINGER_US": "0", "A": "b"})
     assert Variant.parse("this=").path is None
 
+
+def test_a_cpusplit_variant_runs_its_own_tree(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run from a checkout (as the bench is), a variant's mounts import shardfs from the
+    variant's tree, not from the working directory (which `python -m` puts first); a tree
+    without shardfs is refused with where the mounts would import it from."""
+    from bench.cpusplit import Variant
+
+    other = tmp_path / "other"
+    (other / "shardfs").mkdir(parents=True)
+    (other / "shardfs" / "__init__.py").write_text("")
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # this checkout: shardfs/ is here
+    assert Variant.parse(f"old={other}").wrong_tree() is None
+    assert Variant.parse("this=").wrong_tree() is None
+    why = Variant.parse(f"empty={tmp_path / 'empty'}").wrong_tree()
+    assert why is not None and "would import shardfs from" in why, why
+
+
 @pytest.mark.timeout(1020)  # past _run_bench's 900 s, so its clean-up runs first
 def test_bench_s3_tiny_runs_every_installed_peer(tmp_path: Path) -> None:
     """`bench s3` at a tiny size, no tc: SeaweedFS behind the latency proxy, shardfs over
