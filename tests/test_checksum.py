@@ -14,13 +14,20 @@ import google_crc32c
 import pytest
 import trio
 
+from shardfs.cache.partrecord import BLOCK, PrefixCrcs
 from shardfs.catalog.catalog import scan_local_file, scan_stream
 from shardfs.catalog.shardindex import IndexFormatError, ShardIndex, decode_index, encode_index
 from shardfs.pack import pack
 from shardfs.sources import SourceSettings
 from shardfs.sources.file import FileSource
 from shardfs.util import checksum
-from shardfs.util.checksum import Crc32c, ShardSums, digest_of_file, shard_check
+from shardfs.util.checksum import (
+    Crc32c,
+    ShardSums,
+    crc32c_of_blocks,
+    digest_of_file,
+    shard_check,
+)
 
 
 def crc_hex(data: bytes) -> str:
@@ -167,3 +174,41 @@ def test_the_streaming_indexer_records_both_digests(tmp_path: Path) -> None:
     data = path.read_bytes()
     assert (got.sha256, got.crc32c) == (hashlib.sha256(data).hexdigest(), crc_hex(data))
     assert len(got.paths) == 40
+
+
+def test_the_crc32c_of_blocks_from_their_own_crcs() -> None:
+    block = 4096
+    data = os.urandom(5 * block)
+    crcs = [google_crc32c.value(data[i:i + block]) for i in range(0, len(data), block)]
+    for n in range(6):
+        assert crc32c_of_blocks(crcs[:n], block) == google_crc32c.value(data[:n * block])
+    tail = Crc32c(crc32c_of_blocks(crcs[:3], block))  # goes on from three blocks
+    tail.update(data[3 * block:])
+    assert tail.hexdigest() == crc_hex(data)
+
+
+def test_a_fetchs_block_crcs_give_the_whole_shards_crc32c() -> None:
+    """PrefixCrcs (the resume record's CRCs as bytes stream) gives the whole shard's CRC-32C,
+    which the index's is checked against with no pass of its own: from byte 0, from a block
+    a continued fetch starts at (the record's CRCs before it), and not where a block's CRC
+    before the last is unknown or the entries are zlib's."""
+    size = 2 * BLOCK + 5000
+    data = os.urandom(size)
+    blocks = [google_crc32c.value(data[i:i + BLOCK]) for i in (0, BLOCK)]
+    fresh = PrefixCrcs(0, size)
+    for pos in range(0, size, 65536):
+        fresh.update(data[pos:pos + 65536])
+        assert fresh.whole() is None or pos + 65536 >= size
+    assert fresh.take() == blocks and fresh.whole() == crc_hex(data)
+    continued = PrefixCrcs(BLOCK, size, before=blocks[:1])
+    continued.update(data[BLOCK:])
+    assert continued.whole() == crc_hex(data)
+    unknown = PrefixCrcs(BLOCK, size, before=[])
+    unknown.update(data[BLOCK:])
+    assert unknown.whole() is None
+    zlib_entries = PrefixCrcs(0, size, "crc32")
+    zlib_entries.update(data)
+    assert zlib_entries.whole() is None
+    exact = PrefixCrcs(0, 2 * BLOCK)  # the last block a whole one
+    exact.update(data[:2 * BLOCK])
+    assert exact.whole() == crc_hex(data[:2 * BLOCK]) and exact.take() == blocks[:1]

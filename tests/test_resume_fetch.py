@@ -17,10 +17,19 @@ import zlib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import google_crc32c
 import pytest
 import trio
 
-from shardfs.cache.partrecord import BLOCK, HEAD, PartRecord, PrefixCrcs, block_crcs
+from shardfs.cache.partrecord import (
+    BLOCK,
+    HEAD,
+    MAGIC,
+    MAGIC_CRC32,
+    PartRecord,
+    PrefixCrcs,
+    block_crcs,
+)
 from shardfs.cache.shardcache import ShardCache
 from shardfs.catalog.catalog import Catalog, open_catalog
 from shardfs.catalog.shardindex import KIND_FILE
@@ -99,7 +108,12 @@ def test_block_crcs_computed_as_bytes_stream_equal_those_read_back(tmp_path: Pat
             assert got == block_crcs(fd, start, 3 * BLOCK), start
         whole = PrefixCrcs(0, 2 * BLOCK)  # a shard of exactly 2 blocks: only the first
         whole.update(data[: 2 * BLOCK])
-        assert whole.take() == [zlib.crc32(data[:BLOCK])]
+        assert whole.take() == [google_crc32c.value(data[:BLOCK])]
+        # Records of daemons before session 20 hold zlib's CRC-32s: continued with those.
+        old = PrefixCrcs(BLOCK, size, "crc32")
+        old.update(data[BLOCK:])
+        assert old.take() == [zlib.crc32(data[i:i + BLOCK]) for i in (BLOCK, 2 * BLOCK)]
+        assert old.take() == [] and old.whole() is None
         record = PartRecord.create(tmp_path / "shard.crc", size)
         crcs = PrefixCrcs(0, size)
         crcs.update(data)
@@ -196,7 +210,7 @@ def test_a_block_is_recorded_when_the_prefix_passes_its_end(big, nginx: Nginx, t
         assert reader.fetches[0].arrived == stop
         data = shard_bytes(big)
         kept = record.read_bytes()[HEAD:]
-        assert kept == b"".join(struct.pack("<I", zlib.crc32(data[i:i + BLOCK]))
+        assert kept == b"".join(struct.pack("<I", google_crc32c.value(data[i:i + BLOCK]))
                                 for i in (0, BLOCK)), kept
 
     run_reader(tmp_path / "cache", f"{nginx.url}/oddchunks/{big.names[0]}", body,
@@ -275,6 +289,34 @@ def test_a_fetch_left_by_a_daemon_continues_from_its_record(big, nginx: Nginx, t
     assert not list((tmp_path / "cache" / "parts").iterdir())  # the record went with commit
 
 
+def test_a_record_of_an_earlier_version_is_continued_with_its_crcs(big, nginx: Nginx,
+                                                                    tmp_path: Path):
+    """A part left by a daemon before session 20: its record starts `shardfs-part-1` and holds
+    zlib's CRC-32s. The next daemon (an upgrade under `shardfs restart`) checks the blocks
+    with those, asks only for the rest and commits the shard (checked against the index's
+    CRC-32C by a pass of its own: the old CRCs cannot give it)."""
+    with FaultProxy(nginx.port) as proxy:
+        url = interrupted(big, nginx, proxy, tmp_path / "cache")
+        (part,) = (tmp_path / "cache" / "shards").glob("*.part")
+        (record,) = (tmp_path / "cache" / "parts").glob("*.crc")
+        head = record.read_bytes()[:HEAD]
+        assert head.startswith(MAGIC)
+        with open(part, "rb") as f:
+            old = [zlib.crc32(f.read(BLOCK)) for _ in range(STALL_AT // BLOCK)]
+        record.write_bytes(MAGIC_CRC32 + head[len(MAGIC):]
+                           + b"".join(struct.pack("<I", c) for c in old))
+        assert PartRecord.load(record, big.shards.shards[0].size).kind == "crc32"
+        proxy.reset_counters()
+        reader = run_reader(tmp_path / "cache", url,
+                            lambda r, c: read_everything(r, c, big))
+        s = reader.stats
+        assert (s.resumed_fetches, s.resumed_bytes, s.resume_rejected_bytes) == (1, STALL_AT, 0)
+        assert range_starts(proxy, big) == [STALL_AT]
+        assert s.shard_fetches_done == 1 and s.fetch_errors == 0 and s.eio == 0
+        key = reader.catalog.keys[0]
+    assert (tmp_path / "cache" / "shards" / key).read_bytes() == shard_bytes(big)
+
+
 def test_a_part_with_wrong_bytes_is_continued_only_up_to_them(big, nginx: Nginx,
                                                               tmp_path: Path):
     """A byte of the part's second block changed (as a disk error would): its CRC fails, so
@@ -320,10 +362,11 @@ def test_a_truncated_part_or_record_is_continued_from_what_checks_out(big, nginx
         assert range_starts(proxy, big) == [0]
 
 
-def test_a_continued_fetch_failing_its_sha256_is_fetched_again_from_0(big, nginx: Nginx,
-                                                                      tmp_path: Path):
+def test_a_continued_fetch_failing_its_check_is_fetched_again_from_0(big, nginx: Nginx,
+                                                                     tmp_path: Path):
     """Bytes changed in the kept prefix *and* their CRC rewritten to match (no crash leaves
-    that, a forger does): the blocks pass, the whole shard's sha256 does not, and the shard
+    that, a forger does): the blocks pass, the index's CRC-32C of the whole shard (computed
+    from the blocks' CRCs, the forged one among them) does not, and the shard
     is fetched again from byte 0 instead of being cached wrong or marked as changed. (What
     such a forged prefix holds is served until that check, as a forged complete shard would
     be: the record guards against what a crash leaves, not against someone who can write
@@ -336,7 +379,7 @@ def test_a_continued_fetch_failing_its_sha256_is_fetched_again_from_0(big, nginx
             f.seek(100)
             f.write(b"forged")
             f.seek(0)
-            crc = zlib.crc32(f.read(BLOCK))
+            crc = google_crc32c.value(f.read(BLOCK))
         with open(record, "r+b") as f:
             f.seek(HEAD)
             f.write(struct.pack("<I", crc))

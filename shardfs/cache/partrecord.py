@@ -9,8 +9,10 @@ half written is "data", zeros included), sees a split fetch's later runs as data
 filesystems without hole tracking (or with preallocation) calls the whole file data. So the
 fetch keeps a record, `parts/KEY.crc`:
 
-    MAGIC, the shard's size (8 bytes, little endian), then one CRC-32 (4 bytes, little endian)
-    per BLOCK of the shard's contiguous prefix, appended as the prefix grows past each block.
+    MAGIC, the shard's size (8 bytes, little endian), then one CRC-32C (4 bytes, little
+    endian) per BLOCK of the shard's contiguous prefix, appended as the prefix grows past
+    each block. (Records written before session 20 start `shardfs-part-1` and hold zlib's
+    CRC-32s; a daemon taking one over checks and continues it with those.)
 
 A block's CRC is appended only after its bytes were written, computed from the bytes written
 (as they stream, PrefixCrcs; or read back from the file once a split fetch's prefix came by
@@ -19,8 +21,9 @@ the page cache holds; after
 a power loss or OS crash neither file's pages need be on disk, which is why the next daemon
 checks every claimed block against its CRC before it uses it (verify_prefix): the prefix
 kept is the blocks that match, up to the first that does not. A torn last entry (4 bytes
-half written) is ignored. The whole shard is still checked against the index's sha256 when
-the fetch completes, where the index has one.
+half written) is ignored. The whole shard is still checked against the index's digest when
+the fetch completes, where the index has one: a CRC-32C from the blocks' CRCs
+(PrefixCrcs.whole, no second pass over the bytes), or a digest of its own.
 """
 
 from __future__ import annotations
@@ -34,9 +37,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import google_crc32c
+
+from shardfs.util.checksum import Crc32c, crc32c_of_blocks
 from shardfs.util.fileio import pwrite_all
 
-MAGIC = b"shardfs-part-1\n"
+MAGIC = b"shardfs-part-2\n"  # CRC-32C entries
+MAGIC_CRC32 = b"shardfs-part-1\n"  # zlib CRC-32 entries (records of daemons before session 20)
+_KIND_OF = {MAGIC: "crc32c", MAGIC_CRC32: "crc32"}
 HEAD = len(MAGIC) + 8
 BLOCK = 4 << 20  # a record entry per 4 MiB: at most this much is fetched again after a kill
 _SIZE = struct.Struct("<Q")
@@ -44,52 +52,92 @@ _CRC = struct.Struct("<I")
 log = logging.getLogger(__name__)
 
 
-def block_crc(fd: int, start: int, end: int) -> int:
-    """CRC-32 of bytes [start, end) of a file (in a worker thread: zlib releases the GIL)."""
+def crc_of(kind: str, data: bytes) -> int:
+    """A record entry's CRC of a block's bytes (`bytes` of a whole block: both libraries
+    release the GIL for it)."""
+    return google_crc32c.value(data) if kind == "crc32c" else zlib.crc32(data)
+
+
+def block_crc(fd: int, start: int, end: int, kind: str = "crc32c") -> int:
+    """The CRC of bytes [start, end) of a file (in a worker thread)."""
     data = os.pread(fd, end - start, start)
     if len(data) != end - start:
         raise OSError(f"part file ends at {start + len(data)}, expected {end}")
-    return zlib.crc32(data)
+    return crc_of(kind, data)
 
 
-def block_crcs(fd: int, start: int, end: int) -> list[int]:
-    """The CRC-32 of each BLOCK of bytes [start, end) of a file, both multiples of BLOCK (in a
-    worker thread: zlib releases the GIL)."""
-    return [block_crc(fd, pos, pos + BLOCK) for pos in range(start, end, BLOCK)]
+def block_crcs(fd: int, start: int, end: int, kind: str = "crc32c") -> list[int]:
+    """The CRC of each BLOCK of bytes [start, end) of a file, both multiples of BLOCK (in a
+    worker thread)."""
+    return [block_crc(fd, pos, pos + BLOCK, kind) for pos in range(start, end, BLOCK)]
 
 
 class PrefixCrcs:
-    """The CRC-32s of a shard's BLOCKs, computed from its bytes as a fetch writes them in
-    order from `start` (a multiple of BLOCK): no read back from the part file (which cost
-    about as much as the CRC itself: a 4 MiB copy out of the page cache per block). Feed it
-    only bytes already written, so that what `take` hands over may be recorded at once.
-    The last block (ending at the shard's end) is not given: the fetch commits soon after."""
+    """The CRCs of a shard's BLOCKs, computed from its bytes as a fetch writes them in order
+    from `start` (a multiple of BLOCK): no read back from the part file (which cost about as
+    much as the CRC itself: a 4 MiB copy out of the page cache per block). Feed it only bytes
+    already written, so that what `take` hands over may be recorded at once. The last block
+    (ending at the shard's end) is not given: the fetch commits soon after.
 
-    __slots__ = ("_crc", "_done", "pos", "size")
+    With CRC-32C entries it also gives the whole shard's CRC-32C (`whole`), from the blocks'
+    CRCs (those before `start` are `before`, the record's) and the last block's bytes, which
+    go on from them: the index's CRC-32C is checked with no second pass over the bytes."""
 
-    def __init__(self, start: int, size: int) -> None:
+    __slots__ = ("_before", "_crc", "_done", "_every", "_start", "kind", "pos", "size")
+
+    def __init__(self, start: int, size: int, kind: str = "crc32c",
+                 before: list[int] | None = None) -> None:
         assert start % BLOCK == 0 or start >= size
-        self.pos, self.size = start, size
-        self._crc = 0
+        self.pos, self.size, self.kind, self._start = start, size, kind, start
+        self._before = list(before or [])[: start // BLOCK]
+        self._every: list[int] = []  # every block's CRC from start on (the last one's: never)
         self._done: list[int] = []
+        self._crc: Crc32c | int = self._block_start()
+
+    def _block_start(self) -> Crc32c | int:
+        if self.kind != "crc32c":
+            return 0
+        if self.pos + BLOCK < self.size:
+            return Crc32c()
+        # The last block goes on from the CRC-32C of all blocks before it: its value is then
+        # the whole shard's. (No record entry is made of it.)
+        return Crc32c(crc32c_of_blocks(self._before + self._every, BLOCK))
 
     def update(self, data: bytes) -> None:
-        """Bytes [pos, pos+len(data)) of the shard (in a worker thread: zlib releases the
+        """Bytes [pos, pos+len(data)) of the shard (in a worker thread: the CRCs release the
         GIL)."""
-        view = memoryview(data)
-        while view:
-            piece = view[: BLOCK - self.pos % BLOCK]
-            self._crc = zlib.crc32(piece, self._crc)
+        while data:
+            room = BLOCK - self.pos % BLOCK
+            piece = data if len(data) <= room else data[:room]  # a copy only at a block's end
+            data = data[room:] if len(data) > room else b""
+            if isinstance(self._crc, Crc32c):
+                self._crc.update(piece)
+            else:
+                self._crc = zlib.crc32(piece, self._crc)
             self.pos += len(piece)
-            view = view[len(piece):]
             if self.pos % BLOCK == 0 and self.pos < self.size:
-                self._done.append(self._crc)
-                self._crc = 0
+                crc = self._crc.value() if isinstance(self._crc, Crc32c) else self._crc
+                self._done.append(crc)
+                self._every.append(crc)
+                self._crc = self._block_start()
 
     def take(self) -> list[int]:
         """The CRCs of the blocks completed since the last call, in order."""
         done, self._done = self._done, []
         return done
+
+    def whole(self) -> str | None:
+        """The whole shard's CRC-32C (hex) once every byte went through, where it is known
+        (CRC-32C entries, and the last block begun here)."""
+        if self.kind != "crc32c" or self.pos != self.size:
+            return None
+        if self.size == 0:
+            return "00000000"
+        last = (self.size - 1) // BLOCK  # the last block's number
+        if self._start > last * BLOCK or len(self._before) + len(self._every) != last:
+            return None  # its bytes, or a block's CRC before it, did not come through here
+        assert isinstance(self._crc, Crc32c)
+        return self._crc.hexdigest()
 
 
 @dataclass(slots=True)
@@ -100,6 +148,7 @@ class PartRecord:
     fd: int
     size: int
     crcs: list[int]
+    kind: str = "crc32c"  # of the entries: "crc32" in records of daemons before session 20
 
     @property
     def claimed(self) -> int:
@@ -127,7 +176,8 @@ class PartRecord:
             return None
         try:
             data = os.pread(fd, HEAD + 4 * (size // BLOCK + 1), 0)
-            if data[: len(MAGIC)] != MAGIC or len(data) < HEAD or \
+            kind = _KIND_OF.get(data[: len(MAGIC)])
+            if kind is None or len(data) < HEAD or \
                     _SIZE.unpack_from(data, len(MAGIC))[0] != size:
                 os.close(fd)
                 return None
@@ -136,7 +186,7 @@ class PartRecord:
             return None
         count = (len(data) - HEAD) // 4  # a torn last entry is not counted
         crcs = [_CRC.unpack_from(data, HEAD + 4 * i)[0] for i in range(count)]
-        return cls(path, fd, size, crcs)
+        return cls(path, fd, size, crcs, kind)
 
     def extend(self, crcs: list[int]) -> None:
         """Append the CRCs of the next blocks (one write). OSError: not recorded (a full
@@ -162,7 +212,7 @@ class PartRecord:
                 data = os.pread(part_fd, end - start, start)
             except OSError:
                 break
-            if len(data) != end - start or zlib.crc32(data) != crc:
+            if len(data) != end - start or crc_of(self.kind, data) != crc:
                 break
             if digest is not None:
                 digest.update(data)

@@ -41,7 +41,7 @@ from shardfs.read.lookahead import Lookahead
 from shardfs.read.states import ShardStates
 from shardfs.read.workingset import WorkingSet
 from shardfs.sources import ShardChanged, SourceError, Sources
-from shardfs.util.checksum import VERIFY_MODES, digest_of_file
+from shardfs.util.checksum import VERIFY_MODES, KnownDigest, digest_of_file
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
@@ -839,7 +839,12 @@ class Reader:
         shard = fetch.shard
         info, key = self.catalog.shards[shard], self.catalog.keys[shard]
         check = self.catalog.check(shard, self.policy.verify)
-        digest = check.digest() if check is not None else None
+        record = fetch.part.record
+        # The index's CRC-32C is checked from the record's block CRCs (PrefixCrcs.whole), not
+        # by a pass of its own over the bytes.
+        from_blocks = (check is not None and check.kind == "crc32c" and record is not None
+                       and record.kind == "crc32c")
+        digest = check.digest() if check is not None and not from_blocks else None
         codec = self.codecs[shard]
         began = time.monotonic()
         again = False  # fetch it again from byte 0 (a continued fetch that did not check out)
@@ -852,8 +857,8 @@ class Reader:
             # The record's CRCs come from the bytes as they stream, in the hashing thread; once
             # a split has other GETs write parts of the prefix, from the part file instead
             # (_record_blocks).
-            record = fetch.part.record
-            crcs = PrefixCrcs(first.start, fetch.size) if record is not None else None
+            crcs = (PrefixCrcs(first.start, fetch.size, record.kind, record.crcs)
+                    if record is not None else None)
             fetch.record_due = NEVER if crcs is not None else self._next_record(fetch)
 
             def read_back_crcs() -> None:  # the fetch was split
@@ -936,11 +941,16 @@ class Reader:
             if fetch.arrived != fetch.part.size:
                 raise ShardChanged(f"{info.url}: {fetch.arrived} bytes of tar, its index "
                                    f"says {fetch.part.size}")
-            if check is not None and fetch.split:
-                digest = await trio.to_thread.run_sync(digest_of_file, check, fetch.part.fd,
-                                                       fetch.size, thread_name=HASH_THREAD)
-            if check is not None and digest is not None and not check.matches(digest):
-                raise ShardChanged(f"{info.url}: content differs from its index ({check.kind})")
+            if check is not None:
+                whole = crcs.whole() if from_blocks and crcs is not None else None
+                if whole is not None and not fetch.split:
+                    digest = KnownDigest(whole)
+                elif digest is None or fetch.split:  # a split, or the record's CRCs gave out
+                    digest = await trio.to_thread.run_sync(digest_of_file, check, fetch.part.fd,
+                                                           fetch.size, thread_name=HASH_THREAD)
+                if not check.matches(digest):
+                    raise ShardChanged(f"{info.url}: content differs from its index "
+                                       f"({check.kind})")
             await self.cache.commit(fetch.part)
             self.states.complete(shard)
             self.stats.shard_fetches_done += 1
@@ -1025,7 +1035,7 @@ class Reader:
                 break
             try:
                 record.extend(await trio.to_thread.run_sync(
-                    block_crcs, fetch.part.fd, start, stop, thread_name=HASH_THREAD))
+                    block_crcs, fetch.part.fd, start, stop, record.kind, thread_name=HASH_THREAD))
             except OSError as exc:
                 record.unrecorded(exc)
                 return
