@@ -334,12 +334,11 @@ class Bench:
             if small is not None:
                 ctxs["small"] = dataclasses.replace(
                     ctx, data=small, fits_cache_bytes=max(2 * small.shard_bytes, 64 << 20))
-            with PortCap(self.nginx.port, None if a.no_tc else a.rate, burst=a.burst,
-                         latency=f"{a.queue_ms:g}ms") as cap:
+            with link_cap(a, self.nginx.port) as cap:
                 self.cap = cap
                 record["link"] = {"cap": cap.describe(), "active": cap.active,
                                   "bytes_per_s": cap.bytes_per_s, "rate": a.rate,
-                                  "latency_ms": a.latency_ms}
+                                  "latency_ms": a.latency_ms, "queue_ms": a.queue_ms}
                 self.say(f"link: {cap.describe()}")
                 for scenario in scenarios:
                     self.say(f"scenario {scenario}: {SCENARIO_TITLES[scenario]}")
@@ -363,6 +362,12 @@ class Bench:
             shutil.rmtree(cache_root, ignore_errors=True)
         record["duration_s"] = round(time.monotonic() - self.t0, 1)
         return record
+
+
+def link_cap(a: argparse.Namespace, port: int) -> PortCap:
+    """The link the run's store sits behind: nginx's replies (`port`) capped at `--rate`, with
+    a queue of `--queue-ms` (tbf's latency); uncapped with `--no-tc`."""
+    return PortCap(port, None if a.no_tc else a.rate, burst=a.burst, latency=f"{a.queue_ms:g}ms")
 
 
 def dataset_record(data) -> dict:

@@ -94,3 +94,29 @@ def test_parse_tc_sent_reads_the_root_counter() -> None:
             " backlog 0b 0p requeues 0\n")
     assert parse_tc_sent(text) == 355280044
     assert parse_tc_sent("qdisc noqueue 0: root refcnt 2\n") is None
+
+
+@pytest.mark.skipif(shutil.which("tc") is None, reason="tc not installed (iproute2)")
+def test_bench_runs_queue_ms_is_the_links_queue() -> None:
+    """`bench run --rate R --queue-ms Q` puts a tbf of rate R and latency Q on the store's
+    replies (the option reaches the qdisc, not only the record)."""
+    import argparse
+
+    from bench.run import add_run_arguments, link_cap
+
+    p = argparse.ArgumentParser()
+    add_run_arguments(p)
+    a = p.parse_args(["--rate", "10gbit", "--queue-ms", "10"])
+    server = socket.create_server(("127.0.0.1", 0))
+    try:
+        with link_cap(a, server.getsockname()[1]) as cap:
+            if not cap.active:
+                pytest.skip(f"no cap on lo here: {cap.error}")
+            assert "lat 10ms" in _qdisc() or "lat 10.0ms" in _qdisc(), _qdisc()
+            assert "latency 10ms" in cap.describe()
+        assert "tbf" not in _qdisc()
+        a = p.parse_args(["--no-tc"])
+        with link_cap(a, server.getsockname()[1]) as cap:
+            assert not cap.active and "tbf" not in _qdisc()
+    finally:
+        server.close()
