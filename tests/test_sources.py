@@ -595,6 +595,42 @@ def test_file_stat_and_stream(tmp_path: Path) -> None:
     with_file(check)
 
 
+def test_file_stream_into_writes_what_it_yields_at_its_offsets(tmp_path: Path) -> None:
+    """FileSource.stream_into (the reader's cache file written by the reading thread): each
+    piece is in the target file at its offset before it is yielded; a write that fails (a
+    full disk, here a descriptor open only for reading) is raised as the OSError it is."""
+    data = put(tmp_path, "s.tar")
+    url = to_url(str(tmp_path / "s.tar"))
+    target = tmp_path / "part"
+    target.write_bytes(bytes(SIZE))
+
+    async def check(source: FileSource) -> None:
+        shard = await source.stat(url)
+        start = CHUNK - 1
+        fd = os.open(target, os.O_RDWR)
+        try:
+            pos = start
+            async with aclosing(source.stream_into(shard, start, SIZE, fd)) as pieces:
+                async for piece in pieces:
+                    assert os.pread(fd, len(piece), pos) == piece == data[pos:pos + len(piece)]
+                    pos += len(piece)
+            assert pos == SIZE
+        finally:
+            os.close(fd)
+        assert target.read_bytes() == bytes(start) + data[start:]
+        fd = os.open(target, os.O_RDONLY)
+        try:
+            with pytest.raises(OSError) as raised:
+                async with aclosing(source.stream_into(shard, 0, SIZE, fd)) as pieces:
+                    async for _ in pieces:
+                        pass
+            assert not isinstance(raised.value, SourceError)
+        finally:
+            os.close(fd)
+
+    with_file(check)
+
+
 def test_file_fetch_optional(tmp_path: Path) -> None:
     (tmp_path / "a.idx").write_bytes(b"index")
 

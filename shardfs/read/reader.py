@@ -906,11 +906,19 @@ class Reader:
                 source = self.sources.for_url(info.url)
                 if first.start >= info.size:  # all written before the last daemon ended
                     return
-                async with aclosing(source.stream(info, first.start, info.size)) as chunks:
+                # A file:// source writes the part file in the thread that reads the shard
+                # (FileSource.stream_into), off the loop; only where no split can move this
+                # GET's end while a write is under way (the policy does not split).
+                stream_into = getattr(source, "stream_into", None)
+                written = plain is None and stream_into is not None and \
+                    not self.policy.split_fetches
+                pieces = stream_into(info, first.start, info.size, fetch.part.fd) if written \
+                    else source.stream(info, first.start, info.size)
+                async with aclosing(pieces) as chunks:
                     async for chunk in chunks:
                         self.stats.shard_bytes += len(chunk)
                         if plain is None:
-                            self._write(fetch, first, chunk)
+                            self._write(fetch, first, chunk, written=written)
                             if fetch.split:
                                 read_back_crcs()
                                 if not first.running:
@@ -1068,9 +1076,9 @@ class Reader:
 
         await self._guard_get(fetch, stream())
 
-    def _write(self, fetch: Fetch, get: Get, data: bytes) -> None:
+    def _write(self, fetch: Fetch, get: Get, data: bytes, *, written: bool = False) -> None:
         """Bytes that `get` brought, at its position; past its end (moved by a split) they are
-        dropped."""
+        dropped. `written`: the source wrote them into the part file already."""
         room = get.stop - get.pos
         if len(data) > room:
             if not fetch.split:  # never write past the reservation
@@ -1080,7 +1088,8 @@ class Reader:
         if not data:
             return
         at = get.pos
-        pwrite_all(fetch.part.fd, data, at)  # all of it, or OSError: no holes
+        if not written:
+            pwrite_all(fetch.part.fd, data, at)  # all of it, or OSError: no holes
         if get.first_byte is None:  # the GET's rate (Get.eta) is measured from here
             get.first_byte = time.monotonic()
         get.pos += len(data)
