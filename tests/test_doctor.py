@@ -55,8 +55,8 @@ def test_healthy_sources_and_a_small_cache(dataset: Dataset, nginx, tmp_path: Pa
     report = json.loads(healthy.stdout)
     assert healthy.returncode == 0 and report["ok"], healthy.stdout + healthy.stderr
     verdicts = {c["name"]: c["verdict"] for c in report["checks"]}
-    for name in ("/dev/fuse", "fusermount3", "pyfuse3 shim", "cache space", "sources",
-                 "store speed", "cache size"):
+    for name in ("/dev/fuse", "fusermount3", "pyfuse3 shim", "download check", "cache space",
+                 "sources", "store speed", "cache size"):
         assert verdicts[name] == "ok", report["checks"]
     assert verdicts["index files"] == "note"  # only the shards were published
     assert "OK" in report["summary"]
@@ -73,6 +73,31 @@ def test_healthy_sources_and_a_small_cache(dataset: Dataset, nginx, tmp_path: Pa
     assert small.returncode == 1, small.stdout
     assert "cache size slows reads" in last_line(small), small.stdout
     assert "smaller than the largest shard" in last_line(small)
+
+
+def test_a_python_without_the_crc32c_extension(tmp_path: Path):
+    """google-crc32c without its C extension (a platform with no wheel): `doctor` calls the
+    download check slow, says what it costs and how to fix it, and names it in the last line.
+    The extension is kept from importing for real (a sitecustomize on PYTHONPATH)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class _NoCext:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'google_crc32c.cext':\n"
+        "            raise ImportError('no C extension here')\n"
+        "sys.meta_path.insert(0, _NoCext())\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(site), os.environ.get("PYTHONPATH")) if p)}
+    result = doctor("--cache-dir", str(tmp_path / "cache"), "--json", env=env)
+    report = json.loads(result.stdout)
+    check = next(c for c in report["checks"] if c["name"] == "download check")
+    assert check["verdict"] == "slow" and "no C extension" in check["detail"], check
+    assert "pip install --force-reinstall google-crc32c" in check["fix"]
+    assert result.returncode == 1
+    text = doctor("--cache-dir", str(tmp_path / "cache"), env=env)
+    assert "download check" in last_line(text), text.stdout
 
 
 def test_unreachable_source(tmp_path: Path):

@@ -21,6 +21,7 @@ import trio
 from shardfs.cli.checks import (
     Check,
     check_cache_dir,
+    check_crc32c,
     check_dev_fuse,
     check_fusermount,
     check_kernel,
@@ -97,6 +98,7 @@ def diagnose(args: argparse.Namespace, config: dict) -> list[Check]:
     checks.append(check_fusermount(args.allow_other or bool(config.get("allow_other"))))
     checks.append(check_kernel())
     checks.append(check_shim())
+    checks.append(check_crc32c())
     if snapshot:
         checks.append(check_mount_shim(snapshot))
     cache_dir = Path(args.cache_dir or snapshot.get("cache_dir") or config.get("cache_dir")
