@@ -41,7 +41,13 @@ from shardfs.read.lookahead import Lookahead
 from shardfs.read.states import ShardStates
 from shardfs.read.workingset import WorkingSet
 from shardfs.sources import ShardChanged, SourceError, Sources
-from shardfs.util.checksum import VERIFY_MODES, KnownDigest, digest_of_file
+from shardfs.util.checksum import (
+    VERIFY_MODES,
+    Digest,
+    KnownDigest,
+    ShardCheck,
+    digest_of_file,
+)
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
@@ -631,11 +637,7 @@ class Reader:
                 raise (exc.cause if isinstance(exc.cause, Exception)
                        else SourceError(str(exc))) from None
             if check is not None:
-                digest = await trio.to_thread.run_sync(digest_of_file, check, fetch.part.fd,
-                                                       fetch.size, thread_name=HASH_THREAD)
-                if not check.matches(digest):
-                    raise ShardChanged(f"{info.url}: content differs from its index "
-                                       f"({check.kind})")
+                await self._check_whole(fetch, info.url, check, None)
             await self.cache.commit(fetch.part)
             self.states.complete(shard)
             self.stats.shard_fetches_done += 1
@@ -950,15 +952,12 @@ class Reader:
                 raise ShardChanged(f"{info.url}: {fetch.arrived} bytes of tar, its index "
                                    f"says {fetch.part.size}")
             if check is not None:
-                whole = crcs.whole() if from_blocks and crcs is not None else None
-                if whole is not None and not fetch.split:
-                    digest = KnownDigest(whole)
-                elif digest is None or fetch.split:  # a split, or the record's CRCs gave out
-                    digest = await trio.to_thread.run_sync(digest_of_file, check, fetch.part.fd,
-                                                           fetch.size, thread_name=HASH_THREAD)
-                if not check.matches(digest):
-                    raise ShardChanged(f"{info.url}: content differs from its index "
-                                       f"({check.kind})")
+                if fetch.split:  # its bytes came by several GETs: from the part file
+                    digest = None
+                elif from_blocks:  # None where the record's CRCs gave out: from the part file
+                    whole = crcs.whole() if crcs is not None else None
+                    digest = KnownDigest(whole) if whole is not None else None
+                await self._check_whole(fetch, info.url, check, digest)
             await self.cache.commit(fetch.part)
             self.states.complete(shard)
             self.stats.shard_fetches_done += 1
@@ -996,6 +995,16 @@ class Reader:
                 self._forced.add(shard)
                 self._queue[shard] = None
             self._start_queued()
+
+    async def _check_whole(self, fetch: Fetch, url: str, check: ShardCheck,
+                           digest: Digest | None) -> None:
+        """ShardChanged unless the fetched shard matches its index's digest: `digest` as
+        computed while its bytes came, or (None) one read back from the part file."""
+        if digest is None:
+            digest = await trio.to_thread.run_sync(digest_of_file, check, fetch.part.fd,
+                                                   fetch.size, thread_name=HASH_THREAD)
+        if not check.matches(digest):
+            raise ShardChanged(f"{url}: content differs from its index ({check.kind})")
 
     async def _resume_part(self, fetch: Fetch, digest: Any | None) -> int:
         """A part file an earlier daemon left: check the blocks its record claims against
