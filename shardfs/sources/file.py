@@ -95,10 +95,11 @@ def _pread(fd: int, size: int, offset: int, url: str) -> bytes:
         raise SourceError(f"{url}: read failed at byte {offset}: {e.strerror}") from e
 
 
-def _pread_and_write(fd: int, size: int, offset: int, url: str, into: int) -> bytes:
-    """_pread, and the bytes written at the same offset into `into` (OSError: not written)."""
+def _pread_into(fd: int, size: int, offset: int, url: str, into: int | None) -> bytes:
+    """_pread, and the bytes written at the same offset into `into` if given (OSError: not
+    written)."""
     data = _pread(fd, size, offset, url)
-    if data:
+    if data and into is not None:
         pwrite_all(into, data, offset)
     return data
 
@@ -147,9 +148,7 @@ class FileSource:
             pos = start
             while pos < end:
                 size = min(self.settings.chunk_size, end - pos)
-                data = await (self._in_thread(_pread, fd, size, pos, shard.url) if into is None
-                              else self._in_thread(_pread_and_write, fd, size, pos, shard.url,
-                                                   into))
+                data = await self._in_thread(_pread_into, fd, size, pos, shard.url, into)
                 if not data:
                     self.stats.errors += 1
                     raise ShardChanged(f"{shard.url}: file shrank while reading (EOF at {pos})")
