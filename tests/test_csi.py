@@ -13,12 +13,14 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from shardfs.csi import proto
+from shardfs.read.reader import ReadPolicy
 from tests.conftest import Dataset, brace
 from tests.csi_node import (
     DRIVER,
@@ -100,8 +102,15 @@ def test_identity_node_info_and_two_pods_on_one_volume(dataset: Dataset, nginx,
         # volume too.
         nginx.reset_log()
         assert read_as(a, user=1000) == want
-        first = sum(r.bytes_sent for r in nginx.access_log() if r.uri.endswith(".tar"))
-        assert first <= sum(s.size for s in dataset.shards.shards)
+        got = [r for r in nginx.access_log() if r.uri.endswith(".tar")]
+        size = {s.path.name: s.size for s in dataset.shards.shards}
+        whole = Counter(r.uri.rsplit("/", 1)[-1] for r in got
+                        if r.bytes_sent == size[r.uri.rsplit("/", 1)[-1]])
+        assert max(whole.values(), default=0) <= 1, whole  # no shard downloaded twice
+        # Reads ahead of a download may fetch their member too, within the documented
+        # allowance (ReadPolicy.early_member_fraction); a slow machine takes some of it.
+        early = ReadPolicy().early_member_fraction
+        assert sum(r.bytes_sent for r in got) <= (1 + early) * sum(size.values())
         nginx.reset_log()
         assert read_as(b, user=1000) == want
         assert read_as(b, "unshare", "--mount", "--propagation", "slave") == want
