@@ -101,3 +101,27 @@ def test_split_fetches_from_flag_option_and_file(tmp_path: Path):
         args = parser.parse_args(["http://x/a.tar", str(tmp_path / "mnt"),
                                   "--cache-dir", str(tmp_path / "cache"), *extra])
         assert _mount_config(mount_settings(args)).policy.split_fetches is want, extra
+
+
+def test_cold_start_from_flag_option_and_file(tmp_path: Path):
+    """`--cold-start S`, `-o cold_start=S` and `cold_start:` reach the read policy (default
+    1 s; 0 switches it off); a negative or non-numeric value is refused with the rule."""
+    import argparse
+
+    from shardfs.cli.main import _mount_config, add_mount_arguments, mount_settings
+
+    config = tmp_path / "c.yaml"
+    config.write_text("cold_start: 0\n")
+    cases = {(): 1.0, ("--cold-start", "2.5"): 2.5, ("-o", "cold_start=0"): 0.0,
+             ("--config", str(config)): 0.0,
+             ("--config", str(config), "--cold-start", "0.5"): 0.5}
+    for extra, want in cases.items():
+        parser = argparse.ArgumentParser()
+        add_mount_arguments(parser)
+        args = parser.parse_args(["http://x/a.tar", str(tmp_path / "mnt"),
+                                  "--cache-dir", str(tmp_path / "cache"), *extra])
+        assert _mount_config(mount_settings(args)).policy.cold_start_s == want, extra
+    for bad in ("-1\n", "soon\n", "true\n"):
+        config.write_text(f"cold_start: {bad}")
+        with pytest.raises(ConfigError, match="cold_start: bad value"):
+            load_file(config)

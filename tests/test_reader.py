@@ -407,11 +407,13 @@ class _SlowWholeShards:
     """A file source whose whole-shard streams crawl (`delay` s per chunk) while ranged
     streams are fast, or fail at once with `ranges_fail`."""
 
-    def __init__(self, inner: Source, delay: float, ranges_fail: bool) -> None:
+    def __init__(self, inner: Source, delay: float, ranges_fail: bool,
+                 whole_fails_after: float | None = None) -> None:
         self.inner = inner
         self.stats = inner.stats
         self.delay = delay
         self.ranges_fail = ranges_fail
+        self.whole_fails_after = whole_fails_after  # a whole-shard stream: nothing, then this
         self.asked: list[tuple[str, int, int]] = []
 
     async def stat(self, url: str) -> ShardInfo:
@@ -425,6 +427,9 @@ class _SlowWholeShards:
         whole = start == 0 and end == shard.size
         if not whole and self.ranges_fail:
             raise Unreachable(f"{shard.url}: injected failure of a ranged GET")
+        if whole and self.whole_fails_after is not None:
+            await trio.sleep(self.whole_fails_after)
+            raise Unreachable(f"{shard.url}: injected outage of a whole-shard GET")
         stream = self.inner.stream(shard, start, end)
         try:
             async for chunk in stream:
@@ -439,13 +444,16 @@ class _SlowWholeShards:
 
 
 class _SlowSources(Sources):
-    def __init__(self, delay: float, ranges_fail: bool = False) -> None:
+    def __init__(self, delay: float, ranges_fail: bool = False,
+                 whole_fails_after: float | None = None) -> None:
         super().__init__(SourceSettings(chunk_size=4096))
         self.delay, self.ranges_fail = delay, ranges_fail
+        self.whole_fails_after = whole_fails_after
         self.made: list[_SlowWholeShards] = []
 
     def for_url(self, url: str) -> Source:
-        source = _SlowWholeShards(super().for_url(url), self.delay, self.ranges_fail)
+        source = _SlowWholeShards(super().for_url(url), self.delay, self.ranges_fail,
+                                  self.whole_fails_after)
         self.made.append(source)
         return source
 
@@ -619,33 +627,164 @@ def test_a_download_just_started_is_judged_by_the_others_rate(tmp_path: Path,
 
 def test_a_read_waiting_for_a_slot_reads_its_member_once_the_allowance_grows(
         tmp_path: Path, shards: Shards) -> None:
-    """One fetch slot, six shards queued ahead, and the duplicate allowance too small for the
-    member a read of a seventh asks for: the read waits. When the next download starts, the
-    allowance grows (it counts the bytes of downloads started) and the read takes its member
-    then, instead of waiting for its own shard's slot behind six crawling downloads (a cold
-    shuffled epoch's first batch waited up to 1.4 s so)."""
+    """One fetch slot, busy, and the duplicate allowance too small for the member a read of
+    shard 7 asks for: the read waits. When six more shards are queued for a download
+    (`shardfs warm`), the allowance grows (it counts the bytes of downloads started or
+    queued: they will be fetched whole) and the read takes its member then, while the first
+    download still runs, instead of waiting for its own shard's slot behind six crawling
+    downloads (a cold shuffled epoch's first batch waited up to 1.4 s so)."""
     sources = _SlowSources(delay=0.01)  # ~0.4 s a shard
     wanted = shards.order[7][3]
     size = len(shards.contents[wanted])
-    # Allowance: 2/3 of the member with one download started, 4/3 with two.
-    fraction = size / (1.5 * shards.shard_size)
+    # Allowance: half the member with shards 0 and 7 counted, twice it with 0-7.
+    fraction = size / (4 * shards.shard_size)
 
     async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
         inodes = file_inodes(catalog)
         first = shards.order[0][1]
         assert await read_member(reader, catalog, inodes[first]) == shards.contents[first]
         assert list(reader.fetches) == [0]
-        reader.warm([1, 2, 3, 4, 5, 6])  # queued, in this order, ahead of shard 7
-        assert await read_member(reader, catalog, inodes[wanted]) == shards.contents[wanted]
+        got: list[bytes] = []
+
+        async def read_wanted() -> None:
+            got.append(await read_member(reader, catalog, inodes[wanted]))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_wanted)
+            await trio.sleep(0.05)
+            assert not got, "the read took its member beyond the allowance"
+            assert reader.stats.early_member_reads == 0
+            reader.warm([1, 2, 3, 4, 5, 6])  # queued behind shard 7
+        assert got == [shards.contents[wanted]]
         stats = reader.stats
-        assert 7 not in reader.fetches and not cache.has(catalog.keys[7]), \
-            "the read waited for its own shard's slot"
+        assert list(reader.fetches) == [0], "the read waited for a download to start"
         assert stats.early_member_reads == 1 and stats.early_member_bytes == size, stats
-        assert stats.shard_fetches_started >= 2, stats
+        await wait_idle(reader)
 
     run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources,
-               policy=ReadPolicy(max_fetches=1, split_fetches=False,
+               policy=ReadPolicy(max_fetches=1, split_fetches=False, cold_start_s=0,
                                  early_member_fraction=fraction))
+
+
+def test_the_cold_start_holds_downloads_back_and_reads_take_their_members(
+        tmp_path: Path, shards: Shards) -> None:
+    """For `cold_start_s` from the first read of a shard not cached, at most
+    `cold_start_fetches` whole-shard downloads run: reads of other shards read their members
+    (the shards queued count in the allowance), and once the cold start ends the queued
+    shards are downloaded. A compressed or forced shard (`shardfs warm`) is not held back."""
+    sources = _SlowSources(delay=0.002)
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        for shard in range(4):
+            name = shards.order[shard][3]
+            assert await read_member(reader, catalog, inodes[name]) == shards.contents[name]
+        stats = reader.stats
+        assert sorted(reader.fetches) == [0], ("a download past cold_start_fetches started",
+                                               stats)
+        assert stats.early_member_reads == 3 and stats.member_fetches == 3, stats
+        reader.warm([5])  # forced: started now, the cold start notwithstanding
+        assert sorted(reader.fetches) == [0, 5]
+        with trio.fail_after(10):  # the cold start ends: the queued shards are downloaded
+            while not all(cache.has(catalog.keys[s]) for s in (1, 2, 3, 5)):
+                await trio.sleep(0.01)
+        assert stats.shard_fetches_started == 5, stats
+        await wait_idle(reader)
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources,
+               policy=ReadPolicy(max_fetches=8, split_fetches=False, cold_start_fetches=1,
+                                 cold_start_s=0.5))
+
+
+def test_a_held_shard_whose_read_cannot_take_its_member_is_downloaded_at_once(
+        tmp_path: Path, shards: Shards) -> None:
+    """In the cold start, a read of a held-back shard whose member the duplicate allowance
+    cannot pay for starts its shard's download instead of waiting for the cold start to end
+    (a read after an outage waited a whole second so)."""
+    sources = _SlowSources(delay=0.05)  # ~2 s a shard
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        for shard in (0, 1):
+            name = shards.order[shard][3]
+            assert await read_member(reader, catalog, inodes[name]) == shards.contents[name]
+        assert 0 in reader.fetches, "the read of shard 1 waited for shard 0's download"
+        assert reader._in_cold_start(), "the reads took longer than the cold start"
+        stats = reader.stats
+        assert stats.shard_fetches_started == 2 and stats.early_member_reads == 0, stats
+        await wait_idle(reader)
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources,
+               policy=ReadPolicy(max_fetches=8, split_fetches=False, cold_start_fetches=1,
+                                 cold_start_s=5, early_member_fraction=0))
+
+
+def test_shards_the_cold_start_held_back_are_downloaded_when_it_ends(
+        tmp_path: Path, shards: Shards) -> None:
+    """A random reader's first reads: one download runs, three shards are held back by the
+    cold start. Before it ends the reads have spread over every shard (a working set larger
+    than the cache: no new whole-shard download pays). The held shards are downloaded when
+    the cold start ends all the same, as they would have been without it: the shards a
+    random reader starts with serve a share of its reads from the cache (bench "over")."""
+    sources = _SlowSources(delay=0.002)
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        for shard in range(4):
+            name = shards.order[shard][3]
+            assert await read_member(reader, catalog, inodes[name]) == shards.contents[name]
+        assert sorted(reader.fetches) == [0]
+        for k in range(4, 14):  # every shard, round and round: the working set is all 8
+            for shard in range(N_SHARDS):
+                name = shards.order[shard][k]
+                assert await read_member(reader, catalog, inodes[name]) == \
+                    shards.contents[name]
+        assert reader.working_set.nbytes > cache.budget
+        assert reader._in_cold_start(), "the reads took longer than the cold start"
+        with trio.fail_after(10):
+            while not all(cache.has(catalog.keys[s]) for s in range(4)):
+                await trio.sleep(0.01)
+        assert reader.stats.shard_fetches_started == 4, reader.stats
+        await wait_idle(reader)
+
+    run_reader(tmp_path, shards.urls, int(4.5 * shards.shard_size), body, sources=sources,
+               policy=ReadPolicy(max_fetches=8, split_fetches=False, cold_start_fetches=1,
+                                 cold_start_s=0.5))
+
+
+def test_a_read_that_joined_a_failing_download_late_reads_its_member(
+        tmp_path: Path, shards: Shards) -> None:
+    """A whole-shard download that fails (its source unreachable past the deadline) fails the
+    read that waited on it from the start with EIO; a read that joined it late — the server
+    may be back by then, as here for ranged GETs — reads its member instead of taking the
+    download's EIO (a read after an outage failed so, joining a download started during it)."""
+    sources = _SlowSources(delay=0.01, whole_fails_after=0.6)
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        early, late = shards.order[3][2], shards.order[3][3]
+        results: dict[bytes, bytes | str] = {}
+
+        async def read(name: bytes) -> None:
+            try:
+                results[name] = await read_member(reader, catalog, inodes[name])
+            except ReadError as exc:
+                results[name] = str(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read, early)
+            await trio.sleep(0.45)
+            assert list(reader.fetches) == [3] and not results
+            nursery.start_soon(read, late)
+        assert "injected outage" in results[early], results
+        assert results[late] == shards.contents[late]
+        stats = reader.stats
+        assert stats.eio == 1 and stats.member_fetches == 1, stats
+        assert 3 in reader.failed and not cache.has(catalog.keys[3])
+
+    # No duplicate allowance: both reads wait on the download.
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources,
+               policy=ReadPolicy(split_fetches=False, cold_start_s=0, early_member_fraction=0))
 
 
 def test_a_split_of_a_large_member_takes_the_block_the_read_is_in(tmp_path: Path,

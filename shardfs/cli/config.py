@@ -69,6 +69,17 @@ def _positive_float(value: Any) -> float:
     return number
 
 
+def _seconds_or_zero(value: Any) -> float:
+    """Seconds >= 0, where 0 switches the feature off."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError("expected a number of seconds") from None
+    if isinstance(value, bool) or not number >= 0 or number == float("inf"):
+        raise ValueError("expected a number of seconds >= 0")
+    return number
+
+
 def _positive_int(value: Any) -> int:
     try:
         number = int(value)
@@ -162,6 +173,7 @@ OPTIONS: dict[str, Option] = {o.key: o for o in (
     Option("deadline", _positive_float, 60.0, "seconds > 0"),
     Option("max_fetches", _positive_int, 8, "a whole number >= 1"),
     Option("max_member_fetches", _positive_int, 32, "a whole number >= 1"),
+    Option("cold_start", _seconds_or_zero, 1.0, "seconds >= 0, 0: off"),
     Option("lookahead_buffer", _size_or_zero, 64 << 20, f"a size ({UNITS_HELP}), 0: off"),
     Option("lookahead_requests", _positive_int, 16, "a whole number >= 1"),
     Option("lookahead_fill", _bool, True, "true or false (on or off)"),

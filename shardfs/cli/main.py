@@ -54,8 +54,8 @@ def absolute_specs(specs: list[str]) -> list[str]:
 # Flags that map 1:1 onto config keys; their argparse default is None ("not given") so that
 # a config file or -o option is only overridden by flags the user really typed.
 _FLAG_KEYS = ("cache_dir", "cache_size", "timeout", "deadline", "max_fetches",
-              "max_member_fetches", "prefetch", "push_pages", "split_fetches", "index_parallel",
-              "workers", "verify",
+              "max_member_fetches", "cold_start", "prefetch", "push_pages", "split_fetches",
+              "index_parallel", "workers", "verify",
               "log_level", "log_file", "metrics_listen", "uid", "gid",
               "s3_endpoint", "s3_region", "s3_profile", "s3_addressing", "ais_endpoint",
               "hf_endpoint", "gs_endpoint", "request_rate", "http_client", "lookahead_buffer",
@@ -84,6 +84,10 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-fetches", help="whole-shard downloads at once (default 8)")
     p.add_argument("--max-member-fetches", help="single-member (or block) requests at once, "
                    "for reads that do not wait for a whole shard (default 32)")
+    p.add_argument("--cold-start", metavar="SECONDS",
+                   help="for this long from the first read of an uncached shard, at most 2 "
+                   "whole-shard downloads run, so that the first reads' own requests have the "
+                   "link (default 1; 0: off)")
     p.add_argument("--prefetch", choices=("touched", "all"),
                    help="fetch shards once read (touched, default) or warm all that fit (all)")
     p.add_argument("--push-pages", choices=("auto", "off"),
@@ -393,6 +397,7 @@ def _mount_config(s: dict):
             s3_credentials=resolve_credentials(s["credentials"]) or None),
         policy=ReadPolicy(max_fetches=s["max_fetches"],
                           max_member_fetches=s["max_member_fetches"], prefetch=s["prefetch"],
+                          cold_start_s=s["cold_start"],
                           split_fetches=s["split_fetches"], verify=s["verify"]),
         lookahead=LookaheadPolicy(buffer_bytes=s["lookahead_buffer"],
                                   max_requests=s["lookahead_requests"],

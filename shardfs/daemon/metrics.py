@@ -42,6 +42,8 @@ _METRICS = (
      "Cache-file reads that went to a thread (would have waited for the disk)"),
     ("shardfs_early_member_reads", ("reader", "early_member_reads"), "counter",
      "Member reads instead of waiting on a slow whole-shard fetch"),
+    ("shardfs_queued_member_reads", ("reader", "queued_member_reads"), "counter",
+     "Of those, reads of shards queued for a download slot (most in the cold start)"),
     ("shardfs_member_hits", ("reader", "member_hits"), "counter",
      "Reads of a file whose member an earlier READ fetched or is fetching (no new bytes)"),
     ("shardfs_split_reads", ("reader", "split_reads"), "counter",

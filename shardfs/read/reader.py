@@ -36,6 +36,7 @@ from shardfs.catalog.catalog import Catalog
 from shardfs.catalog.codecs import CodecError, decompressor
 from shardfs.read.diskread import DiskReads
 from shardfs.read.fetch import NEVER, Fetch, FetchFailed, Get
+from shardfs.read.fetchqueue import FetchQueue
 from shardfs.read.layout import ShardLayout
 from shardfs.read.lookahead import Lookahead
 from shardfs.read.states import ShardStates
@@ -82,8 +83,23 @@ class ReadPolicy:
     # its member again, so the 10 % bought about half as many files (1.05-1.06x the bytes);
     # counted once, a cold shuffled epoch's first batch came at ~1.5-1.7 s instead of
     # 2.0-2.8 s, for 1.09x the bytes; 6 % gave back the bytes and the late first batch
-    # (docs/benchmarks-notes.md, session 18).
+    # (docs/benchmarks-notes.md, session 18). The bytes of shards queued for a slot count
+    # as started (they will be fetched whole): otherwise the cold start (below), holding
+    # downloads back, would hold the allowance back with them (session 21).
     early_member_fraction: float = 0.10
+    # The cold start: for cold_start_s from the first read that finds its shard not cached,
+    # at most cold_start_fetches whole-shard downloads run (shards a read cannot take by
+    # member reads — compressed ones, `shardfs warm` — are not held back). A cold mount's
+    # first reads are member reads (their shards are queued for a slot), and each waits
+    # behind the downloads' bytes on the link: with 8 downloads a member GET took ~41 ms
+    # against ~21 ms with none, and a DataLoader worker's first batch is a chain of 32 of
+    # them. Measured (stock shuffle=True, bench run --scale 3): with 2 downloads for the
+    # first second, the first batch 0.95-1.0 s against 1.18-1.31 s, the epoch unchanged;
+    # with none, 0.76 s but the epoch 4.8 s against 4.0 (the link idle meanwhile); with
+    # 1, as late as with 2 and the epoch slower (docs/benchmarks-notes.md, session 21).
+    # 0 seconds: no cold start.
+    cold_start_fetches: int = 2
+    cold_start_s: float = 1.0
     # Such a read whose member lies wholly ahead of the GET bringing it may split that GET
     # instead (see _split): its member comes by a GET of its own, written into the part
     # file. Off by default: the GET cut short has bytes in flight past its new end (socket
@@ -116,6 +132,9 @@ class ReaderStats:
     # fetch still queued for a slot): duplicate bytes, bounded by early_member_fraction.
     early_member_reads: int = 0
     early_member_bytes: int = 0
+    # Of those, reads of shards queued for a fetch slot (not waiting on a download's frontier;
+    # most in the cold start).
+    queued_member_reads: int = 0
     # Reads of a member an earlier read fetched (or is fetching): a file is read in several
     # READs (128 KiB each), and only its first fetches the member. Served from the member
     # cache, without waiting on a download and without counting against the allowance.
@@ -164,7 +183,6 @@ class Reader:
         self.stats = ReaderStats()
         self.fetches: dict[int, Fetch] = {}
         self._fills = 0  # of those, filled by the Lookahead (see open_fill): no fetch slot
-        self._queue: OrderedDict[int, None] = OrderedDict()  # shards waiting for a fetch slot
         self._forced: set[int] = set()  # asked for by `shardfs warm`: fetch whatever the policy
         self.failed: set[int] = set()  # shards whose last whole-shard fetch failed
         # Announced by a sampler as read next (queue_ahead), in its order, with the
@@ -188,6 +206,7 @@ class Reader:
         # allowance spent), by shard.
         self._slot_waiters: dict[int, trio.Event] = {}
         self.dataset_bytes = sum(self.sizes)
+        self._queue = FetchQueue(self.sizes)  # shards waiting for a fetch slot
         files = catalog.tree.count_files()
         per_shard = files // max(1, len(catalog.shards))
         self.window = self.policy.working_set_reads or min(512, max(32, per_shard))
@@ -203,6 +222,8 @@ class Reader:
         cache.on_evict = self._evicted
         self._member_rtt: float | None = None  # seconds per member read, moving average
         self._whole_bytes_started = 0  # bytes of all whole-shard fetches started
+        self._cold_since: float | None = None  # the first read that found its shard not cached
+        self._held: set[int] = set()  # queued shards the cold start kept from starting
         self.started = time.monotonic()
         self.lookahead: Lookahead | None = None  # announced reads (shardfs/daemon/announce.py)
         # Each file's record in its shard, for fills (built by prepare_fills, in a thread).
@@ -234,13 +255,13 @@ class Reader:
             self._nursery = nursery
             for shard in self._resume:  # downloads in flight when the last daemon ended
                 self._forced.add(shard)
-                self._queue[shard] = None
+                self._enqueue(shard)
             self._resume.clear()
             self._start_queued()
             if self.policy.prefetch == "all" and self._dataset_fits():
                 for shard in range(len(self.catalog.shards)):
                     if not self.cache.has(self.catalog.keys[shard]):
-                        self._queue[shard] = None
+                        self._enqueue(shard)
                 self._start_queued()
             task_status.started()
             await trio.sleep_forever()
@@ -380,16 +401,23 @@ class Reader:
         or None: read the member. A shard queued for a fetch slot will be fetched whole, so a
         member read of it now fetches bytes twice: that is allowed within the duplicate
         allowance (`early_member_fraction`), else the read waits for the fetch to start."""
+        if self._cold_since is None:
+            self._begin_cold_start()
         while True:
             fetch = self.fetches.get(shard) or self._maybe_start(shard)
             if fetch is not None or shard not in self._queue or self.cache.has(key):
                 return fetch
             if self._early_allowed(member_bytes):
                 self._count_early(member_bytes)
+                self.stats.queued_member_reads += 1
                 return None
+            if shard in self._held:  # held by the cold start only: better fetched than waited for
+                self._queue.discard(shard)
+                self._start_one_queued(shard)
+                return self.fetches.get(shard)  # None: no room for it, read the member
             event = self._slot_waiters.setdefault(shard, trio.Event())
-            # Set when the shard's fetch starts or it leaves the queue, and when any whole
-            # fetch starts (the allowance grew).
+            # Set when the shard's fetch starts or it leaves the queue, and when the
+            # allowance grew (a whole fetch started, a shard was queued).
             await event.wait()
 
     def _patience(self, fetch: Fetch) -> float:
@@ -425,7 +453,8 @@ class Reader:
         return starts_in + (end - get.pos) / rate
 
     def _early_allowed(self, nbytes: int) -> bool:
-        allowance = self.policy.early_member_fraction * self._whole_bytes_started
+        allowance = self.policy.early_member_fraction * (self._whole_bytes_started
+                                                         + self._queue.nbytes)
         return self.stats.early_member_bytes + nbytes <= allowance
 
     def _count_early(self, nbytes: int) -> None:
@@ -440,6 +469,7 @@ class Reader:
         it would take longer than a member read and the member could not split the fetch."""
         self.stats.waits += 1
         self.cache.pin(key)  # the shard may complete meanwhile; it must not be evicted under us
+        began = time.monotonic()
         try:
             if member is not None:
                 patience = self._patience(fetch)
@@ -458,7 +488,19 @@ class Reader:
             # file is closed (its fd number may already name another file).
             return fetch.failed is None
         except FetchFailed as exc:
-            if isinstance(exc.cause, SourceError):
+            # The source failed the download past its deadline. A read that waited on it for
+            # much of that fails with it; one that joined it late (the server may be back by
+            # now: a held-back download of the cold start failed 0.3 s into a test's reads
+            # after an outage) reads its member, with a deadline of its own (or the grace of
+            # one request timeout while the source is still down: sources/http.py). Not a
+            # read of a compressed shard (`member` None: read only whole), nor of a shard
+            # replaced, nor of a split fetch (a GET of its own brought the read's member).
+            # "Late": it waited less than half the download's life (a read that started the
+            # download, as the kernel's retry of a failed read does, fails with it).
+            now = time.monotonic()
+            if isinstance(exc.cause, SourceError) and (
+                    member is None or fetch.split or isinstance(exc.cause, ShardChanged)
+                    or now - began >= (now - fetch.began) / 2):
                 self.stats.eio += 1
                 raise ReadError(str(exc.cause)) from None
             return False  # e.g. the local disk filled up: fall back to member reads
@@ -528,7 +570,7 @@ class Reader:
                                     "be read whole; give it a larger --cache-size")
             if fetch is None:  # every slot busy: queue it ahead of the policy and wait
                 self._forced.add(shard)
-                self._queue[shard] = None
+                self._enqueue(shard)
                 event = self._slot_waiters.setdefault(shard, trio.Event())
                 await event.wait()
                 continue
@@ -578,7 +620,7 @@ class Reader:
         fetch.fill = fetch.split = True  # split: the bytes arrive in runs, out of order
         self.fetches[shard] = fetch
         self._fills += 1
-        self._queue.pop(shard, None)
+        self._queue.discard(shard)
         self.stats.fills_started += 1
         assert self._nursery is not None, "Reader.run() must be started before fills"
         self._nursery.start_soon(self._run_fill, fetch)
@@ -712,8 +754,14 @@ class Reader:
             return None
         if shard in self._mismatched and not self.whole_only[shard]:
             return None
-        if self._whole_fetches() >= self.policy.max_fetches:
-            self._queue[shard] = None
+        if self._whole_fetches() >= self._fetch_slots():
+            if self._whole_fetches() < self.policy.max_fetches:
+                # Held back by the cold start only: started when it ends, as it would have
+                # been now (by then a random reader's working set may have outgrown the
+                # cache; the shards it started with are worth having: bench "over", a
+                # quarter of the reads hit them).
+                self._held.add(shard)
+            self._enqueue(shard)
             return None
         return self._start(shard)
 
@@ -746,7 +794,8 @@ class Reader:
         fetch = Fetch(shard, part, part.size)
         self.fetches[shard] = fetch
         self._whole_bytes_started += self.sizes[shard]
-        self._queue.pop(shard, None)
+        self._queue.discard(shard)
+        self._held.discard(shard)
         self.stats.shard_fetches_started += 1
         assert self._nursery is not None, "Reader.run() must be started before reads"
         self._nursery.start_soon(self._run_fetch, fetch)
@@ -767,18 +816,59 @@ class Reader:
         if event is not None:
             event.set()
 
+    def _enqueue(self, shard: int) -> None:
+        if self._queue.add(shard):
+            self._wake_slot_waiters()  # the allowance grew by a tenth of its bytes
+
+    # -- the cold start (ReadPolicy.cold_start_s) ------------------------------------------
+    def _begin_cold_start(self) -> None:
+        self._cold_since = time.monotonic()
+        if self.policy.cold_start_s > 0 and self._nursery is not None:
+            self._nursery.start_soon(self._end_cold_start)
+
+    async def _end_cold_start(self) -> None:
+        await trio.sleep(self.policy.cold_start_s)
+        self._start_queued()
+
+    def _in_cold_start(self) -> bool:
+        return (self._cold_since is not None and self.policy.cold_start_s > 0
+                and time.monotonic() - self._cold_since < self.policy.cold_start_s)
+
+    def _fetch_slots(self) -> int:
+        """Whole-shard downloads that may run now: fewer in the cold start."""
+        if self._in_cold_start():
+            return min(self.policy.cold_start_fetches, self.policy.max_fetches)
+        return self.policy.max_fetches
+
     def _start_queued(self) -> None:
+        if self._queue and self._in_cold_start():
+            # The cold start holds back the shards that reads can take member by member:
+            # the others (compressed, forced) start as slots allow, in their order.
+            for shard in self._queue:
+                if self._whole_fetches() >= self.policy.max_fetches:
+                    break
+                if shard in self._forced or self.whole_only[shard] or \
+                        self._whole_fetches() < self._fetch_slots():
+                    self._queue.discard(shard)
+                    self._start_one_queued(shard)
+            self._start_ahead()
+            return
         while self._queue and self._whole_fetches() < self.policy.max_fetches:
-            shard, _ = self._queue.popitem(last=False)
-            self._wake_slot_waiter(shard)  # whatever happens next, a waiter looks again
-            forced = shard in self._forced
-            wanted = forced or self.policy.prefetch == "all" or shard in self.working_set
-            if shard in self.fetches or self.cache.has(self.catalog.keys[shard]) or not wanted:
-                self._forced.discard(shard)
-                continue
-            if (forced or self._whole_shard_pays()) and self._start(shard) is None:
-                self._forced.discard(shard)  # no room even after eviction: give up on it
+            self._start_one_queued(self._queue.popleft())
         self._start_ahead()
+
+    def _start_one_queued(self, shard: int) -> None:
+        """Start a shard taken off the queue, if it is still wanted and not in already."""
+        self._wake_slot_waiter(shard)  # whatever happens next, a waiter looks again
+        held = shard in self._held
+        self._held.discard(shard)
+        forced = shard in self._forced or held
+        wanted = forced or self.policy.prefetch == "all" or shard in self.working_set
+        if shard in self.fetches or self.cache.has(self.catalog.keys[shard]) or not wanted:
+            self._forced.discard(shard)
+            return
+        if (forced or self._whole_shard_pays()) and self._start(shard) is None:
+            self._forced.discard(shard)  # no room even after eviction: give up on it
 
     # -- shards announced ahead (shard-aware samplers) -------------------------------------
     def queue_ahead(self, shards: Sequence[int], owner: Hashable) -> int:
@@ -825,7 +915,7 @@ class Reader:
             return
         policy = self.policy
         running = sum(s in self._ahead for s in self.fetches)
-        below = min(policy.max_fetches, policy.ahead_below_fetches)
+        below = min(self._fetch_slots(), policy.ahead_below_fetches)
         for shard in list(self._ahead):
             if running >= policy.max_ahead_fetches or self._whole_fetches() >= below:
                 return
@@ -993,7 +1083,7 @@ class Reader:
             self._ahead.pop(shard, None)  # fetched (or failed): no longer awaited ahead
             if again:
                 self._forced.add(shard)
-                self._queue[shard] = None
+                self._enqueue(shard)
             self._start_queued()
 
     async def _check_whole(self, fetch: Fetch, url: str, check: ShardCheck,
@@ -1133,7 +1223,7 @@ class Reader:
                 continue
             self.failed.discard(shard)
             self._forced.add(shard)
-            self._queue[shard] = None
+            self._enqueue(shard)
         self._start_queued()
         return {"shards": planned, "bytes": total, "already_cached": cached, "over_budget": over}
 
