@@ -787,6 +787,27 @@ def test_a_read_that_joined_a_failing_download_late_reads_its_member(
                policy=ReadPolicy(split_fetches=False, cold_start_s=0, early_member_fraction=0))
 
 
+def test_a_first_read_far_into_a_shard_reads_its_member_at_once(tmp_path: Path,
+                                                                shards: Shards) -> None:
+    """A cold mount's first read, far into its shard (past `unmeasured_ahead`), starts the
+    shard's download and, with no download's rate measured yet to judge it by, reads its
+    member at once instead of waiting out its patience on a frontier that has not moved."""
+    sources = _SlowSources(delay=0.01, whole_fails_after=30)  # the download brings nothing
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        reader._patience = lambda fetch: 30.0  # type: ignore[method-assign]  # a wait shows
+        far = shards.order[5][-2]
+        with trio.fail_after(10):
+            assert await read_member(reader, catalog, inodes[far]) == shards.contents[far]
+        stats = reader.stats
+        assert list(reader.fetches) == [5] and stats.waits == 1, stats
+        assert stats.early_member_reads == 1 and stats.member_fetches == 1, stats
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources,
+               policy=ReadPolicy(split_fetches=False, cold_start_s=0, unmeasured_ahead=4096))
+
+
 def test_a_split_of_a_large_member_takes_the_block_the_read_is_in(tmp_path: Path,
                                                                   big_shards: Shards) -> None:
     """A member larger than a member block is split off block by block: the read at 200 KiB
