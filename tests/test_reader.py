@@ -8,7 +8,7 @@ import io
 import os
 import random
 import tarfile
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,6 +121,15 @@ async def read_member(reader: Reader, catalog: Catalog, ino: int, off: int = 0,
                       size: int = 1 << 30) -> bytes:
     ref = catalog.tree.file_ref(ino)
     return await reader.read(ref.shard, ref.offset, ref.size, off, size)
+
+
+async def read_members_of(reader: Reader, catalog: Catalog, shards: Shards,
+                          which: Iterable[int], k: int = 3) -> None:
+    """Read member k of each shard in `which`, in order, and check its bytes."""
+    inodes = file_inodes(catalog)
+    for shard in which:
+        name = shards.order[shard][k]
+        assert await read_member(reader, catalog, inodes[name]) == shards.contents[name]
 
 
 async def wait_idle(reader: Reader) -> None:
@@ -675,10 +684,7 @@ def test_the_cold_start_holds_downloads_back_and_reads_take_their_members(
     sources = _SlowSources(delay=0.002)
 
     async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
-        inodes = file_inodes(catalog)
-        for shard in range(4):
-            name = shards.order[shard][3]
-            assert await read_member(reader, catalog, inodes[name]) == shards.contents[name]
+        await read_members_of(reader, catalog, shards, range(4))
         stats = reader.stats
         assert sorted(reader.fetches) == [0], ("a download past cold_start_fetches started",
                                                stats)
@@ -704,10 +710,7 @@ def test_a_held_shard_whose_read_cannot_take_its_member_is_downloaded_at_once(
     sources = _SlowSources(delay=0.05)  # ~2 s a shard
 
     async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
-        inodes = file_inodes(catalog)
-        for shard in (0, 1):
-            name = shards.order[shard][3]
-            assert await read_member(reader, catalog, inodes[name]) == shards.contents[name]
+        await read_members_of(reader, catalog, shards, (0, 1))
         assert 0 in reader.fetches, "the read of shard 1 waited for shard 0's download"
         assert reader._in_cold_start(), "the reads took longer than the cold start"
         stats = reader.stats
@@ -729,16 +732,10 @@ def test_shards_the_cold_start_held_back_are_downloaded_when_it_ends(
     sources = _SlowSources(delay=0.002)
 
     async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
-        inodes = file_inodes(catalog)
-        for shard in range(4):
-            name = shards.order[shard][3]
-            assert await read_member(reader, catalog, inodes[name]) == shards.contents[name]
+        await read_members_of(reader, catalog, shards, range(4))
         assert sorted(reader.fetches) == [0]
         for k in range(4, 14):  # every shard, round and round: the working set is all 8
-            for shard in range(N_SHARDS):
-                name = shards.order[shard][k]
-                assert await read_member(reader, catalog, inodes[name]) == \
-                    shards.contents[name]
+            await read_members_of(reader, catalog, shards, range(N_SHARDS), k)
         assert reader.working_set.nbytes > cache.budget
         assert reader._in_cold_start(), "the reads took longer than the cold start"
         with trio.fail_after(10):
