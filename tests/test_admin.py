@@ -225,10 +225,11 @@ def test_stats_command_during_reads(dataset: Dataset, nginx, mounter: Mounter):
     publish(dataset, nginx.root)
     shards = len(dataset.shards.shards)
     with FaultProxy(nginx.port) as proxy:
-        # No shard waits for a slot. The daemon must serve (and count) every read: no pages
-        # pushed into the page cache (that has its own test, test_pagepush.py).
+        # No shard waits for a slot (nor for the cold start's end). The daemon must serve
+        # (and count) every read: no pages pushed into the page cache (that has its own
+        # test, test_pagepush.py).
         m = mounter.mount([brace(dataset, f"{proxy.url}/data")], None, None, "--no-warm",
-                          "--max-fetches", "64", "--push-pages", "off")
+                          "--max-fetches", "64", "--cold-start", "0", "--push-pages", "off")
         # The whole-shard fetch the next read starts stalls after 16 KiB until released:
         # stats are read while that read waits on it.
         proxy.stall(60, after_bytes=16 * 1024, times=1)
@@ -330,9 +331,10 @@ def test_prometheus_metrics(dataset: Dataset, mounter: Mounter):
     budget = 64 << 20
     m = mounter.mount([brace(dataset, str(dataset.shard_dir))], None, None,
                       "--metrics-listen", f"127.0.0.1:{port}", "--cache-size", str(budget),
-                      # A slot for every shard: no member reads. Every read reaches the daemon
-                      # and is counted: no pages pushed (test_pagepush.py has that).
-                      "--max-fetches", "64", "--push-pages", "off")
+                      # A slot for every shard, from the first read (no cold start): no
+                      # member reads. Every read reaches the daemon and is counted: no pages
+                      # pushed (test_pagepush.py has that).
+                      "--max-fetches", "64", "--cold-start", "0", "--push-pages", "off")
     # One file of each shard first, then every file once its shard is complete: which reads hit
     # a complete shard must not depend on how fast this machine copies a shard (CI once saw none).
     for shard in dataset.shards.shards:
