@@ -100,10 +100,11 @@ class ReadPolicy:
     # first reads are member reads (their shards are queued for a slot), and each waits
     # behind the downloads' bytes on the link: with 8 downloads a member GET took ~41 ms
     # against ~21 ms with none, and a DataLoader worker's first batch is a chain of 32 of
-    # them. Measured (stock shuffle=True, bench run --scale 3): with 2 downloads for the
-    # first second, the first batch 0.95-1.0 s against 1.18-1.31 s, the epoch unchanged;
-    # with none, 0.76 s but the epoch 4.8 s against 4.0 (the link idle meanwhile); with
-    # 1, as late as with 2 and the epoch slower (docs/benchmarks-notes.md, session 21).
+    # them. Measured (stock shuffle=True, bench run --scale 3, in turns): with 2 downloads
+    # for the first second, the first batch 0.94-0.98 s against 1.28-1.45 s (with
+    # unmeasured_ahead), the epoch ~1.5 % longer; with none, 0.76 s but the epoch 4.8 s
+    # against 4.0 (the link idle meanwhile); with 1, as late as with 2 and the epoch slower
+    # (docs/benchmarks-notes.md, session 21).
     # 0 seconds: no cold start.
     cold_start_fetches: int = 2
     cold_start_s: float = 1.0
