@@ -699,6 +699,7 @@ def test_the_cold_start_holds_downloads_back_and_reads_take_their_members(
 
     run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources,
                policy=ReadPolicy(max_fetches=8, split_fetches=False, cold_start_fetches=1,
+                                 cold_start_min_shard=0,
                                  cold_start_s=0.5))
 
 
@@ -719,7 +720,26 @@ def test_a_held_shard_whose_read_cannot_take_its_member_is_downloaded_at_once(
 
     run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources,
                policy=ReadPolicy(max_fetches=8, split_fetches=False, cold_start_fetches=1,
+                                 cold_start_min_shard=0,
                                  cold_start_s=5, early_member_fraction=0))
+
+
+def test_the_cold_start_does_not_hold_back_small_shards(tmp_path: Path,
+                                                       shards: Shards) -> None:
+    """Shards below `cold_start_min_shard` come whole about as soon as a member does: the
+    cold start does not hold them back."""
+    sources = _SlowSources(delay=0.01)
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        await read_members_of(reader, catalog, shards, range(4))
+        assert reader._in_cold_start(), "the reads took longer than the cold start"
+        assert sorted(reader.fetches) == [0, 1, 2, 3], reader.stats
+        assert reader.stats.early_member_reads == 0, reader.stats
+        await wait_idle(reader)
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources,
+               policy=ReadPolicy(max_fetches=8, split_fetches=False, cold_start_fetches=1,
+                                 cold_start_s=5, cold_start_min_shard=shards.shard_size + 1))
 
 
 def test_shards_the_cold_start_held_back_are_downloaded_when_it_ends(
@@ -746,6 +766,7 @@ def test_shards_the_cold_start_held_back_are_downloaded_when_it_ends(
 
     run_reader(tmp_path, shards.urls, int(4.5 * shards.shard_size), body, sources=sources,
                policy=ReadPolicy(max_fetches=8, split_fetches=False, cold_start_fetches=1,
+                                 cold_start_min_shard=0,
                                  cold_start_s=0.5))
 
 
