@@ -86,8 +86,8 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    "for reads that do not wait for a whole shard (default 32)")
     p.add_argument("--cold-start", metavar="SECONDS",
                    help="for this long from the first read of an uncached shard, at most 2 "
-                   "whole-shard downloads run, so that the first reads' own requests have the "
-                   "link (default 1; 0: off)")
+                   "whole-shard downloads (of shards of 8 MiB or more) run, so that the first "
+                   "reads' own requests have the link (default 1; 0: off)")
     p.add_argument("--prefetch", choices=("touched", "all"),
                    help="fetch shards once read (touched, default) or warm all that fit (all)")
     p.add_argument("--push-pages", choices=("auto", "off"),
