@@ -111,7 +111,7 @@ class ReadPolicy:
     # Only shards at least this large are held back: a small shard comes whole about as soon
     # as a member does (0.73 MiB shards, 20 ms a request: held back, the bench's small-file
     # epoch took 0.56-0.59 s against 0.46-0.50 s and its first batch came later, 87 requests
-    # instead of 29); the 4 MiB shards of `bench run --quick`: epoch +3 %.
+    # instead of 29; held back, `bench run --quick`'s 4 MiB shards cost its epoch 3 %).
     cold_start_min_shard: int = 8 * MiB
     # Such a read whose member lies wholly ahead of the GET bringing it may split that GET
     # instead (see _split): its member comes by a GET of its own, written into the part
@@ -861,12 +861,12 @@ class Reader:
     def _start_queued(self) -> None:
         if self._queue and self._in_cold_start():
             # The cold start holds back the shards that reads can take member by member:
-            # the others (compressed, forced) start as slots allow, in their order.
+            # forced ones (`shardfs warm`, resumed downloads, reads of shards that can only
+            # be read whole) start as slots allow, in their order.
             for shard in self._queue:
                 if self._whole_fetches() >= self.policy.max_fetches:
                     break
-                if shard in self._forced or self.whole_only[shard] or \
-                        self._whole_fetches() < self._fetch_slots(shard):
+                if shard in self._forced or self._whole_fetches() < self._fetch_slots(shard):
                     self._queue.discard(shard)
                     self._start_one_queued(shard)
             self._start_ahead()
