@@ -59,23 +59,27 @@ def _size_or_zero(value: Any) -> int:
     return _size(value)
 
 
-def _positive_float(value: Any) -> float:
+def _seconds(value: Any) -> float:
     try:
         number = float(value)
     except (TypeError, ValueError):
         raise ValueError("expected a number of seconds") from None
-    if isinstance(value, bool) or not number > 0:
+    if isinstance(value, bool):
+        raise ValueError("expected a number of seconds")
+    return number
+
+
+def _positive_float(value: Any) -> float:
+    number = _seconds(value)
+    if not number > 0:
         raise ValueError("expected a number > 0")
     return number
 
 
 def _seconds_or_zero(value: Any) -> float:
     """Seconds >= 0, where 0 switches the feature off."""
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError("expected a number of seconds") from None
-    if isinstance(value, bool) or not number >= 0 or number == float("inf"):
+    number = _seconds(value)
+    if not 0 <= number < float("inf"):
         raise ValueError("expected a number of seconds >= 0")
     return number
 
