@@ -22,6 +22,7 @@ def fuse3_cflags() -> list[str]:
 setup(ext_modules=[
     Extension("shardfs.fuse._shim", ["shardfs/fuse/_shim.c"],
               depends=["shardfs/fuse/_shim_meta.c",  # #included by _shim.c
-                       "shardfs/fuse/_shim_arena.c"],  # #included by _shim_meta.c
-              extra_compile_args=fuse3_cflags(), libraries=["dl"], optional=True),
+                       "shardfs/fuse/_shim_arena.c",  # #included by _shim_meta.c
+                       "shardfs/fuse/_shim_reader.c"],  # #included by _shim.c
+              extra_compile_args=fuse3_cflags(), libraries=["dl", "pthread"], optional=True),
 ])

@@ -413,7 +413,8 @@ def run(cfg: MountConfig, cache: ShardCache, on_ready: Callable[[str], None]) ->
                                     sum(catalog.data_sizes or [s.size for s in catalog.shards]),
                                     worker_address(cfg.control_socket, os.getpid()), cfg.max_tasks)
                 zygote = Zygote(lambda clone: run_worker(setup, clone),
-                                keep_fds=(shim.session_fd(),),
+                                keep_fds=tuple(fd for fd in (shim.session_fd(),
+                                                             shim.reader_wait_fd()) if fd >= 0),
                                 log_path=cfg.log_path if cfg.detached else None)
                 zygote.start()
             else:

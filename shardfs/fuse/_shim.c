@@ -28,6 +28,10 @@
  *    negotiated protocol minor, capabilities, max_write) and catches the reply, which the
  *    kernel must not see twice. Only public libfuse API is used.
  *
+ * 6. The reader thread (_shim_reader.c, included below): a thread of C reads /dev/fuse,
+ *    answers what item 4 answers without waking pyfuse3's loop, and hands it the rest
+ *    (fuse_session_fd gives pyfuse3 an eventfd to wait on).
+ *
  * No libfuse3 link at build time: the real functions are looked up in the already loaded
  * libfuse3 (pyfuse3 loaded it) on first use.
  */
@@ -77,6 +81,8 @@ static void *patched_ops;          /* our copy of the caller's ops, READ replace
 static struct fuse_session *last_session;
 static int sessions_patched;
 
+#include "_shim_reader.c"
+
 static void *real(const char *name)
 {
     static void *libfuse;
@@ -93,9 +99,16 @@ static void read_with_inode(fuse_req_t req, fuse_ino_t ino, size_t size, off_t o
 {
     if (fi != NULL && fi->fh == 0)
         fi->fh = ino;
-    if (fast_read(req, ino, size, off))
-        return;
-    real_read(req, ino, size, off, fi);
+    int answered;
+    if (serving) {   /* from drain_serving, which holds serve_mu */
+        answered = fast_read(req, ino, size, off);
+    } else {
+        pthread_mutex_lock(&serve_mu);
+        answered = fast_read(req, ino, size, off);
+        pthread_mutex_unlock(&serve_mu);
+    }
+    if (!answered)
+        real_read(req, ino, size, off, fi);
 }
 
 struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_lowlevel_ops *op,
@@ -187,13 +200,15 @@ int fuse_session_receive_buf(struct fuse_session *se, struct fuse_buf *buf)
     }
     if (next == NULL)
         return -ENOSYS;
+    if (reader_running && se == last_session)
+        return handed_request(buf);   /* the reader thread receives (_shim_reader.c) */
     int res = next(se, buf);
     if (res > 0 && init_request_len == 0)
         note_init(buf, res);
     /* Answer what C can answer without going back to pyfuse3's loop (_shim_meta.c). */
     uint64_t began = 0;
     while (res > 0 && process != NULL && session_fd != NULL
-           && drain_in_c(se, buf, res, process)) {
+           && drain_serving(se, buf, res, process)) {
         if (!readable_now(session_fd(se)) && !linger(session_fd(se), &began))
             return -EINTR;   /* pyfuse3: nothing to do, wait again */
         res = next(se, buf);

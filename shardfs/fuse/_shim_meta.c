@@ -403,8 +403,9 @@ int shardfs_shim_serve_reads(const struct fast_arrays *arrays, size_t size)
     return 0;
 }
 
-/* A read whose bytes were read before libfuse dispatched it (see drain_in_c). */
-static struct {
+/* A read whose bytes were read before libfuse dispatched it (see drain_in_c); per thread, as
+ * the reader thread's (_shim_reader.c) and pyfuse3's both answer READs. */
+static __thread struct {
     int ready;
     fuse_ino_t ino;
     off_t off;
@@ -424,11 +425,11 @@ enum { FROM_COMPLETE, FROM_FRONTIER, FROM_ARENA };
  * (complete, or below the frontier of its fetch, held open here, the bytes in the page cache:
  * RWF_NOWAIT). The byte count, or -1 when Python must answer (a sparse or compressed file,
  * bytes neither in the arena nor on disk in memory). */
-static char *fast_buf;
+static __thread char *fast_buf;
 static ssize_t fast_prepare(fuse_ino_t ino, size_t size, off_t off, uint32_t *shard,
                             int *from)
 {
-    static size_t cap;
+    static __thread size_t cap;
     if (fast_fds == NULL || !meta_valid(ino) || off < 0)
         return -1;
     uint64_t i = ino - 1;

@@ -10,7 +10,9 @@ few hundred microseconds of Python on 2 cores (docs/benchmarks-notes.md, "Arena 
 The shim records each read it served in `taken` (shard, member offset, arena offset, bytes);
 `collect` empties it, and the worker reports those reads as its own arena reads (the daemon
 frees members once read and fetches on). When `taken` is full, reads go to Python, which asks
-the daemon for them, until the next collection. Everything runs on the serving loop's thread.
+the daemon for them, until the next collection. The shim's reader thread (docs/pyfuse3.md)
+answers such reads too, without the GIL: the table and `taken` change here only under
+`shim.paused()`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ class ArenaReads:
         self.taken_len = array("Q", [0])
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            res = shim.arena_map(fd, total, size, self.taken, self.taken_len)
+            with shim.paused():
+                res = shim.arena_map(fd, total, size, self.taken, self.taken_len)
         finally:
             os.close(fd)
         if res != 0:
@@ -40,21 +43,24 @@ class ArenaReads:
     @staticmethod
     def landed(entries: list[tuple[int, int, int, int]]) -> None:
         """(shard, member offset, arena offset, generation) of members that landed."""
-        for shard, member_off, at, gen in entries:
-            shim.arena_put(shard, member_off, at, gen)
+        with shim.paused():
+            for shard, member_off, at, gen in entries:
+                shim.arena_put(shard, member_off, at, gen)
 
     @staticmethod
     def gone(entries: list[tuple[int, int, int, int]]) -> None:
         """The same for members that left the arena."""
-        for shard, member_off, at, gen in entries:
-            shim.arena_drop(shard, member_off, at, gen)
+        with shim.paused():
+            for shard, member_off, at, gen in entries:
+                shim.arena_drop(shard, member_off, at, gen)
 
     def collect(self) -> list[tuple[int, int, int, int]]:
         """The reads the shim served since the last call: (shard, member offset, arena
         offset, bytes) each."""
-        n = self.taken_len[0]
-        if n == 0:
+        if self.taken_len[0] == 0:
             return []
-        flat = self.taken[: 4 * n]
-        self.taken_len[0] = 0
+        with shim.paused():
+            n = self.taken_len[0]
+            flat = self.taken[: 4 * n]
+            self.taken_len[0] = 0
         return list(zip(flat[0::4], flat[1::4], flat[2::4], flat[3::4], strict=True))

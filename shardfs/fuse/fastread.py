@@ -16,8 +16,9 @@ shard's current generation, and the bytes are in the page cache; the rest comes 
   `collect`, which hands them to whoever keeps the stats (the daemon's Reader, or a worker's
   notes to it).
 
-Everything runs on the thread of the serving loop, which holds the GIL while the C wrapper
-runs, so the arrays need no locks.
+The C side reads these arrays on the shim's reader thread too (docs/pyfuse3.md), which never
+takes the GIL: every change and collection here happens under `shim.paused()`, the mutex the
+C answers hold.
 """
 
 from __future__ import annotations
@@ -78,9 +79,10 @@ class FastReads:
         self._open: set[int] = set()  # shards with a descriptor
         self._carried = Collected([], 0, 0, 0)  # counts of shards closed since collected
         avail, gen = states.addresses()
-        self.active = shim.serve_reads(avail, gen, fds=self.fds, fd_gen=self.fd_gen,
-                                       complete=self.complete, frontier=self.frontier,
-                                       nbytes=self.nbytes)
+        with shim.paused():
+            self.active = shim.serve_reads(avail, gen, fds=self.fds, fd_gen=self.fd_gen,
+                                           complete=self.complete, frontier=self.frontier,
+                                           nbytes=self.nbytes)
 
     def offer(self, shard: int) -> None:
         """Open the shard's cache file for C reads if bytes of it are on disk."""
@@ -93,15 +95,19 @@ class FastReads:
         if self.states.gen[shard] != gen:  # went away while we opened it
             os.close(fd)
             return
-        self.fd_gen[shard] = gen
-        self.fds[shard] = fd
+        with shim.paused():
+            self.fd_gen[shard] = gen
+            self.fds[shard] = fd
         self._open.add(shard)
 
     def close_stale(self) -> None:
         """Close descriptors of cache files the daemon has removed since they were opened."""
-        for shard in list(self._open):
-            if self.states.gen[shard] != self.fd_gen[shard]:
-                fd, self.fds[shard] = self.fds[shard], -1  # C stops using it first
+        stale = [shard for shard in self._open if self.states.gen[shard] != self.fd_gen[shard]]
+        if not stale:
+            return
+        with shim.paused():  # C stops using them first
+            for shard in stale:
+                fd, self.fds[shard] = self.fds[shard], -1
                 self._open.discard(shard)
                 os.close(fd)
                 self._take(shard, self._carried)
@@ -116,8 +122,9 @@ class FastReads:
     def collect(self) -> Collected:
         """The reads answered in C since the last call (empty reads at a file's end too)."""
         got, self._carried = self._carried, Collected([], 0, 0, 0)
-        for shard in self._open:
-            if self.complete[shard] or self.frontier[shard]:
-                self._take(shard, got)
-        got.nbytes, self.nbytes[0] = self.nbytes[0], 0
+        with shim.paused():
+            for shard in self._open:
+                if self.complete[shard] or self.frontier[shard]:
+                    self._take(shard, got)
+            got.nbytes, self.nbytes[0] = self.nbytes[0], 0
         return got

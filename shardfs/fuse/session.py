@@ -21,7 +21,9 @@ def mount(ops: ShardFS, mountpoint: str, options: set[str], *, fuse_fd: int | No
     `fuse_fd`: serve this already-open /dev/fuse descriptor, which another process mounted
     (libfuse >= 3.3 takes a mountpoint "/dev/fd/N" as "use N, do not mount"); libfuse then
     never unmounts it either: the process that mounted it does."""
-    shim.serve_metadata(ops.tree, uid=ops.uid, gid=ops.gid, timeout=TIMEOUT)
+    in_c = shim.serve_metadata(ops.tree, uid=ops.uid, gid=ops.gid, timeout=TIMEOUT)
+    if in_c and shim.reader_thread_wanted() and not shim.use_reader():
+        log.warning("the shim's reader thread cannot be set up: requests go to pyfuse3's loop")
     pyfuse3.init(ops, mountpoint if fuse_fd is None else f"/dev/fd/{fuse_fd}", options)
     if shim.active():
         log.info("serving reads without OPEN requests, metadata %s (pyfuse3 shim in effect)",
@@ -78,8 +80,21 @@ def resume(ops: ShardFS, fuse_fd: int, init_request: bytes, options: set[str]) -
 
 
 async def serve(max_tasks: int) -> None:
-    """Answer requests until the kernel ends the session (unmount) or the task is cancelled."""
-    await pyfuse3.main(max_tasks=max_tasks)
+    """Answer requests until the kernel ends the session (unmount) or the task is cancelled.
+    With the shim's reader thread (docs/pyfuse3.md), requests are read by that thread, started
+    here in the process that serves (after any fork) and stopped when the loop ends."""
+    threaded = shim.reader_wait_fd() >= 0 and shim.active()
+    if threaded:
+        res = shim.start_reader()
+        if res != 0:
+            log.warning("the shim's reader thread did not start (%s): requests go to "
+                        "pyfuse3's loop", os.strerror(-res))
+            threaded = False
+    try:
+        await pyfuse3.main(max_tasks=max_tasks)
+    finally:
+        if threaded:
+            shim.stop_reader()
 
 
 def close(*, unmount: bool) -> None:

@@ -9,6 +9,7 @@ filesystem keeps its open-based read path when it is not.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import importlib.util
@@ -16,6 +17,7 @@ import logging
 import os
 import sys
 from array import array
+from collections.abc import Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -261,8 +263,9 @@ def arena_read(shard: int, member_off: int, off: int, n: int) -> bytes | None:
     taken), or None when the shim would leave the read to Python. For tests."""
     assert _lib is not None
     buf = ctypes.create_string_buffer(max(1, n))
-    got = _lib.shardfs_shim_arena_read(ctypes.c_uint32(shard), ctypes.c_uint64(member_off),
-                                       ctypes.c_uint64(off), ctypes.c_uint64(n), buf)
+    with paused():
+        got = _lib.shardfs_shim_arena_read(ctypes.c_uint32(shard), ctypes.c_uint64(member_off),
+                                           ctypes.c_uint64(off), ctypes.c_uint64(n), buf)
     return None if got < 0 else buf.raw[:n]
 
 
@@ -315,6 +318,59 @@ def push(fd: int, entries: array, first: int, count: int, parent: array, mountpo
     address = entries.buffer_info()[0] + first * entries.itemsize
     return _push_fn(fd, address, count, parent.buffer_info()[0], mountpoint,
                     ctypes.byref(counts), ctypes.sizeof(counts))
+
+
+def reader_thread_wanted() -> bool:
+    """Whether requests are read by the shim's thread of C (_shim_reader.c): yes unless
+    SHARDFS_FUSE_THREAD=0, kept to measure one against the other."""
+    return os.environ.get("SHARDFS_FUSE_THREAD", "1") != "0"
+
+
+def use_reader() -> bool:
+    """Before pyfuse3.init(): have pyfuse3 wait for requests the reader thread hands over
+    (start_reader must then run in the process that serves). False if it cannot."""
+    return _lib is not None and _lib.shardfs_shim_use_reader() == 0
+
+
+def reader_wait_fd() -> int:
+    """The descriptor pyfuse3 waits on instead of the session's (-1: none); a process forked
+    to serve must keep it open."""
+    return -1 if _lib is None else _lib.shardfs_shim_reader_wait_fd()
+
+
+def start_reader() -> int:
+    """Start the reader thread in this process, on the session it serves; 0 or -errno (the
+    session is then served by pyfuse3's loop as without the thread)."""
+    return -errno.ENOSYS if _lib is None else _lib.shardfs_shim_start_reader()
+
+
+def stop_reader() -> None:
+    """Stop the reader thread (after pyfuse3's loop has ended) and wait for it."""
+    if _lib is not None:
+        _lib.shardfs_shim_stop_reader()
+
+
+def reader_counts() -> tuple[int, int]:
+    """Requests the reader thread answered in C, and handed to pyfuse3, in this process."""
+    if _lib is None:
+        return 0, 0
+    answered, handed = ctypes.c_uint64(), ctypes.c_uint64()
+    _lib.shardfs_shim_reader_counts(ctypes.byref(answered), ctypes.byref(handed))
+    return answered.value, handed.value
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Hold off the shim's C answers (the reader thread's included) while Python changes or
+    collects what they read: fastread.py's descriptors and counts, the arena table."""
+    if _lib is None:
+        yield
+        return
+    _lib.shardfs_shim_pause_serving()
+    try:
+        yield
+    finally:
+        _lib.shardfs_shim_resume_serving()
 
 
 def metadata_in_c() -> bool:
