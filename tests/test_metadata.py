@@ -148,3 +148,46 @@ def test_pythons_open_is_answered_in_c(shards: list[str], mounter: Mounter, work
     finally:
         os.close(fd)
     assert m.stats()["ioctls"] - before >= len(names) + 1
+
+
+def _thread_names(pid: int) -> list[str]:
+    return [(task / "comm").read_text().strip()
+            for task in Path(f"/proc/{pid}/task").iterdir()]
+
+
+@needs_shim
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_reader_thread_answers_in_c_and_hands_over_the_rest(
+        shards: list[str], mounter: Mounter, workers: str, monkeypatch: pytest.MonkeyPatch):
+    """Each serving process (the daemon, or each worker) reads its requests on the shim's
+    reader thread (docs/pyfuse3.md): what C answers (here the LOOKUPs and GETATTRs after the
+    dentries are dropped) never reaches pyfuse3's loop; what C cannot answer (STATFS,
+    getxattr) is handed to it and answered there. SHARDFS_FUSE_THREAD=0: no such thread,
+    the same answers."""
+    monkeypatch.delenv("SHARDFS_FUSE_THREAD", raising=False)
+    m = mounter.mount(shards, None, None, "--no-warm", "--workers", workers)
+    stats = m.stats()
+    serving = stats["workers"] or [stats["pid"]]
+    assert len(serving) == int(workers)
+    for pid in serving:
+        assert "shardfs-fuse" in _thread_names(pid), pid
+    first = _snapshot(m.mountpoint)
+    before = m.stats()["fuse_requests"]
+    Path("/proc/sys/vm/drop_caches").write_text("2\n")
+    assert _snapshot(m.mountpoint) == first
+    assert os.statvfs(m.mountpoint).f_bsize > 0  # STATFS: pyfuse3's
+    with pytest.raises(OSError):
+        os.getxattr(m.mountpoint / "a" / "run.sh", "user.none")  # GETXATTR: pyfuse3's
+    after = m.stats()["fuse_requests"]
+    assert after["in_c"] - before["in_c"] >= len(first) // 2  # a LOOKUP per path at least
+    assert after["to_python"] - before["to_python"] >= 2
+    m.unmount()
+
+    monkeypatch.setenv("SHARDFS_FUSE_THREAD", "0")  # the daemon inherits it
+    m = mounter.mount(shards, None, None, "--no-warm", "--workers", workers)
+    stats = m.stats()
+    for pid in stats["workers"] or [stats["pid"]]:
+        assert "shardfs-fuse" not in _thread_names(pid), pid
+    Path("/proc/sys/vm/drop_caches").write_text("2\n")
+    assert _snapshot(m.mountpoint) == first
+    assert m.stats()["fuse_requests"] == {"in_c": 0, "to_python": 0}

@@ -226,6 +226,12 @@ class Mounted:
             # IOCTL requests answered in C (Python's open() asks isatty() of each file)
             "ioctls": shim.ioctls_answered()
             + (self.workers.ioctls if self.workers is not None else 0),
+            # FUSE requests the shim's reader thread answered in C, and handed to pyfuse3
+            "fuse_requests": dict(zip(("in_c", "to_python"), (
+                own + theirs for own, theirs in zip(
+                    shim.reader_counts(),
+                    self.workers.fuse_requests if self.workers is not None else (0, 0),
+                    strict=True)), strict=True)),
             "uptime_s": round(time.monotonic() - self.started, 3),
             # daemons that took this mount over from a dead or replaced one (--takeover)
             "takeovers": session.takeovers,

@@ -260,6 +260,7 @@ class WorkerPool:
         self.restarts = 0
         self.opens = 0  # OPEN requests the workers answered
         self.ioctls = 0  # IOCTL requests their shims answered
+        self.fuse_requests = [0, 0]  # their reader threads': answered in C, handed to pyfuse3
         self._all_serving = trio.Event()
         self._sharing: set[Channel] = set()  # workers that map the lookahead arena
         self._unmounted = trio.Event()
@@ -381,10 +382,13 @@ class WorkerPool:
 
     def _note_reads(self, pid: int | None, shards: list[int], nbytes: int, cache_hits: int,
                     frontier_hits: int, inline: int, threaded: int, in_c: int,
-                    opens: int, ioctls: int) -> None:
+                    opens: int, ioctls: int, requests_in_c: int, requests_to_python: int
+                    ) -> None:
         self.reader.note_reads(("worker", pid), shards, nbytes, cache_hits, frontier_hits)
         self.opens += opens
         self.ioctls += ioctls
+        self.fuse_requests[0] += requests_in_c
+        self.fuse_requests[1] += requests_to_python
         self.reader.disk.inline += inline
         self.reader.disk.threaded += threaded
         self.reader.disk.in_c += in_c

@@ -57,11 +57,13 @@ class RemoteReader:
         self._bytes = 0
         self._cache_hits = 0
         self._frontier_hits = 0
-        # disk reads inline, threaded, in C; OPENs; IOCTLs answered in C: as last sent
-        self._sent = (0, 0, 0, 0, 0)
+        # disk reads inline, threaded, in C; OPENs; IOCTLs answered in C; requests the shim's
+        # reader thread answered in C and handed to pyfuse3: as last sent
+        self._sent = (0, 0, 0, 0, 0, 0, 0)
         self._sending = trio.Lock()  # one note at a time (see send_notes)
         self.opens: Callable[[], int] = lambda: 0  # OPEN requests this worker answered
         self.ioctls: Callable[[], int] = lambda: 0  # IOCTL requests its shim answered
+        self.fuse_requests: Callable[[], tuple[int, int]] = lambda: (0, 0)  # its reader thread's
         self.fast: FastReads | None = None  # reads answered in C, reported with ours
         # Members the daemon fetched ahead (shardfs.torch.Lookahead) in the shared arena:
         # (shard, member offset) -> (arena offset, generation); see shardfs/read/arena.py.
@@ -200,7 +202,8 @@ class RemoteReader:
             self._frontier_hits += got.frontier
             self.disk.in_c += len(got.shards)
         disk = self.disk
-        counted = (disk.inline, disk.threaded, disk.in_c, self.opens(), self.ioctls())
+        counted = (disk.inline, disk.threaded, disk.in_c, self.opens(), self.ioctls(),
+                   *self.fuse_requests())
         if self._shards or counted != self._sent:
             note = ("reads", self._shards, self._bytes, self._cache_hits, self._frontier_hits,
                     *(now - sent for now, sent in zip(counted, self._sent, strict=True)))

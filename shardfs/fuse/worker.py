@@ -105,6 +105,7 @@ async def _serve(setup: WorkerSetup) -> None:
     ops.fast = reader.fast = FastReads(setup.states, setup.shards_dir, setup.keys)
     reader.opens = lambda: ops.opens
     reader.ioctls = shim.ioctls_answered
+    reader.fuse_requests = shim.reader_counts
 
     async def stats_json() -> bytes:
         return (await caller.call("stats"))[1]
