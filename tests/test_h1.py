@@ -7,12 +7,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import http.server
-import os
 import socket
 import ssl
 import subprocess
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -459,63 +457,3 @@ def test_a_mount_behind_a_proxy_says_its_gets_go_through_httpx(
                                text=True, check=True).stdout
         assert " through httpx" in human, human
         assert m.log().count("a proxy is set in the environment") == 1, m.log()
-
-
-async def _stream_into(source: HttpSource, shard, start: int, end: int, into: int) -> int:
-    """stream_into's pieces, each checked to be in the file at its offset when it comes."""
-    pos = start
-    async for piece in source.stream_into(shard, start, end, into):
-        assert os.pread(into, len(piece), pos) == piece, pos
-        pos += len(piece)
-    return pos
-
-
-@pytest.mark.parametrize("scheme", ["http", "https"])
-def test_stream_into_writes_each_piece_before_yielding_it(scheme: str, request,
-                                                          tmp_path: Path) -> None:
-    """HttpSource.stream_into (a whole-shard download's path, docs/design.md "Threads and
-    blocking"): each piece is in the cache file when it is yielded; over plain http a worker
-    thread received and wrote it (h1's threaded_bytes), over TLS the loop did."""
-    server: Nginx = request.getfixturevalue("nginx" if scheme == "http" else "https_nginx")
-    data = put(server.root, "a.tar", size=3_000_017)
-    into = os.open(tmp_path / "part", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        async def check(source: HttpSource) -> None:
-            shard = await source.stat(f"{server.url}/a.tar")
-            for start, end in ((0, shard.size), (1_234_567, 2_999_999)):
-                assert await _stream_into(source, shard, start, end, into) == end
-                assert os.pread(into, end - start, start) == data[start:end]
-            # All but what came in the receives that read the answers' heads (the loop's).
-            threaded, asked = pool(source).threaded_bytes, shard.size + 2_999_999 - 1_234_567
-            assert (asked // 2 < threaded <= asked) if scheme == "http" else threaded == 0
-
-        with_http(check)
-    finally:
-        os.close(into)
-
-
-def test_a_stalled_body_received_in_a_thread_ends_when_cancelled(nginx: Nginx,
-                                                                 tmp_path: Path) -> None:
-    """A thread receiving a stalled body checks every POLL_MS whether its GET was cancelled
-    (a daemon stopping), rather than waiting out the request timeout (20 s here)."""
-    put(nginx.root, "a.tar", size=2_000_000)
-    patient = SourceSettings(timeout=20.0, deadline=60.0, chunk_size=1 << 20)
-    into = os.open(tmp_path / "part", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        with FaultProxy(nginx.port) as proxy:
-            async def check(source: HttpSource) -> float:
-                shard = await source.stat(f"http://127.0.0.1:{proxy.port}/a.tar")
-                proxy.stall(60, after_bytes=500_000)
-                got = 0
-                began = time.monotonic()
-                with trio.move_on_after(1.0):
-                    async for piece in source.stream_into(shard, 0, shard.size, into):
-                        got += len(piece)
-                assert 0 < got < shard.size
-                return time.monotonic() - began
-
-            took = with_http(check, patient)
-            proxy.release_stalls()
-        assert took < 10, took  # cancelled after 1 s: not the 20 s of a request timeout
-    finally:
-        os.close(into)

@@ -38,18 +38,8 @@ from collections.abc import AsyncIterator
 import httpx
 import trio
 
-from shardfs.util.fileio import pwrite_all
-
 HEAD_LIMIT = 64 << 10  # a response's status line and headers; more is a protocol error
 RECEIVE_BYTES = 1 << 20  # most bytes asked of one receive (a receive returns what arrived)
-# A body received in a thread (`Answer.aiter_into`) comes back to the loop in pieces of up to
-# RECEIVE_BYTES, sooner once PIECE_AT_LEAST bytes came and no more are waiting, and with
-# fewer once none came for GRACE_MS: readers waiting on a download's frontier see its bytes
-# about as soon as from a loop's receive, and a stalled GET's last bytes are not held back.
-PIECE_AT_LEAST = 64 << 10
-GRACE_MS = 2
-POLL_MS = 100  # how often a receiving thread asks whether its GET was cancelled
-RECEIVE_THREAD = "shardfs-receive"
 PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY",
                    "ALL_PROXY")
 
@@ -201,39 +191,6 @@ class _Body(httpx.AsyncByteStream):
             self._left -= len(data)
             yield data
 
-    def threadable(self) -> bool:
-        """Whether a thread may receive this body (plain TCP; TLS stays on the loop)."""
-        return self._conn is not None and isinstance(self._conn.stream, trio.SocketStream)
-
-    async def pieces_into(self, into: int, at: int) -> AsyncIterator[bytearray | bytes]:
-        """As iterating, each piece also written at `at` onwards in the file `into` before
-        it is yielded: received and written by a worker thread (plain TCP only, see
-        `threadable`), off the loop that answers FUSE requests (issue 26)."""
-        conn = self._conn
-        if conn is None:
-            return
-        buffer = conn.buffer
-        if buffer and self._left:  # what came with the head: written here (small)
-            piece = bytes(buffer[: self._left])
-            del buffer[: len(piece)]
-            self._left -= len(piece)
-            pwrite_all(into, piece, at)
-            at += len(piece)
-            yield piece
-        fd = conn.socket.fileno()
-        while self._left:
-            data = await trio.to_thread.run_sync(
-                _receive_into, fd, min(self._left, RECEIVE_BYTES), into, at,
-                self._pool.timeout, thread_name=RECEIVE_THREAD)
-            if not data:
-                raise httpx.RemoteProtocolError(
-                    f"server closed the connection with {self._left} bytes of the body "
-                    "still to come")
-            self._left -= len(data)
-            at += len(data)
-            self._pool.threaded_bytes += len(data)
-            yield data
-
     async def aclose(self) -> None:
         conn, self._conn = self._conn, None
         if conn is None:
@@ -242,49 +199,6 @@ class _Body(httpx.AsyncByteStream):
             self._pool.release(self._origin, conn)
         else:
             await self._pool.discard(conn)
-
-
-def _receive_into(sock: int, size: int, into: int, at: int, timeout: float) -> bytearray:
-    """In a worker thread: receive up to `size` bytes from the (non-blocking) socket `sock`
-    and write them at `at` in the file `into`. Returns once `size` came, or PIECE_AT_LEAST
-    came and no more are waiting, or some came and no more for GRACE_MS, or at EOF (empty:
-    nothing came). ReadTimeout after
-    `timeout` s without a byte; trio.Cancelled when the GET is cancelled (checked every
-    POLL_MS); ReadError when the connection fails. The bytes are returned as received (a
-    bytearray, no copy), for the caller's checks."""
-    buf = bytearray(size)
-    view = memoryview(buf)
-    got = 0
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    quiet_since = time.monotonic()
-    try:
-        while got < size:
-            try:
-                n = os.readv(sock, [view[got:]])
-            except BlockingIOError:
-                if got >= PIECE_AT_LEAST:
-                    break
-                trio.from_thread.check_cancelled()
-                if poller.poll(GRACE_MS if got else POLL_MS):
-                    continue
-                if got:
-                    break
-                if time.monotonic() - quiet_since > timeout:
-                    raise httpx.ReadTimeout(f"no bytes for {timeout:g} s") from None
-                continue
-            except OSError as e:
-                raise httpx.ReadError(str(e)) from e
-            if n == 0:
-                break
-            got += n
-            quiet_since = time.monotonic()
-        if got:
-            pwrite_all(into, view[:got], at)
-    finally:
-        view.release()
-    del buf[got:]
-    return buf
 
 
 _Head = tuple[int, bytes, bytes, Headers, "_Body"]  # status, reason, version, headers, body
@@ -315,16 +229,6 @@ class Answer:
     def aiter_raw(self) -> AsyncIterator[bytes]:
         self.is_stream_consumed = True
         return self._body.__aiter__()
-
-    def threadable(self) -> bool:
-        """Whether `aiter_into` receives in a thread (plain TCP; not over TLS)."""
-        return self._body.threadable()
-
-    def aiter_into(self, into: int, at: int) -> AsyncIterator[bytearray | bytes]:
-        """The body, each piece received and written at `at` onwards in the file `into` by a
-        worker thread before it is yielded (see `_Body.pieces_into`); needs `threadable`."""
-        self.is_stream_consumed = True
-        return self._body.pieces_into(into, at)
 
     async def aclose(self) -> None:
         await self._body.aclose()
@@ -372,7 +276,6 @@ class Http11Pool:
         self._tls: ssl.SSLContext | None = None  # made at the first https:// request
         self.opened = 0  # connections opened (for tests and benchmarks)
         self.sent = 0  # requests sent
-        self.threaded_bytes = 0  # body bytes received and written by worker threads
 
     def takes(self, request: httpx.Request) -> bool:
         url = request.url

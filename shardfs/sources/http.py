@@ -31,7 +31,6 @@ from shardfs.sources.base import (
 )
 from shardfs.sources.budget import RequestBudget
 from shardfs.sources.h1 import Answer, Http11Pool, NotForUs, RequestHead, proxy_in_environment
-from shardfs.util.fileio import pwrite_all
 
 GONE = frozenset({403, 404, 410})
 RETRYABLE = frozenset({408, 429})  # plus every 5xx
@@ -295,22 +294,6 @@ class HttpSource:
     # -- stream -------------------------------------------------------------------------------
 
     async def stream(self, shard: ShardInfo, start: int, end: int) -> AsyncIterator[bytes]:
-        async for data in self._stream(shard, start, end, None):
-            yield data
-
-    async def stream_into(self, shard: ShardInfo, start: int, end: int,
-                          into: int) -> AsyncIterator[bytes]:
-        """As `stream`, each piece also written at its offset in the shard into the file
-        `into` (the reader's cache file) before it is yielded: by the worker thread that
-        received it where the GET's answer allows (a ranged answer over plain TCP: h1's
-        `Answer.aiter_into`), else here. Off the loop, a download's receives and writes no
-        longer cost the thread that answers FUSE requests (issue 26; docs/design.md,
-        "Threads and blocking"). An OSError of the write is raised as the caller's own."""
-        async for data in self._stream(shard, start, end, into):
-            yield data
-
-    async def _stream(self, shard: ShardInfo, start: int, end: int,
-                      into: int | None) -> AsyncIterator[bytes]:
         check_span(shard, start, end)
         pos = start
         # Only bytes count as progress here: a server that answers and then drops every
@@ -331,23 +314,16 @@ class HttpSource:
                     # A whole-only shard is always sent from byte 0: skip what we already
                     # yielded (a resumed transfer) or what the caller did not ask for.
                     at = 0 if shard.whole_only else pos
-                    # Received and written by a thread: an answer that is exactly the range.
-                    threaded = into is not None and isinstance(resp, Answer) and not cut \
-                        and at == pos and resp.status_code == 206 and resp.threadable()
-                    body = resp.aiter_into(into, pos) if threaded else resp.aiter_raw()
-                    async for data in body:
+                    async for data in resp.aiter_raw():
                         self.stats.bytes_received += len(data)
                         if at < pos:
                             skip = min(len(data), pos - at)
                             at += skip
                             data = data[skip:]
-                        if len(data) > stop - pos:
-                            data = data[: stop - pos]
+                        data = data[: stop - pos]
                         at += len(data)
-                        if into is not None and not threaded:
-                            pwrite_all(into, data, pos)
                         for i in range(0, len(data), chunk):
-                            piece = data[i : i + chunk] if len(data) > chunk else data
+                            piece = data[i : i + chunk]
                             pos += len(piece)
                             yield piece
                             # After the yield: time the consumer spends is not our stall.
