@@ -24,6 +24,7 @@
  */
 #include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -221,7 +222,12 @@ int shardfs_shim_start_reader(void)
     if (stop_fd >= 0)
         close(stop_fd);
     stop_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    /* Signals stay with Python's threads: the thread starts with all of them blocked. */
+    sigset_t all, before;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &before);
     int err = stop_fd < 0 ? errno : pthread_create(&reader, NULL, reader_main, last_session);
+    pthread_sigmask(SIG_SETMASK, &before, NULL);
     if (err != 0) {
         dup3(shardfs_shim_session_fd(), hand_fd, O_CLOEXEC);   /* serve without it */
         return -err;
