@@ -226,12 +226,7 @@ class Mounted:
             # IOCTL requests answered in C (Python's open() asks isatty() of each file)
             "ioctls": shim.ioctls_answered()
             + (self.workers.ioctls if self.workers is not None else 0),
-            # FUSE requests the shim's reader thread answered in C, and handed to pyfuse3
-            "fuse_requests": dict(zip(("in_c", "to_python"), (
-                own + theirs for own, theirs in zip(
-                    shim.reader_counts(),
-                    self.workers.fuse_requests if self.workers is not None else (0, 0),
-                    strict=True)), strict=True)),
+            "fuse_requests": _fuse_requests(self.workers),
             "uptime_s": round(time.monotonic() - self.started, 3),
             # daemons that took this mount over from a dead or replaced one (--takeover)
             "takeovers": session.takeovers,
@@ -377,6 +372,16 @@ def _raise_fd_limit() -> None:
     if soft != resource.RLIM_INFINITY and soft < hard:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _fuse_requests(workers: WorkerPool | None) -> dict[str, int]:
+    """FUSE requests the shim's reader threads answered in C, and handed to pyfuse3: this
+    process's and its workers'."""
+    in_c, to_python = shim.reader_counts()
+    if workers is not None:
+        in_c += workers.fuse_requests[0]
+        to_python += workers.fuse_requests[1]
+    return {"in_c": in_c, "to_python": to_python}
 
 
 def run(cfg: MountConfig, cache: ShardCache, on_ready: Callable[[str], None]) -> None:
