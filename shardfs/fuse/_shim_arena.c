@@ -13,8 +13,9 @@
  * recorded in `taken`, which Python collects and reports to the daemon (it frees members
  * once read and fetches on); when `taken` is full, reads go to Python until it is collected.
  *
- * Only the thread of the serving loop touches any of this (the table is changed by Python
- * calls made on that thread, under the GIL; reads are answered there too), so no locks.
+ * The table and `taken` are changed by Python (arenareads.py) and read by whichever thread
+ * answers a READ (pyfuse3's, or the reader thread of _shim_reader.c): both sides hold
+ * `serve_mu` while they do (Python through shim.paused()).
  */
 #include <sys/mman.h>
 

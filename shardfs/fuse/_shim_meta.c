@@ -504,7 +504,9 @@ static int fast_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off)
 
 /*
  * Requests answered in C still cost a wake-up of pyfuse3's loop each (a trio lock and a
- * wait for readability, tens of microseconds of Python). So after receiving a request, the
+ * wait for readability, tens of microseconds of Python) where the reader thread
+ * (_shim_reader.c) does not read them: it answers them with drain_in_c too. Without it, after
+ * receiving a request, the
  * wrapper of fuse_session_receive_buf answers it right there if it is one of ours and the
  * next one is already waiting, and goes on until the queue is empty (pyfuse3 waits again)
  * or a request needs Python (handed to pyfuse3 as if just received).

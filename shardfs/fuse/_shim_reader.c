@@ -212,13 +212,6 @@ int shardfs_shim_start_reader(void)
         return -err;
     }
     close(fresh);
-    while (hand_head != NULL) {   /* what an earlier thread left (a fork's copy) */
-        struct handed *h = hand_head;
-        hand_head = h->next;
-        free(h->data);
-        free(h);
-    }
-    hand_tail = NULL;
     if (stop_fd >= 0)
         close(stop_fd);
     stop_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
