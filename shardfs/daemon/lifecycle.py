@@ -51,6 +51,7 @@ from shardfs.read.lookahead import Lookahead, LookaheadPolicy
 from shardfs.read.reader import Reader, ReadPolicy
 from shardfs.read.states import ShardStates
 from shardfs.sources import ShardInfo, Sources, SourceSettings
+from shardfs.util.gcfreeze import freeze_startup_objects
 from shardfs.util.proc import cpu_seconds
 from shardfs.util.progress import ProgressLine
 
@@ -687,6 +688,8 @@ async def _serve_mounted(mounted: Mounted, zygote: Zygote | None,
             if catalog.skipped:
                 log.warning("members not exposed (unsafe names, devices, links leaving the "
                             "tree, ...): %s", catalog.skipped)
+            frozen = freeze_startup_objects()  # full collections: not through the catalog again
+            log.debug("%d objects exempt from garbage collection", frozen)
             on_ready(summary)
             async for signum in signals:
                 if signum == HANDOVER_SIGNAL:

@@ -36,6 +36,7 @@ from shardfs.fuse.fastread import FastReads
 from shardfs.fuse.ops import ShardFS
 from shardfs.fuse.remote import RemoteReader, daemon_gone
 from shardfs.read.states import ShardStates
+from shardfs.util.gcfreeze import freeze_startup_objects
 from shardfs.util.rpc import Caller, Channel, ChannelClosed
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ async def _serve(setup: WorkerSetup) -> None:
         nursery.start_soon(until_daemon_gone)
         nursery.start_soon(reader.report)
         await caller.notify("hello", os.getpid())
+        freeze_startup_objects()  # what the zygote and this process built stays: see gcfreeze
         await fuse_session.serve(setup.max_tasks)  # ends when the mount goes away
         nursery.cancel_scope.cancel()
 
