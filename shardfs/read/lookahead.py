@@ -303,6 +303,7 @@ class Lookahead:
             return 0, 0
         accepted = refused = 0
         room = self.policy.max_pending - stream.live
+        index, queued = self._index, self._queued
         for shard, offset, size in refs:
             if size <= 0:
                 continue
@@ -314,8 +315,17 @@ class Lookahead:
             stream.order.append(slot)
             stream.queue.append(slot)
             stream.live += 1
-            self._index.setdefault(shard, {}).setdefault(offset, deque()).append(slot)
-            bisect.insort(self._queued.setdefault(shard, []), offset)
+            members = index.get(shard)
+            if members is None:
+                members = index[shard] = {}
+            occurrences = members.get(offset)
+            if occurrences is None:
+                occurrences = members[offset] = deque()
+            occurrences.append(slot)
+            offsets = queued.get(shard)
+            if offsets is None:
+                offsets = queued[shard] = []
+            bisect.insort(offsets, offset)
             accepted += 1
         self.stats.announced += accepted
         self.stats.refused += refused
