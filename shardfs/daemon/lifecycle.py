@@ -37,6 +37,7 @@ from shardfs.daemon.sessionrecord import (
 from shardfs.daemon.workers import WorkerPool, Zygote, worker_address
 from shardfs.fuse import session as fuse_session
 from shardfs.fuse import shim
+from shardfs.fuse.arenareads import ArenaReads
 from shardfs.fuse.fastread import COLLECT_INTERVAL, FastReads, next_interval
 from shardfs.fuse.ops import ShardFS
 from shardfs.fuse.pagepush import PagePusher, worth_pushing
@@ -186,9 +187,12 @@ class Mounted:
     pusher: PagePusher | None = None  # fetched shards into the page cache
     session: SessionState = field(default_factory=lambda: SessionState())
 
+    arena_reads: ArenaReads | None = None  # the Lookahead's members read in C here
+
     def collect_fast_reads(self) -> bool:
         """Count the reads the shim answered in C in this process (bytes on disk, in the
-        page cache) as the reader's own: stats, working set, LRU order. False if none."""
+        page cache, members in the Lookahead's arena) as the reader's own: stats, working set,
+        LRU order; the arena's also as the Lookahead's hits. False if none."""
         fast = self.ops.fast if self.ops is not None else None
         if fast is None:
             return False
@@ -196,7 +200,40 @@ class Mounted:
         if got.shards:
             self.reader.note_reads("c", got.shards, got.nbytes, got.complete, got.frontier)
             self.reader.disk.in_c += len(got.shards)
-        return bool(got.shards)
+        taken = self.arena_reads.collect() if self.arena_reads is not None else []
+        if taken:
+            self.reader.note_reads("c", [t[0] for t in taken], sum(t[3] for t in taken), 0, 0)
+            assert self.lookahead is not None
+            for shard, member_off, at, nbytes in taken:
+                self.lookahead.taken(shard, member_off, at, nbytes, in_c=True)
+        return bool(got.shards or taken)
+
+    async def keep_arena_reads(self) -> None:
+        """The daemon serving alone: once a training process announces, the Lookahead keeps
+        its members in a shared arena that this process's shim maps too, and is told where
+        each landed and which left, so the reader thread answers their READs in C as a
+        worker's shim does (fuse/arenareads.py). Runs until cancelled; returns if no arena
+        can be had (Python serves those reads, as before)."""
+        lookahead = self.lookahead
+        assert lookahead is not None
+        while True:
+            await lookahead.published.wait()
+            lookahead.published = trio.Event()
+            if self.arena_reads is None:
+                if not lookahead.stats.connections:
+                    continue
+                shared = lookahead.share()
+                if shared is None:
+                    return
+                try:
+                    self.arena_reads = ArenaReads(*shared)
+                except OSError as exc:
+                    log.warning("arena reads stay in Python: %s", exc)
+                    return
+            landed, gone = lookahead.landed, lookahead.gone
+            lookahead.landed, lookahead.gone = [], []
+            self.arena_reads.landed(landed)
+            self.arena_reads.gone(gone)
 
     async def keep_fast_reads(self) -> None:
         """Collect C reads and close descriptors of evicted shards; runs until cancelled."""
@@ -652,6 +689,11 @@ async def _serve_mounted(mounted: Mounted, zygote: Zygote | None,
                 nursery.start_soon(fuse_main)
                 if mounted.ops is not None and mounted.ops.fast is not None:
                     nursery.start_soon(mounted.keep_fast_reads)
+                    # SHARDFS_ARENA_IN_PYTHON=1 keeps them in Python (to measure one against
+                    # the other, as in a worker)
+                    if mounted.lookahead is not None and mounted.ops.fast.active \
+                            and not os.environ.get("SHARDFS_ARENA_IN_PYTHON"):
+                        nursery.start_soon(mounted.keep_arena_reads)
             else:
                 pool = WorkerPool(zygote, cfg.workers, mounted.reader,
                                   worker_address(cfg.control_socket, os.getpid()),
