@@ -6,37 +6,40 @@ from __future__ import annotations
 import io
 import json
 import tarfile
+from collections.abc import Awaitable
 from pathlib import Path
 
 import trio
 
 from shardfs.cache.shardcache import ShardCache
-from shardfs.catalog.catalog import open_catalog
+from shardfs.catalog.catalog import Catalog, open_catalog
 from shardfs.daemon import announce
 from shardfs.daemon.announce import _handle, resolver
 from shardfs.read.lookahead import Lookahead, LookaheadPolicy
 from shardfs.sources import Sources
 
 
-def write_shard(path: Path, names: list[str]) -> None:
+def catalog_of(tmp_path: Path, names: list[str], sources: Sources) -> Awaitable[Catalog]:
+    """A real catalog of one tar shard holding files of these names."""
+    path = tmp_path / "s0.tar"
     with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
         for i, name in enumerate(names):
             data = bytes([i % 251]) * (1000 + i)
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
+    cache = ShardCache(tmp_path / "cache", 1 << 30)
+    cache.open()
+    return open_catalog([path.as_uri()], sources, cache)
 
 
 def test_paths_resolve_as_the_tree_resolves_them(tmp_path: Path):
     names = ["top.bin", "a/x.bin", "a/y.bin", "a/b/z.bin", "c/d/e/w.bin"]
-    write_shard(tmp_path / "s0.tar", names)
-    cache = ShardCache(tmp_path / "cache", 1 << 30)
-    cache.open()
 
     async def main() -> None:
         sources = Sources()
         try:
-            catalog = await open_catalog([(tmp_path / "s0.tar").as_uri()], sources, cache)
+            catalog = await catalog_of(tmp_path, names, sources)
         finally:
             await sources.aclose()
         tree = catalog.tree
@@ -60,14 +63,11 @@ def test_a_long_announcement_is_handled_in_slices(tmp_path: Path):
     """Each slice of SLICE paths is announced before the next is resolved, with a checkpoint
     between: a task of the loop sees the window grow, instead of waiting for all of it."""
     names = [f"d{i % 7}/f{i:05d}.bin" for i in range(3 * announce.SLICE + 10)]
-    write_shard(tmp_path / "s0.tar", names)
-    cache = ShardCache(tmp_path / "cache", 1 << 30)
-    cache.open()
 
     async def main() -> None:
         sources = Sources()
         try:
-            catalog = await open_catalog([(tmp_path / "s0.tar").as_uri()], sources, cache)
+            catalog = await catalog_of(tmp_path, names, sources)
             la = Lookahead(catalog.shards, sources, LookaheadPolicy(max_pending=len(names)))
             stream = la.open_stream("test")
             seen: list[int] = []
