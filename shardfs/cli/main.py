@@ -30,9 +30,9 @@ def default_cache_dir(mountpoint: str) -> Path:
 
 def default_workers() -> int:
     """FUSE worker processes by default: one per core this process may use, at most 8. (On 2
-    cores the daemon alone spent less CPU per cold file, but a daemon serving alone can hang
-    when killed mid page push: docs/benchmarks-notes.md, "A Lookahead epoch's first 100 ms,
-    and one serving process on 2 cores".)"""
+    cores the daemon alone spent less CPU per cold file, but a daemon serving alone that is
+    killed while its page push waits on a LOOKUP to itself cannot exit: docs/benchmarks-notes.md,
+    "A Lookahead epoch's first 100 ms, and one serving process on 2 cores".)"""
     return max(1, min(8, len(os.sched_getaffinity(0))))
 
 
