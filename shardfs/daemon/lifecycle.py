@@ -37,7 +37,7 @@ from shardfs.daemon.sessionrecord import (
 from shardfs.daemon.workers import WorkerPool, Zygote, worker_address
 from shardfs.fuse import session as fuse_session
 from shardfs.fuse import shim
-from shardfs.fuse.arenareads import ArenaReads
+from shardfs.fuse.arenareads import ArenaReads, in_c_wanted
 from shardfs.fuse.fastread import COLLECT_INTERVAL, FastReads, next_interval
 from shardfs.fuse.ops import ShardFS
 from shardfs.fuse.pagepush import PagePusher, worth_pushing
@@ -689,10 +689,7 @@ async def _serve_mounted(mounted: Mounted, zygote: Zygote | None,
                 nursery.start_soon(fuse_main)
                 if mounted.ops is not None and mounted.ops.fast is not None:
                     nursery.start_soon(mounted.keep_fast_reads)
-                    # SHARDFS_ARENA_IN_PYTHON=1 keeps them in Python (to measure one against
-                    # the other, as in a worker)
-                    if mounted.lookahead is not None and mounted.ops.fast.active \
-                            and not os.environ.get("SHARDFS_ARENA_IN_PYTHON"):
+                    if mounted.lookahead is not None and in_c_wanted(mounted.ops.fast.active):
                         nursery.start_soon(mounted.keep_arena_reads)
             else:
                 pool = WorkerPool(zygote, cfg.workers, mounted.reader,

@@ -26,6 +26,13 @@ from shardfs.fuse import shim
 TAKEN_RECORDS = 4096
 
 
+def in_c_wanted(c_reads_active: bool) -> bool:
+    """Whether a serving process whose shim answers reads in C (`FastReads.active`) should
+    answer the arena's too: unless SHARDFS_ARENA_IN_PYTHON=1 keeps them in Python (to
+    measure one against the other)."""
+    return c_reads_active and not os.environ.get("SHARDFS_ARENA_IN_PYTHON")
+
+
 class ArenaReads:
     def __init__(self, path: str, total: int, size: int) -> None:
         """Have the shim map the arena (raises OSError if it cannot be opened or mapped)."""

@@ -21,7 +21,7 @@ from typing import NoReturn
 
 import trio
 
-from shardfs.fuse.arenareads import ArenaReads
+from shardfs.fuse.arenareads import ArenaReads, in_c_wanted
 from shardfs.fuse.fastread import COLLECT_INTERVAL, FastReads, next_interval, open_cache_file
 from shardfs.read.arena import ArenaView
 from shardfs.read.diskread import DiskReads
@@ -237,9 +237,7 @@ class RemoteReader:
             except OSError as exc:  # e.g. /proc hidden from us: the daemon sends bytes then
                 log.warning("cannot map the lookahead arena %s: %s", message[1], exc)
                 return
-            # SHARDFS_ARENA_IN_PYTHON=1 keeps them in Python (to measure one against the other)
-            if self.fast is not None and self.fast.active \
-                    and not os.environ.get("SHARDFS_ARENA_IN_PYTHON"):
+            if self.fast is not None and in_c_wanted(self.fast.active):
                 try:
                     self.arena_in_c = ArenaReads(*message[1:])
                 except OSError as exc:  # Python serves them (above)
