@@ -5,7 +5,9 @@ the source's. Real mounts over nginx (--no-warm: nothing is cached while indexin
 
 from __future__ import annotations
 
+import io
 import os
+import signal
 import subprocess
 import sys
 import tarfile
@@ -18,6 +20,7 @@ import pytest
 from shardfs.devtools.pagecache import resident_pages
 from tests.conftest import Dataset, Mounter, brace
 from tests.faultproxy import FaultProxy
+from tests.fusefd import abort_connection
 from tests.test_mount import publish
 
 
@@ -178,3 +181,139 @@ def test_the_memory_rule_counts_a_cgroup_limit():
         if leaf.exists():
             leaf.rmdir()
         group.rmdir()
+
+
+def write_small_file_shards(where: Path, shards: int, per_shard: int) -> None:
+    """Shards of many tiny files (`d<s>/f<i>.txt`): a push of one is thousands of lookups."""
+    where.mkdir(parents=True)
+    for s in range(shards):
+        with tarfile.open(where / f"small-{s:06d}.tar", "w") as tar:
+            for i in range(per_shard):
+                data = f"shard {s} file {i}\n".encode()
+                info = tarfile.TarInfo(f"d{s}/f{i:05d}.txt")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+def live_threads(pid: int) -> list[str]:
+    """`tid:state` of the process's threads that have not exited. A killed process can keep
+    one (in D state, waiting on a FUSE request) while its main thread is a zombie."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return []
+    live = []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(") ", 1)[1][0]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if state not in "ZX":
+            live.append(f"{tid}:{state}")
+    return live
+
+
+def children_of(pid: int) -> list[int]:
+    children = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            children += [int(c) for c in f.read().split()]
+    return children
+
+
+def waiting_on_a_mount(pid: int) -> bool:
+    """Whether a thread of the process waits for the answer to a FUSE request it made (its
+    kernel stack, /proc/PID/task/TID/stack: root only)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            stack = Path(f"/proc/{pid}/task/{tid}/stack").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if "request_wait_answer" in stack or "fuse_simple_request" in stack:
+            return True
+    return False
+
+
+def stats_fail(mountpoint: Path, timeout: float) -> OSError | None:
+    """The error reading the mount's stats (a request only the daemon answers) ends with
+    within `timeout` s (None: it succeeded, or still waits)."""
+    outcome: list[OSError | None] = [None]
+
+    def read() -> None:
+        try:
+            os.getxattr(mountpoint, "user.shardfs.stats")
+        except OSError as exc:
+            outcome[0] = exc
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    return None if reader.is_alive() else outcome[0]
+
+
+@pytest.mark.parametrize("loop", ["c", "python"])
+def test_a_daemon_serving_alone_killed_mid_push_ends(nginx, mounter: Mounter, tmp_path: Path,
+                                                     loop: str, monkeypatch):
+    """The pusher's lookups are stats through the mount. Made by a thread of a daemon serving
+    alone (--workers 1), a lookup that SIGKILL catches read by its reader thread and not yet
+    answered keeps that thread waiting forever (without interruption): the process never
+    ends, its /dev/fuse stays open, and the mount's readers hang until someone aborts the
+    connection. Made by the lookup process, the killed daemon ends whatever it was doing,
+    the connection with it (--no-holder: nobody takes over), and so does the lookup process.
+
+    The kill's window is a few microseconds per lookup (too rare to catch in a test run), so
+    the cause is watched for directly first: while thousands of lookups go on, no thread of
+    the daemon ever waits for an answer from a FUSE mount (its kernel stacks, sampled), while
+    the lookup process is seen doing so (the sampling sees such waits). Then it is killed
+    mid-push, three times."""
+    if loop == "python":
+        monkeypatch.setenv("SHARDFS_PUSH_IN_PYTHON", "1")
+    elif os.environ.get("SHARDFS_NO_SHIM"):
+        pytest.skip("the C loop needs the shim")
+    shards, per_shard = 3, 3000
+    write_small_file_shards(nginx.root / "small", shards, per_shard)
+    pattern = f"{nginx.url}/small/small-{{000000..{shards - 1:06d}}}.tar"
+    caught = 0
+    for cycle in range(4):
+        mnt = tmp_path / f"killed-mnt{cycle}"
+        mnt.mkdir()
+        killed = False
+        m = mounter.mount([pattern], mnt, tmp_path / f"killed-cache{cycle}", "--no-warm",
+                          "--workers", "1", "--no-holder", "--push-pages", "auto")
+        try:
+            for s in range(shards):  # each shard's first file: the whole shards are fetched
+                assert (mnt / f"d{s}/f00000.txt").read_bytes() == f"shard {s} file 0\n".encode()
+            deadline = time.monotonic() + 30
+            while (pushed := m.stats()["pages_pushed"])["looked_up"] == 0:
+                assert time.monotonic() < deadline, f"nothing pushed: {pushed}"
+                time.sleep(0.002)
+            lookup_process = children_of(m.pid)
+            if cycle == 0:  # watched until the push ends
+                samples = seen_waiting = 0
+                total = shards * per_shard
+                while (now := m.stats()["pages_pushed"])["looked_up"] + now["opened"] < total:
+                    for _ in range(20):
+                        assert not waiting_on_a_mount(m.pid), "the daemon made a FUSE request"
+                        seen_waiting += any(waiting_on_a_mount(p) for p in lookup_process)
+                        samples += 1
+                    assert time.monotonic() < deadline, f"the push did not end: {now}"
+                assert seen_waiting, f"the lookup process never seen waiting ({samples} samples)"
+            else:  # killed mid-push
+                caught += pushed["looked_up"] < shards * (per_shard - 1)
+            assert len(lookup_process) == 1, lookup_process
+            os.kill(m.pid, signal.SIGKILL)
+            killed = True
+            deadline = time.monotonic() + 20
+            while live := live_threads(m.pid):
+                assert time.monotonic() < deadline, f"the killed daemon lingers: {live}"
+                time.sleep(0.02)
+            assert isinstance(stats_fail(mnt, 20), OSError)  # ENOTCONN, not a hang
+            for pid in lookup_process:
+                while live := live_threads(pid):
+                    assert time.monotonic() < deadline, f"the lookup process lingers: {live}"
+                    time.sleep(0.02)
+        finally:
+            if killed and live_threads(m.pid):
+                abort_connection(mnt)  # what a user would have to do: nothing left hanging
+    assert caught >= 1, "the kills did not catch the pushes' lookups going on"

@@ -580,12 +580,18 @@ static int readable_now(int fd)
  * releases it around this call). The same steps as the Python loop it replaces, per file:
  * a zero-length store asks whether the kernel has its inode (ENOENT: nobody looked it up);
  * a file with an inode was opened, so read, already: not pushed; a file without one is
- * looked up by a stat through the mount (answered by the shim like any LOOKUP), then its
- * bytes are read from the cache file and stored, in pieces of at most PUSH_PIECE bytes.
+ * looked up by a stat through the mount, made by the lookup process (_shim_lookup.c: never
+ * by this process, which may be the one to answer it), then its bytes are read from the
+ * cache file and stored, in pieces of at most PUSH_PIECE bytes. The lookups go in batches of
+ * up to PUSH_BATCH paths: the process looks the next files up while this thread stores.
  * No Python object per file: in Python this loop held the GIL for ~6-8 us per file, beside
  * the loop thread that answers FUSE requests (bench cpusplit).
  */
 #include <unistd.h>
+#include "_shim_lookup.c"
+
+#define PUSH_BATCH 64
+#define PUSH_PATHS (32u << 10)   /* a batch's paths, at most (< LOOKUP_BUF) */
 
 #define PUSH_PIECE (4u << 20)
 
@@ -632,11 +638,50 @@ static const char *push_path(const uint32_t *parent, uint64_t i, const char *mou
     return path + at;
 }
 
+/* Store file i's `size` bytes from `fd` (its cache file), piece by piece through `buf`. 0 when
+ * stored (counted), 1 when not (counted), or -errno that stops the push. */
+static int push_file(notify_store_fn store, int fd, uint64_t i, char **buf, size_t *cap,
+                     struct push_counts *counts)
+{
+    uint64_t size = meta.size[i], offset = meta.offset[i];
+    size_t want = size < PUSH_PIECE ? (size_t)size : PUSH_PIECE;
+    if (want > *cap) {
+        char *grown = realloc(*buf, want);
+        if (grown == NULL)
+            return -ENOMEM;
+        *buf = grown;
+        *cap = want;
+    }
+    for (uint64_t at = 0; at < size;) {
+        size_t piece = size - at < PUSH_PIECE ? (size_t)(size - at) : PUSH_PIECE;
+        ssize_t got = pread(fd, *buf, piece, (off_t)(offset + at));
+        if (got != (ssize_t)piece)
+            return got < 0 ? -errno : -EIO;   /* a short read of a cached shard */
+        int r = push_store(store, i + 1, (off_t)at, *buf, piece);
+        if (r == -ENOSYS) {
+            counts->off = 1;
+            return 1;
+        }
+        if (r == -ENOENT) {
+            counts->unknown++;   /* its inode went away meanwhile */
+            return 1;
+        }
+        if (r != 0)
+            return r;
+        at += piece;
+    }
+    counts->files++;
+    counts->bytes += size;
+    return 0;
+}
+
 /* Push the files at entry positions entries[0..n) (plain files of one shard, in offset
- * order) from `fd`, the shard's cache file. 0, or -errno when it stopped early (the mount
- * going away, the cache file unreadable); counts are added to `counts` either way. */
-int shardfs_shim_push(int fd, const uint32_t *entries, uint64_t n, const uint32_t *parent,
-                      const char *mountpoint, struct push_counts *counts, size_t counts_size)
+ * order) from `fd`, the shard's cache file, looking files up through `lookup` (the lookup
+ * process's socket). 0, or -errno when it stopped early (the mount going away, the cache
+ * file unreadable, the lookup process gone); counts are added to `counts` either way. */
+int shardfs_shim_push(int fd, int lookup, const uint32_t *entries, uint64_t n,
+                      const uint32_t *parent, const char *mountpoint,
+                      struct push_counts *counts, size_t counts_size)
 {
     if (!meta_ready || last_session == NULL || counts == NULL
         || counts_size != sizeof(struct push_counts))
@@ -647,74 +692,75 @@ int shardfs_shim_push(int fd, const uint32_t *entries, uint64_t n, const uint32_
     if (store == NULL)
         return -ENOSYS;
     char path[8192];
-    char *buf = NULL;
+    char *paths = malloc(PUSH_PATHS), *buf = NULL;
+    if (paths == NULL)
+        return -ENOMEM;
     size_t cap = 0;
     int res = 0;
-    for (uint64_t k = 0; k < n && !counts->off && !__atomic_load_n(&counts->stop,
-                                                                      __ATOMIC_RELAXED); k++) {
-        uint64_t i = entries[k];
-        fuse_ino_t ino = i + 1;
-        uint64_t size = meta.size[i], offset = meta.offset[i];
-        if (size == 0)
-            continue;
-        int r = push_store(store, ino, 0, "", 0);
-        if (r == 0) {
-            counts->opened++;
-            continue;
+    uint64_t k = 0;
+    while (k < n && res == 0 && !counts->off
+           && !__atomic_load_n(&counts->stop, __ATOMIC_RELAXED)) {
+        /* The next files the kernel has no inode for, their paths to the lookup process. */
+        uint32_t wanted[PUSH_BATCH];
+        size_t asked = 0, used = 0;
+        for (; k < n && asked < PUSH_BATCH; k++) {
+            uint64_t i = entries[k];
+            if (meta.size[i] == 0)
+                continue;
+            int r = push_store(store, i + 1, 0, "", 0);
+            if (r == 0) {
+                counts->opened++;
+                continue;
+            }
+            if (r == -ENOSYS)
+                counts->off = 1;
+            else if (r != -ENOENT)
+                res = r;
+            if (r != -ENOENT)
+                break;
+            const char *where = push_path(parent, i, mountpoint, path, sizeof(path));
+            size_t len = where == NULL ? 0 : strlen(where) + 1;
+            if (where == NULL || len > PUSH_PATHS) {
+                counts->unknown++;
+                continue;
+            }
+            if (used + len > PUSH_PATHS)
+                break;   /* the next batch's first (its inode asked about again: harmless) */
+            memcpy(paths + used, where, len);
+            used += len;
+            wanted[asked++] = (uint32_t)i;
         }
-        if (r == -ENOSYS) {
-            counts->off = 1;
-            break;
-        }
-        if (r != -ENOENT) {
+        if (asked == 0)
+            continue;
+        int r = write_all(lookup, paths, used);
+        if (r != 0) {
             res = r;
             break;
         }
-        struct stat st;
-        const char *where = push_path(parent, i, mountpoint, path, sizeof(path));
-        if (where == NULL || stat(where, &st) != 0) {
-            counts->unknown++;
-            continue;
-        }
-        counts->looked_up++;
-        size_t want = size < PUSH_PIECE ? (size_t)size : PUSH_PIECE;
-        if (want > cap) {
-            char *grown = realloc(buf, want);
-            if (grown == NULL) {
-                res = -ENOMEM;
-                break;
-            }
-            buf = grown;
-            cap = want;
-        }
-        uint64_t at = 0;
-        while (at < size) {
-            size_t piece = size - at < PUSH_PIECE ? (size_t)(size - at) : PUSH_PIECE;
-            ssize_t got = pread(fd, buf, piece, (off_t)(offset + at));
-            if (got != (ssize_t)piece) {
-                res = got < 0 ? -errno : -EIO;   /* a short read of a cached shard */
-                break;
-            }
-            r = push_store(store, ino, (off_t)at, buf, piece);
+        /* Each file's pages once its answer is in; every answer is read, so the next push
+         * starts in step with the process. */
+        char answers[PUSH_BATCH];
+        size_t have = 0;
+        for (size_t j = 0; j < asked; j++) {
+            r = lookup_await(lookup, answers, &have, j + 1);
             if (r != 0) {
-                if (r == -ENOSYS)
-                    counts->off = 1;
-                else if (r == -ENOENT)
-                    counts->unknown++;   /* its inode went away meanwhile */
-                else
-                    res = r;
+                res = r;
                 break;
             }
-            at += piece;
-        }
-        if (res != 0)
-            break;
-        if (at == size) {
-            counts->files++;
-            counts->bytes += size;
+            if (res != 0 || counts->off || __atomic_load_n(&counts->stop, __ATOMIC_RELAXED))
+                continue;
+            if (answers[j] != 'y') {
+                counts->unknown++;
+                continue;
+            }
+            counts->looked_up++;
+            r = push_file(store, fd, wanted[j], &buf, &cap, counts);
+            if (r < 0)
+                res = r;
         }
     }
     free(buf);
+    free(paths);
     if (res != 0) {
         counts->errors++;
         counts->error = -res;

@@ -21,18 +21,26 @@ answer. Only files nobody has opened yet are pushed. Listings are plain READDIR
 ImageFolder-style loaders, one that a reader opened, whose pages that read put in the page
 cache already (pushing those cost 5-12 % in `bench node` with 2 workers, where the readers
 keep up with the fetches). A zero-length `notify_store` asks which (ENOENT: no inode). A file
-without one is looked up by the pusher (a `stat` through the mount, answered in C like any
-LOOKUP) and pushed: the LOOKUP the reader's `open` would have sent anyway, made earlier and
-off the reader's path (its `open` then finds the cached entry). A loader that stats every file
-before reading it (or `SHARDFS_READDIRPLUS`) thus gets no pushes: its reads go to the daemon
-as without them.
+without one is looked up (a `stat` through the mount, answered in C like any LOOKUP) and
+pushed: the LOOKUP the reader's `open` would have sent anyway, made earlier and off the
+reader's path (its `open` then finds the cached entry). A loader that stats every file before
+reading it (or `SHARDFS_READDIRPLUS`) thus gets no pushes: its reads go to the daemon as
+without them.
+
+Who looks files up: the lookup process (`LookupProcess`, _shim_lookup.c), forked at the first
+push, never a thread of this process: this process may be the one that answers the LOOKUP
+(the daemon serving alone), and a process SIGKILLed while a request to itself is read and
+unanswered can never exit (its thread waits without interruption), so its mount would hang.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
+import socket
+import threading
 from array import array
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -112,6 +120,51 @@ class PushStats:
     in_c: bool = False  # pushed by the shim's loop (not the Python one)
 
 
+class LookupProcess:
+    """The process that makes the pusher's lookups (see the module's docstring): started on
+    first use, ended (its socket closed, then reaped) by `close`."""
+
+    def __init__(self) -> None:
+        self._pid = 0
+        self._sock: socket.socket | None = None
+
+    def _socket(self) -> socket.socket:
+        """Our end of its socket, starting the process the first time (in the pusher's
+        thread: the fork takes a few ms with a large tree mapped)."""
+        if self._sock is None:
+            self._pid, fd = shim.start_lookup_process()
+            self._sock = socket.socket(fileno=fd)
+        return self._sock
+
+    def fileno(self) -> int:
+        return self._socket().fileno()
+
+    def look_up(self, path: bytes) -> bool:
+        """One path's stat by the process (the Python loop's way; the C loop sends batches)."""
+        sock = self._socket()
+        sock.sendall(path + b"\0")
+        answer = sock.recv(1)
+        if not answer:
+            raise OSError(errno.EPIPE, "the lookup process ended")
+        return answer == b"y"
+
+    def close(self) -> None:
+        """End the process: at end of file it exits (at once, or when a stat it waits in
+        fails or is answered); reaped by a thread, so that no zombie is left."""
+        if self._sock is None:
+            return
+        self._sock.close()
+        self._sock = None
+        pid, self._pid = self._pid, 0
+        threading.Thread(target=_reap, args=(pid,), name="shardfs lookup reaper",
+                         daemon=True).start()
+
+
+def _reap(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+
+
 class PagePusher:
     def __init__(self, tree: Tree, cache: ShardCache, keys: list[str], mountpoint: str) -> None:
         self._tree = tree
@@ -128,6 +181,7 @@ class PagePusher:
         self.in_c = (shim.can_push() and tree.parent.typecode == "I"
                      and not os.environ.get("SHARDFS_PUSH_IN_PYTHON"))
         self.stats = PushStats(in_c=self.in_c)
+        self._lookups = LookupProcess()
 
     def shard_complete(self, shard: int) -> None:
         """Reader.on_complete: queue a shard that has just arrived whole."""
@@ -141,6 +195,12 @@ class PagePusher:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
         task_status.started()
+        try:
+            await self._push_as_they_come()
+        finally:
+            self._lookups.close()
+
+    async def _push_as_they_come(self) -> None:
         while not self._off:
             if not self._queue:
                 self._wake = trio.Event()
@@ -180,8 +240,9 @@ class PagePusher:
         the GIL and with no Python object per file."""
         assert self._index is not None
         order, start = self._index
-        res = shim.push(fd, order, start[shard], start[shard + 1] - start[shard],
-                        self._tree.parent, self._mountpoint, counts)
+        res = shim.push(fd, self._lookups.fileno(), order, start[shard],
+                        start[shard + 1] - start[shard], self._tree.parent, self._mountpoint,
+                        counts)
         stats = self.stats
         stats.looked_up += counts.looked_up
         stats.files += counts.files
@@ -192,7 +253,10 @@ class PagePusher:
         if counts.off:
             log.info("the kernel does not take pushed pages (ENOSYS): off")
             self._off = True
-        if res != 0:  # the mount is going away, or the cache file is gone
+        if res == -errno.EPIPE:
+            log.warning("the page push's lookup process ended: pushing pages is off")
+            self._off = True
+        elif res != 0:  # the mount is going away, or the cache file is gone
             log.debug("pushing pages stopped: %s", os.strerror(-res))
 
     def _push_in_python(self, fd: int, shard: int) -> None:
@@ -227,9 +291,13 @@ class PagePusher:
                     stats.bytes += size
                 if self._off:
                     return
-        except OSError as exc:  # the mount is going away, or the cache file is gone
+        except OSError as exc:  # the mount is going away, the cache file or lookups gone
             stats.errors += 1
-            log.debug("pushing pages stopped: %s", exc)
+            if exc.errno == errno.EPIPE:
+                log.warning("the page push's lookup process ended: pushing pages is off")
+                self._off = True
+            else:
+                log.debug("pushing pages stopped: %s", exc)
 
     def _has_inode(self, ino: int) -> bool:
         """Does the kernel have this inode (was the file looked up)? A zero-length store
@@ -237,10 +305,9 @@ class PagePusher:
         return self._store(ino, 0, b"")
 
     def _look_up(self, ino: int) -> bool:
-        """The LOOKUP that gives the kernel an inode for the file: a stat through the mount."""
-        try:
-            os.stat(self._mountpoint + b"/" + self._tree.path(ino))
-        except OSError:
+        """The LOOKUP that gives the kernel an inode for the file: a stat through the mount,
+        by the lookup process."""
+        if not self._lookups.look_up(self._mountpoint + b"/" + self._tree.path(ino)):
             return False
         self.stats.looked_up += 1
         return True

@@ -293,12 +293,26 @@ def can_push() -> bool:
     return _lib is not None and metadata_in_c()
 
 
-def push(fd: int, entries: array, first: int, count: int, parent: array, mountpoint: bytes,
-         counts: PushCounts) -> int:
+def start_lookup_process() -> tuple[int, int]:
+    """Fork the page push's lookup process (_shim_lookup.c): (its pid, our end of its socket).
+    Closing the socket ends it; reap it with waitpid. Called from the pusher's thread (the
+    fork copies no other thread; the child runs only system calls)."""
+    if _lib is None:
+        raise RuntimeError(f"the pyfuse3 shim is not loaded: {load_error}")
+    pid = ctypes.c_int(0)
+    sock = int(_lib.shardfs_shim_lookup_start(ctypes.byref(pid)))
+    if sock < 0:
+        raise OSError(-sock, f"starting the lookup process: {os.strerror(-sock)}")
+    return pid.value, sock
+
+
+def push(fd: int, lookup: int, entries: array, first: int, count: int, parent: array,
+         mountpoint: bytes, counts: PushCounts) -> int:
     """Push the plain files at `entries[first:first+count]` (one shard's, see
-    shardfs/fuse/pagepush.py) from `fd`, its cache file, into the kernel's page cache; adds
-    to `counts`. 0, or -errno when it stopped early. Releases the GIL while it runs (a
-    ctypes CDLL call), so call it from a worker thread."""
+    shardfs/fuse/pagepush.py) from `fd`, its cache file, into the kernel's page cache, files
+    without an inode looked up by the lookup process at the socket `lookup`; adds to
+    `counts`. 0, or -errno when it stopped early. Releases the GIL while it runs (a ctypes
+    CDLL call), so call it from a worker thread."""
     global _push_fn
     if _lib is None:
         raise RuntimeError(f"the pyfuse3 shim is not loaded: {load_error}")
@@ -308,15 +322,16 @@ def push(fd: int, entries: array, first: int, count: int, parent: array, mountpo
         # The same library through CDLL: its calls release the GIL (PyDLL's keep it).
         fn = ctypes.CDLL(None, handle=_lib._handle).shardfs_shim_push
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p,
-                       ctypes.c_char_p, ctypes.POINTER(PushCounts), ctypes.c_size_t]
+        fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64,
+                       ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(PushCounts),
+                       ctypes.c_size_t]
         _push_fn = fn
     if count <= 0:
         return 0
     if first < 0 or first + count > len(entries):
         raise IndexError("entries out of range")
     address = entries.buffer_info()[0] + first * entries.itemsize
-    return _push_fn(fd, address, count, parent.buffer_info()[0], mountpoint,
+    return _push_fn(fd, lookup, address, count, parent.buffer_info()[0], mountpoint,
                     ctypes.byref(counts), ctypes.sizeof(counts))
 
 
