@@ -339,7 +339,7 @@ def soak(request: pytest.FixtureRequest, mounter: Mounter, nginx: Nginx, ds: Ran
     rss = [r[0] for r in per_epoch]
     other = [r[2] for r in per_epoch]
     assert max(other) <= other[0] + max_fetches + 2, per_epoch
-    # A daemon serving alone (--workers 1, or a 1-core machine) holds two descriptors per
+    # A daemon serving alone (no --workers: the default on 2 cores) holds two descriptors per
     # cached shard, its reader's and the one its shim reads from in C (fuse/fastread.py);
     # with workers, the latter are the workers'.
     per_shard = 2 if stats["worker_count"] == 0 else 1

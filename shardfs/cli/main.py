@@ -29,11 +29,12 @@ def default_cache_dir(mountpoint: str) -> Path:
 
 
 def default_workers() -> int:
-    """FUSE worker processes by default: one per core this process may use, at most 8. (On 2
-    cores the daemon alone spent less CPU per cold file, but a daemon serving alone that is
-    killed while its page push waits on a LOOKUP to itself cannot exit: docs/benchmarks-notes.md,
-    "A Lookahead epoch's first 100 ms, and one serving process on 2 cores".)"""
-    return max(1, min(8, len(os.sched_getaffinity(0))))
+    """FUSE worker processes by default: half the cores this process may use (the other half
+    is the training's: DataLoader workers), at least 1, at most 8. Each serving process reads
+    its requests with a thread of C (docs/pyfuse3.md), so on 2 cores the daemon alone spends
+    less CPU per cold file than 2 workers, for as many files/s (docs/benchmarks-notes.md, "A
+    Lookahead epoch's first 100 ms, and one serving process on 2 cores")."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
 
 
 def default_cache_size(cache_dir: Path) -> int:
@@ -106,8 +107,8 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    "flight past that point are wasted), or reads it alongside, fetching it "
                    "twice, within 10%% of the bytes (off, default)")
     p.add_argument("--index-parallel", help="shards indexed at once (default 8)")
-    p.add_argument("--workers", help="processes answering FUSE requests (default: the "
-                   "machine's cores, at most 8; 1: the daemon alone)")
+    p.add_argument("--workers", help="processes answering FUSE requests (default: half the "
+                   "machine's cores, 1 to 8; 1: the daemon alone)")
     p.add_argument("--lookahead-buffer", help="RAM for files announced by "
                    "shardfs.torch.Lookahead, fetched and not yet read (default 64MiB; 0: off)")
     p.add_argument("--lookahead-fill", choices=("on", "off"),

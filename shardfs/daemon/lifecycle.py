@@ -488,10 +488,11 @@ def run(cfg: MountConfig, cache: ShardCache, on_ready: Callable[[str], None]) ->
 
 
 def _push_would_block_a_restart() -> bool:
-    """Under systemd's fd store, page push is off: the pusher looks files up through the mount,
-    and a daemon killed while such a lookup waits cannot finish dying until a new daemon
-    answers it, while systemd starts the new one only once the old one is gone (a hang). The
-    holder of a plain mount starts the new daemon at once, so it has no such wait."""
+    """Under systemd's fd store, page push is off: the pusher's lookup process looks files up
+    through the mount, and when the daemon is killed while such a lookup waits, that process
+    cannot finish dying until a new daemon answers it, while systemd starts the new one only
+    once every process of the unit is gone (a hang). The holder of a plain mount starts the
+    new daemon at once, so it has no such wait."""
     if keeper() != "systemd":
         return False
     log.info("page push is off: the connection is kept by systemd's fd store, and a daemon "

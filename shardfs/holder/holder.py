@@ -300,9 +300,9 @@ class Holder:
                     self.daemon.proc.returncode = status
                     return status
                 if leader_exited(self.daemon.proc.pid):
-                    # Its main thread is gone but another is stuck on this very mount (its own
-                    # page pusher's lookup, or behind a reader's request on the same
-                    # directory), which only the next daemon can answer: the process cannot
+                    # Its main thread is gone but another is stuck on this very mount (as the
+                    # page pusher's lookups were before they became the lookup process's),
+                    # which only the next daemon can answer: the process cannot
                     # finish dying before a takeover. Take over now (the new daemon takes the
                     # cache dir's lock over; the process is reaped later).
                     log.warning("daemon %d died with a thread waiting on the mount itself",

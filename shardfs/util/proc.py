@@ -30,7 +30,8 @@ def cpu_seconds(pid: int) -> float | None:
 def leader_exited(pid: int) -> bool:
     """The process's main thread has exited (state Z) while the process lingers: a shardfs
     daemon killed while one of its threads waits in a FUSE request that only the next daemon
-    can answer (the page pusher's lookup through its own mount). Such a process runs no more
+    can answer (a request to its own mount: the page pusher's lookups were, before the lookup
+    process made them). Such a process runs no more
     code of its own, but holds its descriptors (the cache dir's lock) until that request is
     answered."""
     fields = _stat_fields(pid)
