@@ -11,8 +11,8 @@ from nginx on loopback. Around that one cold pass, every thread of every process
 is read from /proc (utime, stime): the daemon's main thread (its trio loop: everything that
 holds the GIL to answer FUSE requests and drive fetches), the daemon's other threads (hashing,
 page push, disk reads, source reads: they run beside the loop, the GIL released for most of
-their work), the worker zygote and each FUSE worker process (`--workers` > 1). Reported in µs
-per file read.
+their work), the worker zygote, each FUSE worker process (`--workers` > 1) and the page
+push's lookup process (started during the pass). Reported in µs per file read.
 
 The serial part is the daemon's main thread: one thread, whatever the number of cores, so
 1e6 / (its µs per file) bounds the cold files/s of a node. That bound assumes the rest
@@ -104,7 +104,8 @@ class Snapshot:
 
 
 def _roles(mount: Mount) -> dict[int, str]:
-    """pid -> daemon / zygote / worker N, from the mount's own stats (its workers' pids)."""
+    """pid -> daemon / zygote / worker N / lookup, from the mount's own stats (its workers'
+    pids) and the page push's lookup process's name."""
     from bench.node import _mount_pids
 
     workers = mount.stats().get("workers") or []
@@ -112,8 +113,20 @@ def _roles(mount: Mount) -> dict[int, str]:
     for pid in _mount_pids(mount.pid):
         if pid == mount.pid:
             continue
-        roles[pid] = f"worker {workers.index(pid) + 1}" if pid in workers else "zygote"
+        if pid in workers:
+            roles[pid] = f"worker {workers.index(pid) + 1}"
+        elif _comm(pid) == "shardfs lookup":
+            roles[pid] = "lookup"
+        else:
+            roles[pid] = "zygote"
     return roles
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _thread_group(pid: int, tid: int, name: str) -> str:
@@ -390,7 +403,8 @@ def _cold_pass(sources: list[str], mnt: Path, cache: Path, names: list[str], arg
             spy = PySpy(mount.pid, work / f"spy-{label}-{workers}.txt", args.spy_rate)
         before = Snapshot.take(pids)
         rec = read_all(mnt, names, args.readers, seed=args.readers)
-        after = Snapshot.take(pids)
+        roles = {**_roles(mount), **roles}  # and the push's lookup process, started meanwhile
+        after = Snapshot.take(list(roles))
         for profiler in (perf, spy):
             if profiler is not None:
                 profiler.stop()
@@ -511,9 +525,9 @@ def render(record: dict, command: str) -> str:
              "dropped). µs of CPU per file read, user + system; the serial part is the "
              "daemon's main thread, and its bound is 1e6 / that.", "",
              "| code | source | workers | files/s | all processes | daemon process | daemon "
-             "main thread (serial) | daemon other threads | workers (each) | bound files/s "
-             "| files pushed / opened first |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "main thread (serial) | daemon other threads | workers (each) | lookup process "
+             "| bound files/s | files pushed / opened first |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for rec in record["passes"]:
         daemon = rec["split"]["daemon"]
         main = daemon["threads"].get("main", {"user": 0, "system": 0})
@@ -521,11 +535,13 @@ def render(record: dict, command: str) -> str:
         other_txt = "; ".join(f"{n} {t['user']}+{t['system']}" for n, t in others) or "–"
         workers = [p for r, p in rec["split"].items() if r.startswith("worker")]
         worker_txt = " / ".join(f"{p['user']}+{p['system']}" for p in workers) or "–"
+        lookup = rec["split"].get("lookup")
+        lookup_txt = f"{lookup['user']}+{lookup['system']}" if lookup else "–"
         lines.append(
             f"| {rec['variant']} | {rec['source']} | {rec['workers']} | "
             f"{rec['files_per_s']:,.0f} | "
             f"{rec['all_us_per_file']} | {daemon['user']}+{daemon['system']} | "
-            f"{main['user']}+{main['system']} | {other_txt} | {worker_txt} | "
+            f"{main['user']}+{main['system']} | {other_txt} | {worker_txt} | {lookup_txt} | "
             f"{rec['bound_files_per_s']:,} | {_pushed(rec)} |")
     lines += ["", "Files pushed: their pages were put in the page cache when their shard "
               "arrived (no READ reaches the mount); opened first: read through FUSE READs "
