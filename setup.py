@@ -23,7 +23,6 @@ setup(ext_modules=[
     Extension("shardfs.fuse._shim", ["shardfs/fuse/_shim.c"],
               depends=["shardfs/fuse/_shim_meta.c",  # #included by _shim.c
                        "shardfs/fuse/_shim_arena.c",  # #included by _shim_meta.c
-                       "shardfs/fuse/_shim_lookup.c",  # #included by _shim_meta.c
                        "shardfs/fuse/_shim_reader.c"],  # #included by _shim.c
               extra_compile_args=fuse3_cflags(), libraries=["dl", "pthread"], optional=True),
 ])

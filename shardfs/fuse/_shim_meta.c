@@ -580,18 +580,18 @@ static int readable_now(int fd)
  * releases it around this call). The same steps as the Python loop it replaces, per file:
  * a zero-length store asks whether the kernel has its inode (ENOENT: nobody looked it up);
  * a file with an inode was opened, so read, already: not pushed; a file without one is
- * looked up by a stat through the mount, made by the lookup process (_shim_lookup.c: never
- * by this process, which may be the one to answer it), then its bytes are read from the
+ * looked up by a stat through the mount, made by the lookup process (shardfs/fuse/lookupproc.py:
+ * never by this process, which may be the one to answer it), then its bytes are read from the
  * cache file and stored, in pieces of at most PUSH_PIECE bytes. The lookups go in batches of
  * up to PUSH_BATCH paths: the process looks the next files up while this thread stores.
  * No Python object per file: in Python this loop held the GIL for ~6-8 us per file, beside
  * the loop thread that answers FUSE requests (bench cpusplit).
  */
+#include <sys/socket.h>
 #include <unistd.h>
-#include "_shim_lookup.c"
 
 #define PUSH_BATCH 64
-#define PUSH_PATHS (32u << 10)   /* a batch's paths, at most (< LOOKUP_BUF) */
+#define PUSH_PATHS (32u << 10)   /* a batch's paths, at most */
 
 #define PUSH_PIECE (4u << 20)
 
@@ -636,6 +636,38 @@ static const char *push_path(const uint32_t *parent, uint64_t i, const char *mou
     at -= base;
     memcpy(path + at, mountpoint, base);
     return path + at;
+}
+
+/* The lookup process's protocol (lookupproc.py): paths out, each ended by a NUL; one byte
+ * per path back, 'y' or 'n'. */
+static int lookup_send(int sock, const char *data, size_t n)
+{
+    while (n > 0) {
+        ssize_t put = send(sock, data, n, MSG_NOSIGNAL);
+        if (put < 0) {
+            if (errno == EINTR)
+                continue;
+            return -errno;
+        }
+        data += put;
+        n -= (size_t)put;
+    }
+    return 0;
+}
+
+/* Wait until answers[0..want) are all in (`*have` of them read so far). 0 or -errno (-EPIPE:
+ * the process ended). */
+static int lookup_await(int sock, char *answers, size_t *have, size_t want)
+{
+    while (*have < want) {
+        ssize_t got = read(sock, answers + *have, want - *have);
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got <= 0)
+            return got == 0 ? -EPIPE : -errno;
+        *have += (size_t)got;
+    }
+    return 0;
 }
 
 /* Store file i's `size` bytes from `fd` (its cache file), piece by piece through `buf`. 0 when
@@ -732,7 +764,7 @@ int shardfs_shim_push(int fd, int lookup, const uint32_t *entries, uint64_t n,
         }
         if (asked == 0)
             continue;
-        int r = write_all(lookup, paths, used);
+        int r = lookup_send(lookup, paths, used);
         if (r != 0) {
             res = r;
             break;

@@ -293,19 +293,6 @@ def can_push() -> bool:
     return _lib is not None and metadata_in_c()
 
 
-def start_lookup_process() -> tuple[int, int]:
-    """Fork the page push's lookup process (_shim_lookup.c): (its pid, our end of its socket).
-    Closing the socket ends it; reap it with waitpid. Called from the pusher's thread (the
-    fork copies no other thread; the child runs only system calls)."""
-    if _lib is None:
-        raise RuntimeError(f"the pyfuse3 shim is not loaded: {load_error}")
-    pid = ctypes.c_int(0)
-    sock = int(_lib.shardfs_shim_lookup_start(ctypes.byref(pid)))
-    if sock < 0:
-        raise OSError(-sock, f"starting the lookup process: {os.strerror(-sock)}")
-    return pid.value, sock
-
-
 def push(fd: int, lookup: int, entries: array, first: int, count: int, parent: array,
          mountpoint: bytes, counts: PushCounts) -> int:
     """Push the plain files at `entries[first:first+count]` (one shard's, see
