@@ -299,6 +299,13 @@ def test_a_daemon_serving_alone_killed_mid_push_ends(nginx, mounter: Mounter, tm
                         samples += 1
                     assert time.monotonic() < deadline, f"the push did not end: {now}"
                 assert seen_waiting, f"the lookup process never seen waiting ({samples} samples)"
+                # It holds no descriptor of the connection (which must end with the daemon's)
+                # and keeps no mount busy.
+                (lookup,) = lookup_process
+                held = [os.readlink(f"/proc/{lookup}/fd/{fd}")
+                        for fd in os.listdir(f"/proc/{lookup}/fd")]
+                assert "/dev/fuse" not in held and len(held) <= 3, held
+                assert os.readlink(f"/proc/{lookup}/cwd") == "/"
             else:  # killed mid-push
                 caught += pushed["looked_up"] < shards * (per_shard - 1)
             assert len(lookup_process) == 1, lookup_process

@@ -126,47 +126,57 @@ class LookupProcess:
     docstring): started on first use, ended (its socket closed, then reaped) by `close`."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()  # connect (pusher's thread) against close (the loop's)
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
+        self._closed = False
 
-    def _socket(self) -> socket.socket:
-        """Our end of its socket, starting the process the first time (in the pusher's
-        thread: Python's start-up takes ~15 ms)."""
-        if self._sock is None:
-            ours, theirs = socket.socketpair()
-            try:
-                # Only its socket (close_fds: never /dev/fuse, which must close with the
-                # daemon's), its working directory at / (it keeps no mount busy).
-                self._proc = subprocess.Popen(
-                    [sys.executable, "-S", "-E", str(Path(__file__).with_name("lookupproc.py"))],
-                    stdin=theirs, stdout=subprocess.DEVNULL, cwd="/")
-            finally:
-                theirs.close()
-            self._sock = ours
-        return self._sock
-
-    def fileno(self) -> int:
-        return self._socket().fileno()
-
-    def look_up(self, path: bytes) -> bool:
-        """One path's stat by the process (the Python loop's way; the C loop sends batches)."""
-        sock = self._socket()
-        sock.sendall(path + b"\0")
-        answer = sock.recv(1)
-        if not answer:
-            raise OSError(errno.EPIPE, "the lookup process ended")
-        return answer == b"y"
+    def connect(self) -> socket.socket:
+        """A socket to the process for one shard's push, starting the process the first time
+        (in the pusher's thread: Python's start-up takes ~15 ms). A duplicate of ours, closed
+        by the caller: a push thread abandoned at shutdown goes on with its own descriptor,
+        never a number reused meanwhile. OSError (EPIPE) once closed."""
+        with self._lock:
+            if self._closed:
+                raise OSError(errno.EPIPE, "the lookup process was stopped")
+            if self._sock is None:
+                ours, theirs = socket.socketpair()
+                try:
+                    # Only its socket and /dev/null (close_fds: never /dev/fuse, which must
+                    # close with the daemon's; no pipe someone waits to see closed), its
+                    # working directory at / (it keeps no mount busy).
+                    self._proc = subprocess.Popen(
+                        [sys.executable, "-S", "-E",
+                         str(Path(__file__).with_name("lookupproc.py"))],
+                        stdin=theirs, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                        cwd="/")
+                finally:
+                    theirs.close()
+                self._sock = ours
+            return self._sock.dup()
 
     def close(self) -> None:
-        """End the process: at end of file it exits (at once, or when a stat it waits in
-        fails or is answered); reaped by a thread, so that no zombie is left."""
-        if self._sock is None:
-            return
-        self._sock.close()
-        self._sock = None
-        proc, self._proc = self._proc, None
+        """End the process: at end of file on every descriptor of our end it exits (at once,
+        or when a stat it waits in fails or is answered); reaped by a thread, so that no
+        zombie is left."""
+        with self._lock:
+            self._closed = True
+            sock, self._sock = self._sock, None
+            proc, self._proc = self._proc, None
+        if sock is not None:
+            sock.close()
         if proc is not None:
             threading.Thread(target=proc.wait, name="shardfs lookup reaper", daemon=True).start()
+
+
+def look_up(sock: socket.socket, path: bytes) -> bool:
+    """One path's stat by the lookup process (the Python loop's way; the C loop sends
+    batches)."""
+    sock.sendall(path + b"\0")
+    answer = sock.recv(1)
+    if not answer:
+        raise OSError(errno.EPIPE, "the lookup process ended")
+    return answer == b"y"
 
 
 class PagePusher:
@@ -232,19 +242,29 @@ class PagePusher:
         try:
             if self._index is None:
                 self._index = self._tree.files_by_shard(len(self._keys))
-            if counts is not None:
-                self._push_in_c(fd, shard, counts)
-            else:
-                self._push_in_python(fd, shard)
+            try:
+                lookups = self._lookups.connect()
+            except OSError as exc:  # could not start (stopped: the pusher is ending)
+                if exc.errno != errno.EPIPE:
+                    self.stats.errors += 1
+                    log.warning("page push is off: no lookup process (%s)", exc)
+                self._off = True
+                return
+            with lookups:
+                if counts is not None:
+                    self._push_in_c(fd, lookups, shard, counts)
+                else:
+                    self._push_in_python(fd, lookups, shard)
         finally:
             os.close(fd)
 
-    def _push_in_c(self, fd: int, shard: int, counts: shim.PushCounts) -> None:
+    def _push_in_c(self, fd: int, lookups: socket.socket, shard: int,
+                   counts: shim.PushCounts) -> None:
         """The shim's loop (shardfs_shim_push): the same steps as _push_in_python, without
         the GIL and with no Python object per file."""
         assert self._index is not None
         order, start = self._index
-        res = shim.push(fd, self._lookups.fileno(), order, start[shard],
+        res = shim.push(fd, lookups.fileno(), order, start[shard],
                         start[shard + 1] - start[shard], self._tree.parent, self._mountpoint,
                         counts)
         stats = self.stats
@@ -263,7 +283,7 @@ class PagePusher:
         elif res != 0:  # the mount is going away, or the cache file is gone
             log.debug("pushing pages stopped: %s", os.strerror(-res))
 
-    def _push_in_python(self, fd: int, shard: int) -> None:
+    def _push_in_python(self, fd: int, lookups: socket.socket, shard: int) -> None:
         stats, tree = self.stats, self._tree
         assert self._index is not None
         try:
@@ -275,7 +295,7 @@ class PagePusher:
                 if self._has_inode(ino):
                     stats.opened += 1
                     continue
-                if not self._look_up(ino):
+                if not self._look_up(lookups, ino):
                     stats.unknown += 1
                     continue
                 at = 0
@@ -308,10 +328,10 @@ class PagePusher:
         copies nothing and fails with ENOENT when it has not."""
         return self._store(ino, 0, b"")
 
-    def _look_up(self, ino: int) -> bool:
+    def _look_up(self, lookups: socket.socket, ino: int) -> bool:
         """The LOOKUP that gives the kernel an inode for the file: a stat through the mount,
         by the lookup process."""
-        if not self._lookups.look_up(self._mountpoint + b"/" + self._tree.path(ino)):
+        if not look_up(lookups, self._mountpoint + b"/" + self._tree.path(ino)):
             return False
         self.stats.looked_up += 1
         return True
