@@ -670,6 +670,49 @@ static int lookup_await(int sock, char *answers, size_t *have, size_t want)
     return 0;
 }
 
+/* The lookup process's side (lookupproc.py calls it; it runs in that process, not in one that
+ * serves the mount): stat each path read from `sock`, answer 'y' or 'n' per path in order,
+ * until end of file. 0, or -errno. */
+int shardfs_shim_lookup_serve(int sock)
+{
+    enum { BUF = 64 << 10 };
+    char *buf = malloc(BUF), *answers = malloc(BUF);
+    size_t have = 0;
+    int res = 0;
+    if (buf == NULL || answers == NULL) {
+        res = -ENOMEM;
+        goto out;
+    }
+    for (;;) {
+        ssize_t got = read(sock, buf + have, BUF - have);
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got <= 0) {
+            res = got == 0 ? 0 : -errno;   /* end of file: the daemon closed it, or died */
+            break;
+        }
+        have += (size_t)got;
+        size_t at = 0, n = 0;
+        for (char *end; (end = memchr(buf + at, 0, have - at)) != NULL;
+             at = (size_t)(end - buf) + 1) {
+            struct stat st;
+            answers[n++] = stat(buf + at, &st) == 0 ? 'y' : 'n';
+        }
+        if (n > 0 && (res = lookup_send(sock, answers, n)) != 0)
+            break;
+        if (at == 0 && have == BUF) {
+            res = -ENAMETOOLONG;   /* not the pusher's protocol */
+            break;
+        }
+        memmove(buf, buf + at, have - at);
+        have -= at;
+    }
+out:
+    free(buf);
+    free(answers);
+    return res;
+}
+
 /* Store file i's `size` bytes from `fd` (its cache file), piece by piece through `buf`. 0 when
  * stored (counted), 1 when not (counted), or -errno that stops the push. */
 static int push_file(notify_store_fn store, int fd, uint64_t i, char **buf, size_t *cap,

@@ -145,9 +145,11 @@ class LookupProcess:
                     # Only its socket and /dev/null (close_fds: never /dev/fuse, which must
                     # close with the daemon's; no pipe someone waits to see closed), its
                     # working directory at / (it keeps no mount busy).
+                    if shim.library_path is None:
+                        raise OSError(errno.ENOENT, "the shim is not loaded")
                     self._proc = subprocess.Popen(
                         [sys.executable, "-S", "-E",
-                         str(Path(__file__).with_name("lookupproc.py"))],
+                         str(Path(__file__).with_name("lookupproc.py")), shim.library_path],
                         stdin=theirs, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                         cwd="/")
                 finally:

@@ -24,10 +24,11 @@ log = logging.getLogger(__name__)
 
 _lib: ctypes.PyDLL | None = None
 load_error: str | None = None
+library_path: str | None = None  # the shim's file, once loaded (the lookup process loads it)
 
 
 def _load() -> None:
-    global _lib, load_error
+    global _lib, load_error, library_path
     if os.environ.get("SHARDFS_NO_SHIM"):
         load_error = "disabled by SHARDFS_NO_SHIM"
         return
@@ -44,6 +45,7 @@ def _load() -> None:
     except OSError as exc:
         load_error = str(exc)
         return
+    library_path = spec.origin
     _lib.shardfs_shim_ioctls.restype = ctypes.c_uint64
     _lib.shardfs_shim_arena_count.restype = ctypes.c_uint64
     _lib.shardfs_shim_arena_read.restype = ctypes.c_int64
