@@ -328,3 +328,48 @@ def test_a_daemon_serving_alone_killed_mid_push_ends(nginx, mounter: Mounter, tm
             if killed and live_threads(m.pid):
                 abort_connection(mnt)  # what a user would have to do: nothing left hanging
     assert caught >= 1, "the kills did not catch the pushes' lookups going on"
+
+
+def test_a_daemon_killed_mid_push_under_the_holder_is_taken_over(tmp_path: Path,
+                                                                  mounter: Mounter):
+    """The same kill with the holder keeping the connection (the default): the killed daemon
+    ends at once (none of its threads waits on the mount), the next daemon takes over and
+    answers what the lookup process was waiting for, and that process ends; every file reads
+    right afterwards."""
+    if os.environ.get("SHARDFS_NO_SHIM"):
+        pytest.skip("takeovers and page push need the shim")
+    shards, per_shard = 3, 3000
+    write_small_file_shards(tmp_path / "small", shards, per_shard)
+    pattern = f"file://{tmp_path}/small/small-{{000000..{shards - 1:06d}}}.tar"
+    m = mounter.mount([pattern], None, None, "--no-warm", "--workers", "1")
+    assert m.stats()["connection_kept_by"] == "holder", m.stats()
+    for s in range(shards):
+        assert (m.mountpoint / f"d{s}/f00000.txt").read_bytes() == f"shard {s} file 0\n".encode()
+    deadline = time.monotonic() + 30
+    while (pushed := m.stats()["pages_pushed"])["looked_up"] == 0:
+        assert time.monotonic() < deadline, f"nothing pushed: {pushed}"
+        time.sleep(0.002)
+    (lookup,) = children_of(m.pid)
+    os.kill(m.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while live := live_threads(m.pid):
+        assert time.monotonic() < deadline, f"the killed daemon lingers: {live}"
+        time.sleep(0.02)
+    while True:  # the next daemon serves
+        try:
+            after = m.stats()
+        except OSError:
+            after = None
+        if after is not None and after["pid"] != m.pid:
+            break
+        assert time.monotonic() < deadline, "no daemon took over"
+        time.sleep(0.05)
+    assert after["takeovers"] == 1, after
+    while live := live_threads(lookup):
+        assert time.monotonic() < deadline, f"the old lookup process lingers: {live}"
+        time.sleep(0.02)
+    for s in range(shards):
+        for i in range(per_shard):
+            path = m.mountpoint / f"d{s}/f{i:05d}.txt"
+            assert path.read_bytes() == f"shard {s} file {i}\n".encode(), path
+    assert pushed["looked_up"] < shards * (per_shard - 1), "the kill came after the pushes"
