@@ -3,7 +3,6 @@ and hand the descriptor to a server (`shardfs mount ... --fuse-fd N`). Needs roo
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -72,10 +71,8 @@ class FuseMount:
 
     def close(self) -> None:
         """Abort the connection (nothing may hang on it), detach the mount, close the fd."""
-        conn = self.connection()
-        if conn is not None:
-            with contextlib.suppress(OSError):
-                (conn / "abort").write_text("1")
+        if self.mounted():
+            abort_connection(self.mountpoint)
             _libc.umount2(os.fsencode(self.mountpoint), MNT_DETACH)
         if self.fd >= 0:
             os.close(self.fd)
