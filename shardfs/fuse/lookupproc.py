@@ -1,6 +1,6 @@
 """The page push's lookup process: stats paths through the mount for the pusher.
 
-Run by `shardfs.fuse.pagepush.LookupProcess` as `python -S -E <this file> <the shim's
+Run by `shardfs.fuse.lookups.LookupProcess` as `python -S -E <this file> <the shim's
 library>`, its socket as standard input: a program of its own (not a fork of the daemon, which
 would keep a copy-on-write copy of the daemon's memory for as long as it lives). Why the
 lookups need a process of their own: pagepush.py's docstring.
@@ -15,25 +15,19 @@ nothing of shardfs.
 
 import contextlib
 import ctypes
-import errno
-import os
 import sys
 
 SOCKET = 0
 
 
-def main() -> int:
+def main() -> None:
     with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
         comm.write("shardfs lookup")  # what ps and top show
     serve = ctypes.CDLL(sys.argv[1]).shardfs_shim_lookup_serve
     serve.argtypes = [ctypes.c_int]
-    res = serve(SOCKET)
-    if res not in (0, -errno.EPIPE, -errno.ECONNRESET):
-        print(f"shardfs lookup: {os.strerror(-res)}", file=sys.stderr)
-        return 1
-    return 0
+    serve(SOCKET)  # until end of file (or an error: the daemon sees the socket end either way)
 
 
 if __name__ == "__main__":
     with contextlib.suppress(KeyboardInterrupt):
-        sys.exit(main())
+        main()

@@ -13,6 +13,9 @@ from pathlib import Path
 
 from shardfs.fuse import shim
 
+# What a send or receive on its socket fails with once the process has ended.
+GONE = (errno.EPIPE, errno.ECONNRESET)
+
 
 class LookupProcess:
     """The process that makes the pusher's lookups (lookupproc.py; see the module's

@@ -50,7 +50,7 @@ import trio
 from shardfs.cache.shardcache import ShardCache
 from shardfs.catalog.tree import Tree
 from shardfs.fuse import shim
-from shardfs.fuse.lookups import LookupProcess, look_up
+from shardfs.fuse.lookups import GONE, LookupProcess, look_up
 
 log = logging.getLogger(__name__)
 
@@ -217,9 +217,8 @@ class PagePusher:
         if counts.off:
             log.info("the kernel does not take pushed pages (ENOSYS): off")
             self._off = True
-        if res == -errno.EPIPE:
-            log.warning("the page push's lookup process ended: pushing pages is off")
-            self._off = True
+        if -res in GONE:
+            self._lookups_gone()
         elif res != 0:  # the mount is going away, or the cache file is gone
             log.debug("pushing pages stopped: %s", os.strerror(-res))
 
@@ -257,11 +256,14 @@ class PagePusher:
                     return
         except OSError as exc:  # the mount is going away, the cache file or lookups gone
             stats.errors += 1
-            if exc.errno == errno.EPIPE:
-                log.warning("the page push's lookup process ended: pushing pages is off")
-                self._off = True
+            if exc.errno in GONE:
+                self._lookups_gone()
             else:
                 log.debug("pushing pages stopped: %s", exc)
+
+    def _lookups_gone(self) -> None:
+        log.warning("the page push's lookup process ended: pushing pages is off")
+        self._off = True
 
     def _has_inode(self, ino: int) -> bool:
         """Does the kernel have this inode (was the file looked up)? A zero-length store
