@@ -222,6 +222,26 @@ def children_of(pid: int) -> list[int]:
     return children
 
 
+def wait_ended(pid: int, what: str, timeout: float = 20.0) -> None:
+    """Until every thread of the process has exited."""
+    deadline = time.monotonic() + timeout
+    while live := live_threads(pid):
+        assert time.monotonic() < deadline, f"{what} lingers: {live}"
+        time.sleep(0.02)
+
+
+def start_pushes(m, shards: int) -> dict:
+    """Read each shard's first file (its whole download follows) and wait for the first
+    pushes' lookups: the `pages_pushed` stats then."""
+    for s in range(shards):
+        assert (m.mountpoint / f"d{s}/f00000.txt").read_bytes() == f"shard {s} file 0\n".encode()
+    deadline = time.monotonic() + 30
+    while (pushed := m.stats()["pages_pushed"])["looked_up"] == 0:
+        assert time.monotonic() < deadline, f"nothing pushed: {pushed}"
+        time.sleep(0.002)
+    return pushed
+
+
 def waiting_on_a_mount(pid: int) -> bool:
     """Whether a thread of the process waits for the answer to a FUSE request it made (its
     kernel stack, /proc/PID/task/TID/stack: root only)."""
@@ -286,16 +306,12 @@ def test_a_daemon_serving_alone_killed_mid_push_ends(nginx, mounter: Mounter, tm
         m = mounter.mount([pattern], mnt, tmp_path / f"killed-cache{cycle}", "--no-warm",
                           "--workers", "1", "--no-holder", "--push-pages", "auto")
         try:
-            for s in range(shards):  # each shard's first file: the whole shards are fetched
-                assert (mnt / f"d{s}/f00000.txt").read_bytes() == f"shard {s} file 0\n".encode()
-            deadline = time.monotonic() + 30
-            while (pushed := m.stats()["pages_pushed"])["looked_up"] == 0:
-                assert time.monotonic() < deadline, f"nothing pushed: {pushed}"
-                time.sleep(0.002)
+            pushed = start_pushes(m, shards)
             lookup_process = children_of(m.pid)
             if cycle == 0:  # watched until the push ends
                 samples = seen_waiting = 0
                 total = shards * per_shard
+                deadline = time.monotonic() + 30
                 while (now := m.stats()["pages_pushed"])["looked_up"] + now["opened"] < total:
                     for _ in range(20):
                         assert not waiting_on_a_mount(m.pid), "the daemon made a FUSE request"
@@ -315,15 +331,9 @@ def test_a_daemon_serving_alone_killed_mid_push_ends(nginx, mounter: Mounter, tm
             assert len(lookup_process) == 1, lookup_process
             os.kill(m.pid, signal.SIGKILL)
             killed = True
-            deadline = time.monotonic() + 20
-            while live := live_threads(m.pid):
-                assert time.monotonic() < deadline, f"the killed daemon lingers: {live}"
-                time.sleep(0.02)
+            wait_ended(m.pid, "the killed daemon")
             assert isinstance(stats_fail(mnt, 20), OSError)  # ENOTCONN, not a hang
-            for pid in lookup_process:
-                while live := live_threads(pid):
-                    assert time.monotonic() < deadline, f"the lookup process lingers: {live}"
-                    time.sleep(0.02)
+            wait_ended(lookup_process[0], "the lookup process")
         finally:
             if killed and live_threads(m.pid):
                 abort_connection(mnt)  # what a user would have to do: nothing left hanging
@@ -343,31 +353,13 @@ def test_a_daemon_killed_mid_push_under_the_holder_is_taken_over(tmp_path: Path,
     pattern = f"file://{tmp_path}/small/small-{{000000..{shards - 1:06d}}}.tar"
     m = mounter.mount([pattern], None, None, "--no-warm", "--workers", "1")
     assert m.stats()["connection_kept_by"] == "holder", m.stats()
-    for s in range(shards):
-        assert (m.mountpoint / f"d{s}/f00000.txt").read_bytes() == f"shard {s} file 0\n".encode()
-    deadline = time.monotonic() + 30
-    while (pushed := m.stats()["pages_pushed"])["looked_up"] == 0:
-        assert time.monotonic() < deadline, f"nothing pushed: {pushed}"
-        time.sleep(0.002)
+    pushed = start_pushes(m, shards)
     (lookup,) = children_of(m.pid)
     os.kill(m.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 20
-    while live := live_threads(m.pid):
-        assert time.monotonic() < deadline, f"the killed daemon lingers: {live}"
-        time.sleep(0.02)
-    while True:  # the next daemon serves
-        try:
-            after = m.stats()
-        except OSError:
-            after = None
-        if after is not None and after["pid"] != m.pid:
-            break
-        assert time.monotonic() < deadline, "no daemon took over"
-        time.sleep(0.05)
-    assert after["takeovers"] == 1, after
-    while live := live_threads(lookup):
-        assert time.monotonic() < deadline, f"the old lookup process lingers: {live}"
-        time.sleep(0.02)
+    wait_ended(m.pid, "the killed daemon")
+    wait_for(lambda: m.stats()["pid"] != m.pid, "no daemon took over")  # the stats wait for it
+    assert m.stats()["takeovers"] == 1, m.stats()
+    wait_ended(lookup, "the old lookup process")
     for s in range(shards):
         for i in range(per_shard):
             path = m.mountpoint / f"d{s}/f{i:05d}.txt"
