@@ -365,3 +365,30 @@ def test_a_daemon_killed_mid_push_under_the_holder_is_taken_over(tmp_path: Path,
             path = m.mountpoint / f"d{s}/f{i:05d}.txt"
             assert path.read_bytes() == f"shard {s} file {i}\n".encode(), path
     assert pushed["looked_up"] < shards * (per_shard - 1), "the kill came after the pushes"
+
+
+def test_a_lookup_process_that_dies_turns_the_push_off(tmp_path: Path, mounter: Mounter):
+    """Its socket ends (EPIPE or ECONNRESET): the daemon says so once, pushes no more, and
+    serves every file as without pushes."""
+    if os.environ.get("SHARDFS_NO_SHIM"):
+        pytest.skip("page push needs the shim")
+    shards, per_shard = 3, 300
+    write_small_file_shards(tmp_path / "small", shards, per_shard)
+    pattern = f"file://{tmp_path}/small/small-{{000000..{shards - 1:06d}}}.tar"
+    m = mounter.mount([pattern], None, None, "--no-warm", "--workers", "1", "--no-holder")
+    assert (m.mountpoint / "d0/f00000.txt").read_bytes() == b"shard 0 file 0\n"
+    wait_for(lambda: m.stats()["pages_pushed"]["shards"] >= 1, "shard 0 never pushed")
+    (lookup,) = children_of(m.pid)
+    os.kill(lookup, signal.SIGKILL)
+    wait_ended(lookup, "the killed lookup process")
+    before = m.stats()["pages_pushed"]
+    for s in (1, 2):  # their downloads complete after the lookup process is gone
+        assert (m.mountpoint / f"d{s}/f00000.txt").read_bytes() == f"shard {s} file 0\n".encode()
+    wait_for(lambda: m.stats()["shards_cached"] == shards, "the shards never arrived")
+    wait_for(lambda: "lookup process ended: pushing pages is off" in m.log(), "no log line")
+    after = m.stats()["pages_pushed"]
+    assert after["files"] == before["files"] and after["errors"] >= 1, (before, after)
+    for s in range(shards):
+        for i in range(per_shard):
+            path = m.mountpoint / f"d{s}/f{i:05d}.txt"
+            assert path.read_bytes() == f"shard {s} file {i}\n".encode(), path
