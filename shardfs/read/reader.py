@@ -31,7 +31,7 @@ import trio
 from cachetools import LRUCache
 
 from shardfs.cache.partrecord import BLOCK, PrefixCrcs, block_crcs
-from shardfs.cache.shardcache import DISK_FULL, PartFile, ShardCache, pwrite_all
+from shardfs.cache.shardcache import DISK_FULL, PartFile, ShardCache
 from shardfs.catalog.catalog import Catalog
 from shardfs.catalog.codecs import CodecError, decompressor
 from shardfs.read.diskread import DiskReads
@@ -41,7 +41,7 @@ from shardfs.read.layout import ShardLayout
 from shardfs.read.lookahead import Lookahead
 from shardfs.read.states import ShardStates
 from shardfs.read.workingset import WorkingSet
-from shardfs.sources import ShardChanged, SourceError, Sources
+from shardfs.sources import ShardChanged, SourceError, Sources, Written
 from shardfs.util.checksum import (
     VERIFY_MODES,
     Digest,
@@ -49,6 +49,7 @@ from shardfs.util.checksum import (
     ShardCheck,
     digest_of_file,
 )
+from shardfs.util.fileio import pread_all, pwrite_all
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
@@ -990,8 +991,12 @@ class Reader:
             def append_from_thread(piece: bytes) -> None:
                 trio.from_thread.run_sync(self._write, fetch, first, piece)
 
-            def check_and_decode(chunks: list[bytes]) -> None:  # in a worker thread
-                for chunk in chunks:
+            def check_and_decode(chunks: list[bytes | Written]) -> None:  # in a thread
+                for piece in chunks:
+                    # Bytes the source wrote into the part file itself: read back from its
+                    # page cache here, off the loop's thread.
+                    chunk = pread_all(fetch.part.fd, piece.size, piece.offset) \
+                        if isinstance(piece, Written) else piece
                     if digest is not None:
                         digest.update(chunk)
                     if crcs is not None:
@@ -1008,7 +1013,7 @@ class Reader:
                 # batches of THREAD_BATCH. Plain bytes are written (and announced to
                 # readers) at once; the digest is checked before commit (from the part
                 # file, if reads split the fetch: see _split).
-                batch: list[bytes] = []
+                batch: list[bytes | Written] = []
                 batched = 0
                 # A batch also goes when the prefix passes a block's end, so that the block's
                 # CRC is recorded then (not only once 4 MiB more came: a stalled GET).
@@ -1193,7 +1198,8 @@ class Reader:
 
         await self._guard_get(fetch, stream())
 
-    def _write(self, fetch: Fetch, get: Get, data: bytes, *, written: bool = False) -> None:
+    def _write(self, fetch: Fetch, get: Get, data: bytes | Written, *,
+               written: bool = False) -> None:
         """Bytes that `get` brought, at its position; past its end (moved by a split) they are
         dropped. `written`: the source wrote them into the part file already."""
         room = get.stop - get.pos

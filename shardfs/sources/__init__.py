@@ -19,6 +19,7 @@ from shardfs.sources.base import (
     SourceSettings,
     SourceStats,
     Unreachable,
+    Written,
     check_span,
 )
 from shardfs.sources.budget import RequestBudget
@@ -43,6 +44,7 @@ __all__ = [
     "SourceStats",
     "Sources",
     "Unreachable",
+    "Written",
     "check_span",
     "to_url",
 ]

@@ -27,6 +27,24 @@ class Unreachable(SourceError):
     """No progress for longer than the deadline (network down, server stalled or failing)."""
 
 
+class Written:
+    """Bytes a source wrote straight into the caller's file (`stream_into`), at `offset`,
+    without bringing them into Python: the caller reads them back where it needs them (its
+    checks). len() is their count, as of a piece of bytes."""
+
+    __slots__ = ("offset", "size")
+
+    def __init__(self, offset: int, size: int) -> None:
+        self.offset = offset
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __repr__(self) -> str:
+        return f"Written({self.offset}, {self.size})"
+
+
 @dataclass(frozen=True, slots=True)
 class ShardInfo:
     """What a source says about one shard: enough to key caches and detect changes."""
@@ -89,6 +107,9 @@ class SourceStats:
     # chunked bodies). Each costs several times the CPU (docs/sources.md).
     httpx_requests: int = 0
     bytes_received: int = 0
+    # Of them, written from the socket into the cache file without passing through Python
+    # (splice(2): whole-shard downloads over plain http://; sources/h1.py)
+    spliced_bytes: int = 0
     retries: int = 0
     errors: int = 0
     by_status: dict[int, int] = field(default_factory=dict)

@@ -9,6 +9,7 @@ import random
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import aclosing
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -27,10 +28,12 @@ from shardfs.sources.base import (
     SourceSettings,
     SourceStats,
     Unreachable,
+    Written,
     check_span,
 )
 from shardfs.sources.budget import RequestBudget
 from shardfs.sources.h1 import Answer, Http11Pool, NotForUs, RequestHead, proxy_in_environment
+from shardfs.util.fileio import pwrite_all
 
 GONE = frozenset({403, 404, 410})
 RETRYABLE = frozenset({408, 429})  # plus every 5xx
@@ -294,6 +297,23 @@ class HttpSource:
     # -- stream -------------------------------------------------------------------------------
 
     async def stream(self, shard: ShardInfo, start: int, end: int) -> AsyncIterator[bytes]:
+        async for piece in self._stream(shard, start, end, None):
+            assert isinstance(piece, bytes)
+            yield piece
+
+    async def stream_into(self, shard: ShardInfo, start: int, end: int,
+                          into: int) -> AsyncIterator[bytes | Written]:
+        """As `stream`, each piece also written at its offset in the shard into the file
+        `into` (the reader's cache file) before it is yielded. Over a plain TCP connection of
+        our own (h1) the body goes from the socket into the file without passing through
+        Python (splice(2)), and the pieces are `Written` (the caller reads back what it
+        checks); otherwise they are the bytes, written by this loop. An OSError of the
+        write (a full disk) is raised as the caller's own would be."""
+        async for piece in self._stream(shard, start, end, into):
+            yield piece
+
+    async def _stream(self, shard: ShardInfo, start: int, end: int,
+                      into: int | None) -> AsyncIterator[bytes | Written]:
         check_span(shard, start, end)
         pos = start
         # Only bytes count as progress here: a server that answers and then drops every
@@ -311,6 +331,20 @@ class HttpSource:
                     # shard, a range past `end`) is cut off there.
                     cut = resp.status_code != 206 or \
                         _parse_content_range(resp, shard.url)[1] + 1 > stop
+                    spliced = None
+                    if into is not None and not shard.whole_only and isinstance(resp, Answer):
+                        spliced = resp.splice_into(into, pos, stop - pos)
+                    if spliced is not None:
+                        async with aclosing(spliced) as written:
+                            async for n in written:
+                                self.stats.bytes_received += n
+                                self.stats.spliced_bytes += n
+                                pos += n
+                                yield Written(pos - n, n)
+                                patience.progress()
+                        if pos < stop:
+                            raise self._retry(f"response ended at byte {pos}, expected {stop}")
+                        continue
                     # A whole-only shard is always sent from byte 0: skip what we already
                     # yielded (a resumed transfer) or what the caller did not ask for.
                     at = 0 if shard.whole_only else pos
@@ -324,6 +358,8 @@ class HttpSource:
                         at += len(data)
                         for i in range(0, len(data), chunk):
                             piece = data[i : i + chunk]
+                            if into is not None:
+                                pwrite_all(into, piece, pos)
                             pos += len(piece)
                             yield piece
                             # After the yield: time the consumer spends is not our stall.

@@ -1,4 +1,4 @@
-"""Writing files whole: the one helper the cache and its part records share."""
+"""Writing and reading file ranges whole (short writes and reads are errors, not holes)."""
 
 from __future__ import annotations
 
@@ -19,3 +19,19 @@ def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         view = view[n:]
         offset += n
+
+
+def pread_all(fd: int, size: int, offset: int) -> bytes:
+    """`size` bytes at `offset`, or OSError (EIO) where the file ends before them."""
+    data = os.pread(fd, size, offset)
+    if len(data) == size:
+        return data
+    parts = [data]
+    got = len(data)
+    while got < size:
+        more = os.pread(fd, size - got, offset + got)
+        if not more:
+            raise OSError(errno.EIO, f"file ends at {offset + got}, {size - got} bytes short")
+        parts.append(more)
+        got += len(more)
+    return b"".join(parts)
