@@ -32,6 +32,7 @@ from shardfs.sources import (
     Sources,
     SourceSettings,
     Unreachable,
+    Written,
     to_url,
 )
 from shardfs.sources.http import HTTP_RECEIVE_BYTES
@@ -291,6 +292,86 @@ def test_sequential_ranged_streams_reuse_one_connection(nginx: Nginx) -> None:
         with_http(check)
         assert proxy.connections_accepted == 1
         assert len(proxy.requests) == 23
+
+
+async def read_into(source: HttpSource, shard: ShardInfo, fd: int, start: int, end: int,
+                    data: bytes) -> list[bytes | Written]:
+    """Stream [start, end) of `shard` into `fd` with stream_into, checking that every piece
+    is in the file at its offset, with the shard's bytes (`data`), when it is yielded."""
+    pieces: list[bytes | Written] = []
+    pos = start
+    async with aclosing(source.stream_into(shard, start, end, fd)) as written:
+        async for piece in written:
+            if isinstance(piece, Written):
+                assert piece.offset == pos
+            assert os.pread(fd, len(piece), pos) == data[pos:pos + len(piece)]
+            if isinstance(piece, bytes):
+                assert piece == data[pos:pos + len(piece)]
+            pieces.append(piece)
+            pos += len(piece)
+    assert pos == end
+    return pieces
+
+
+@pytest.mark.parametrize("fault", ["none", "resets", "truncated", "stall"])
+def test_http_stream_into_splices_plain_bodies_into_the_file(nginx: Nginx, tmp_path: Path,
+                                                              fault: str) -> None:
+    """A plain http:// body goes from the socket into the file (splice): the pieces are
+    `Written` (no bytes in Python), each in the file at its offset when yielded, the file
+    byte-exact; a connection reset, a body cut short or a stall mid-body resumes from the
+    last byte written, nothing fetched twice; the connection is reused afterwards."""
+    data = put(nginx.root, "a.tar")
+    target = tmp_path / "part"
+    target.write_bytes(bytes(SIZE))
+    start = 12_345
+    with proxy_for(nginx) as proxy:
+
+        async def check(source: HttpSource) -> None:
+            shard = await source.stat(f"{proxy.url}/a.tar")
+            if fault == "resets":
+                proxy.reset_after(300_000, times=2)
+            elif fault == "truncated":
+                proxy.truncate_after(200_000, times=2)
+            elif fault == "stall":
+                proxy.stall(2.0, after_bytes=300_000, times=1)
+            fd = os.open(target, os.O_RDWR)
+            try:
+                pieces = await read_into(source, shard, fd, start, SIZE, data)
+                assert all(isinstance(p, Written) for p in pieces[1:])  # [0]: may be bytes
+                # that came with the headers; the rest never passed through Python
+                assert source.stats.spliced_bytes >= SIZE - start - CHUNK
+                assert source.stats.bytes_received == SIZE - start + 1  # + stat's 1 byte
+                assert source.stats.retries == {"none": 0, "stall": 1}.get(fault, 2)
+                before = proxy.connections_accepted
+                assert await read(source, shard, 7, 99) == data[7:99]  # the pool's again
+                assert proxy.connections_accepted == before
+            finally:
+                os.close(fd)
+
+        with_http(check)
+    assert target.read_bytes() == bytes(start) + data[start:]
+
+
+def test_http_stream_into_raises_a_failed_write_as_oserror(nginx: Nginx,
+                                                           tmp_path: Path) -> None:
+    """A write into the file that fails (a full disk; here a descriptor open only for
+    reading) is raised as the OSError it is, not retried as the server's failure."""
+    data = put(nginx.root, "a.tar")
+    target = tmp_path / "part"
+    target.write_bytes(bytes(SIZE))
+
+    async def check(source: HttpSource) -> None:
+        shard = await source.stat(f"{nginx.url}/a.tar")
+        fd = os.open(target, os.O_RDONLY)
+        try:
+            with pytest.raises(OSError) as raised:
+                await read_into(source, shard, fd, 0, SIZE, data)
+            assert not isinstance(raised.value, SourceError)
+            assert source.stats.retries == 0
+        finally:
+            os.close(fd)
+
+    with_http(check)
 
 
 def test_stream_receives_more_than_httpcore_default_at_a_time(
