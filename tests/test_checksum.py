@@ -10,11 +10,11 @@ import os
 import tarfile
 from pathlib import Path
 
-import google_crc32c
+import crc32c
 import pytest
 import trio
 
-from shardfs.cache.partrecord import BLOCK, PrefixCrcs
+from shardfs.cache.partrecord import BLOCK, PrefixCrcs, block_crc
 from shardfs.catalog.catalog import scan_local_file, scan_stream
 from shardfs.catalog.shardindex import IndexFormatError, ShardIndex, decode_index, encode_index
 from shardfs.pack import pack
@@ -28,10 +28,11 @@ from shardfs.util.checksum import (
     digest_of_file,
     shard_check,
 )
+from shardfs.util.fileio import VIEW_BYTES, file_views
 
 
 def crc_hex(data: bytes) -> str:
-    return f"{google_crc32c.value(data):08x}"
+    return f"{crc32c.crc32c(data):08x}"
 
 
 def test_crc32c_of_the_standard_check_string() -> None:
@@ -51,26 +52,30 @@ def test_crc32c_fed_in_pieces_of_every_kind_equals_the_whole() -> None:
     assert Crc32c().hexdigest() == "00000000"
 
 
-def test_crc32c_hands_the_library_only_pieces_that_release_the_gil(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """google-crc32c holds the GIL for pieces under 1 MiB: small pieces are joined first, so
-    a hashing thread never holds the GIL through a batch of them (only the last, short
-    remainder at hexdigest may be smaller)."""
-    sizes: list[int] = []
-    real = google_crc32c.extend
-
-    def extend(crc: int, data: bytes) -> int:
-        sizes.append(len(data))
-        return real(crc, data)
-
-    monkeypatch.setattr(checksum.google_crc32c, "extend", extend)
-    data = os.urandom(3 << 20)
-    digest = Crc32c()
-    for pos in range(0, len(data) - 1000, 65536):
-        digest.update(data[pos:min(pos + 65536, len(data) - 1000)])
-    digest.update(data[len(data) - 1000:])
-    assert digest.hexdigest() == crc_hex(data)
-    assert all(size >= 1 << 20 for size in sizes[:-1]) and sum(sizes) == len(data), sizes
+def test_file_views_give_a_files_bytes_in_reused_pieces(tmp_path: Path) -> None:
+    """file_views (what checks read back from the page cache) gives exactly the range, in
+    views of one buffer per thread; a digest and a block CRC fed from them equal the whole's;
+    a file that ends early is an OSError, not a short check."""
+    data = os.urandom(3 * VIEW_BYTES + 12_345)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        views = []
+        for view in file_views(fd, 777, len(data) - 1000):
+            assert len(view) <= VIEW_BYTES
+            views.append(bytes(view))
+        assert b"".join(views) == data[777:-223]
+        first = next(file_views(fd, 0, 10))
+        second = next(file_views(fd, 5, 10))
+        assert first.obj is second.obj  # the same buffer: no fresh memory per piece
+        check = shard_check(None, crc_hex(data))
+        assert check is not None and check.matches(digest_of_file(check, fd, len(data)))
+        assert block_crc(fd, 0, len(data)) == crc32c.crc32c(data)
+        with pytest.raises(OSError):
+            list(file_views(fd, len(data) - 10, 20))
+    finally:
+        os.close(fd)
 
 
 def test_shard_sums_are_sha256_and_crc32c() -> None:
@@ -179,9 +184,9 @@ def test_the_streaming_indexer_records_both_digests(tmp_path: Path) -> None:
 def test_the_crc32c_of_blocks_from_their_own_crcs() -> None:
     block = 4096
     data = os.urandom(5 * block)
-    crcs = [google_crc32c.value(data[i:i + block]) for i in range(0, len(data), block)]
+    crcs = [crc32c.crc32c(data[i:i + block]) for i in range(0, len(data), block)]
     for n in range(6):
-        assert crc32c_of_blocks(crcs[:n], block) == google_crc32c.value(data[:n * block])
+        assert crc32c_of_blocks(crcs[:n], block) == crc32c.crc32c(data[:n * block])
     tail = Crc32c(crc32c_of_blocks(crcs[:3], block))  # goes on from three blocks
     tail.update(data[3 * block:])
     assert tail.hexdigest() == crc_hex(data)
@@ -194,7 +199,7 @@ def test_a_fetchs_block_crcs_give_the_whole_shards_crc32c() -> None:
     before the last is unknown or the entries are zlib's."""
     size = 2 * BLOCK + 5000
     data = os.urandom(size)
-    blocks = [google_crc32c.value(data[i:i + BLOCK]) for i in (0, BLOCK)]
+    blocks = [crc32c.crc32c(data[i:i + BLOCK]) for i in (0, BLOCK)]
     fresh = PrefixCrcs(0, size)
     for pos in range(0, size, 65536):
         fresh.update(data[pos:pos + 65536])

@@ -17,7 +17,7 @@ import zlib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import google_crc32c
+import crc32c
 import pytest
 import trio
 
@@ -108,7 +108,7 @@ def test_block_crcs_computed_as_bytes_stream_equal_those_read_back(tmp_path: Pat
             assert got == block_crcs(fd, start, 3 * BLOCK), start
         whole = PrefixCrcs(0, 2 * BLOCK)  # a shard of exactly 2 blocks: only the first
         whole.update(data[: 2 * BLOCK])
-        assert whole.take() == [google_crc32c.value(data[:BLOCK])]
+        assert whole.take() == [crc32c.crc32c(data[:BLOCK])]
         # Records of daemons before session 20 hold zlib's CRC-32s: continued with those.
         old = PrefixCrcs(BLOCK, size, "crc32")
         old.update(data[BLOCK:])
@@ -210,7 +210,7 @@ def test_a_block_is_recorded_when_the_prefix_passes_its_end(big, nginx: Nginx, t
         assert reader.fetches[0].arrived == stop
         data = shard_bytes(big)
         kept = record.read_bytes()[HEAD:]
-        assert kept == b"".join(struct.pack("<I", google_crc32c.value(data[i:i + BLOCK]))
+        assert kept == b"".join(struct.pack("<I", crc32c.crc32c(data[i:i + BLOCK]))
                                 for i in (0, BLOCK)), kept
 
     run_reader(tmp_path / "cache", f"{nginx.url}/oddchunks/{big.names[0]}", body,
@@ -379,7 +379,7 @@ def test_a_continued_fetch_failing_its_check_is_fetched_again_from_0(big, nginx:
             f.seek(100)
             f.write(b"forged")
             f.seek(0)
-            crc = google_crc32c.value(f.read(BLOCK))
+            crc = crc32c.crc32c(f.read(BLOCK))
         with open(record, "r+b") as f:
             f.seek(HEAD)
             f.write(struct.pack("<I", crc))

@@ -37,10 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import google_crc32c
-
-from shardfs.util.checksum import Crc32c, crc32c_of_blocks
-from shardfs.util.fileio import pwrite_all
+from shardfs.util.checksum import Buffer, Crc32c, crc32c_of_blocks, crc32c_value
+from shardfs.util.fileio import file_views, pwrite_all
 
 MAGIC = b"shardfs-part-2\n"  # CRC-32C entries
 MAGIC_CRC32 = b"shardfs-part-1\n"  # zlib CRC-32 entries (records of daemons before session 20)
@@ -52,18 +50,18 @@ _CRC = struct.Struct("<I")
 log = logging.getLogger(__name__)
 
 
-def crc_of(kind: str, data: bytes) -> int:
-    """A record entry's CRC of a block's bytes (`bytes` of a whole block: both libraries
-    release the GIL for it)."""
-    return google_crc32c.value(data) if kind == "crc32c" else zlib.crc32(data)
+def crc_of(kind: str, data: Buffer, initial: int = 0) -> int:
+    """A record entry's CRC of a block's bytes, going on from `initial` (both libraries
+    release the GIL for large pieces)."""
+    return crc32c_value(data, initial) if kind == "crc32c" else zlib.crc32(data, initial)
 
 
 def block_crc(fd: int, start: int, end: int, kind: str = "crc32c") -> int:
     """The CRC of bytes [start, end) of a file (in a worker thread)."""
-    data = os.pread(fd, end - start, start)
-    if len(data) != end - start:
-        raise OSError(f"part file ends at {start + len(data)}, expected {end}")
-    return crc_of(kind, data)
+    crc = 0
+    for view in file_views(fd, start, end - start):
+        crc = crc_of(kind, view, crc)
+    return crc
 
 
 def block_crcs(fd: int, start: int, end: int, kind: str = "crc32c") -> list[int]:
@@ -103,7 +101,7 @@ class PrefixCrcs:
         # the whole shard's. (No record entry is made of it.)
         return Crc32c(crc32c_of_blocks(self._before + self._every, BLOCK))
 
-    def update(self, data: bytes) -> None:
+    def update(self, data: Buffer) -> None:
         """Bytes [pos, pos+len(data)) of the shard (in a worker thread: the CRCs release the
         GIL)."""
         while data:

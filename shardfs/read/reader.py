@@ -49,7 +49,7 @@ from shardfs.util.checksum import (
     ShardCheck,
     digest_of_file,
 )
-from shardfs.util.fileio import pread_all, pwrite_all
+from shardfs.util.fileio import file_views, pwrite_all
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
@@ -993,10 +993,16 @@ class Reader:
 
             def check_and_decode(chunks: list[bytes | Written]) -> None:  # in a thread
                 for piece in chunks:
-                    # Bytes the source wrote into the part file itself: read back from its
-                    # page cache here, off the loop's thread.
-                    chunk = pread_all(fetch.part.fd, piece.size, piece.offset) \
-                        if isinstance(piece, Written) else piece
+                    if isinstance(piece, Written):
+                        # Bytes the source wrote into the part file itself: read back from
+                        # its page cache here, off the loop's thread.
+                        for view in file_views(fetch.part.fd, piece.offset, piece.size):
+                            if digest is not None:
+                                digest.update(view)
+                            if crcs is not None:
+                                crcs.update(view)
+                        continue
+                    chunk = piece
                     if digest is not None:
                         digest.update(chunk)
                     if crcs is not None:

@@ -4,73 +4,71 @@ An indexer that sees every byte of a shard (`shardfs pack`, the streaming indexe
 scan of a compressed local shard) records the shard's sha256 and its CRC-32C. A complete
 fetch is checked against one of them before the shard is committed to the cache:
 
-- CRC-32C where the index has one and google-crc32c's C implementation (SSE 4.2 / ARMv8
-  CRC instructions) is present: ~0.07 ms per MiB against sha256's ~0.64 on the 2-core
-  test machine, which is most of what checking costs a cold ~24 KiB file (issue 26). It is
-  the check S3, GCS and HDFS use for data integrity: it catches every burst error up to 32
-  bits and all but 2^-32 of random corruptions; it does not resist a deliberate forgery,
-  which needs write access to the store (and the index beside the shard) anyway.
-- sha256 otherwise (indexes written before CRC-32C was recorded, or no C implementation),
-  and wherever the index has one when the mount is told `verify: sha256`.
+- CRC-32C where the index has one and the CPU computes it (SSE 4.2 / ARMv8 CRC instructions,
+  through the `crc32c` package): ~0.07 ms per MiB against sha256's ~0.64 on the 2-core test
+  machine, which is most of what checking costs a cold ~24 KiB file (issue 26). It is the
+  check S3, GCS and HDFS use for data integrity: it catches every burst error up to 32 bits
+  and all but 2^-32 of random corruptions; it does not resist a deliberate forgery, which
+  needs write access to the store (and the index beside the shard) anyway.
+- sha256 otherwise (indexes written before CRC-32C was recorded, or a CPU without the
+  instructions), and wherever the index has one when the mount is told `verify: sha256`.
+
+Both take any buffer (`bytes`, a `memoryview` of a reused buffer or of a mapped file), so
+bytes a source wrote straight into the cache are checked from the page cache without a copy
+per check (`file_views`; docs/sources.md, "Whole-shard downloads spliced into the cache").
+The `crc32c` package (ICRAR, LGPL-2.1, a C extension) replaced google-crc32c, whose functions
+take only `bytes` and keep the GIL below 1 MiB (docs/benchmarks-notes.md, "Downloads spliced
+into the cache").
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-import google_crc32c
+import crc32c as _crc32c
 
-# google-crc32c releases the GIL only for `bytes` of at least 1 MiB. Smaller pieces are
-# joined first: a hashing thread holding the GIL through a batch of 64 KiB pieces would
-# stall the event loop for up to Python's switch interval (5 ms; measured).
-_GIL_FREE = 1 << 20
-FAST_CRC32C: bool = google_crc32c.implementation == "c"
+from shardfs.util.fileio import file_views
+
+# The package computes in C either way; "fast" is with the CPU's CRC instructions (without
+# them sha256 is preferred: shard_check).
+FAST_CRC32C: bool = bool(_crc32c.hardware_based)
+Buffer = bytes | bytearray | memoryview
 VERIFY_MODES = ("auto", "sha256")
 
 
 class Digest(Protocol):
-    def update(self, data: bytes, /) -> None: ...
+    def update(self, data: Buffer, /) -> None: ...
 
     def hexdigest(self) -> str: ...
+
+
+def crc32c_value(data: Buffer, initial: int = 0) -> int:
+    """The CRC-32C of `data`, going on from `initial` (the CRC of the bytes before it). The
+    GIL is released for pieces of 32 KiB and more (the package's default): a hashing thread
+    does not stall the event loop."""
+    return _crc32c.crc32c(data, initial)
 
 
 class Crc32c:
     """CRC-32C (Castagnoli) of a stream of bytes, hashlib-style: update(), hexdigest()
     (8 lowercase hex digits), value(). Safe to feed from a worker thread."""
 
-    __slots__ = ("_crc", "_pending", "_pending_len")
+    __slots__ = ("_crc",)
 
     def __init__(self, initial: int = 0) -> None:
         self._crc = initial  # the CRC of bytes before these, to go on from
-        self._pending: list[bytes] = []
-        self._pending_len = 0
 
-    def update(self, data: bytes | memoryview, /) -> None:
-        if not self._pending and type(data) is bytes and len(data) >= _GIL_FREE:
-            self._crc = google_crc32c.extend(self._crc, data)
-            return
-        self._pending.append(bytes(data))
-        self._pending_len += len(data)
-        if self._pending_len >= _GIL_FREE:
-            self._flush()
-
-    def _flush(self) -> None:
-        if self._pending:
-            self._crc = google_crc32c.extend(self._crc, b"".join(self._pending))
-            self._pending.clear()
-            self._pending_len = 0
+    def update(self, data: Buffer, /) -> None:
+        self._crc = _crc32c.crc32c(data, self._crc)
 
     def value(self) -> int:
-        self._flush()
         return self._crc
 
     def hexdigest(self) -> str:
-        return f"{self.value():08x}"
+        return f"{self._crc:08x}"
 
 
 class KnownDigest:
@@ -81,7 +79,7 @@ class KnownDigest:
     def __init__(self, hexdigest: str) -> None:
         self._hex = hexdigest
 
-    def update(self, data: bytes, /) -> None:
+    def update(self, data: Buffer, /) -> None:
         raise TypeError("a known digest takes no more bytes")
 
     def hexdigest(self) -> str:
@@ -149,7 +147,7 @@ class ShardSums:
         self._sha256 = hashlib.sha256()
         self._crc32c = Crc32c()
 
-    def update(self, data: bytes | memoryview, /) -> None:
+    def update(self, data: Buffer, /) -> None:
         self._sha256.update(data)
         self._crc32c.update(data)
 
@@ -184,7 +182,7 @@ def shard_check(sha256: str | None, crc32c: str | None, verify: str = "auto") ->
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, not {verify!r}")
     recorded = {"crc32c": crc32c, "sha256": sha256}
-    # Without the C implementation CRC-32C costs more than sha256: then it is the fallback.
+    # Without the CPU's CRC instructions CRC-32C is no cheaper than sha256: the fallback.
     order = ("crc32c", "sha256") if verify == "auto" and FAST_CRC32C else ("sha256", "crc32c")
     for kind in order:
         if expected := recorded[kind]:
@@ -195,11 +193,6 @@ def shard_check(sha256: str | None, crc32c: str | None, verify: str = "auto") ->
 def digest_of_file(check: ShardCheck, fd: int, size: int) -> Digest:
     """The digest of bytes [0, size) of a file (a shard filled out of order; in a thread)."""
     digest = check.digest()
-    pos = 0
-    while pos < size:
-        data = os.pread(fd, min(8 << 20, size - pos), pos)
-        if not data:
-            raise OSError(errno.EIO, f"cache file ends at {pos} of {size} bytes")
-        digest.update(data)
-        pos += len(data)
+    for view in file_views(fd, 0, size):
+        digest.update(view)
     return digest

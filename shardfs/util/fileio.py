@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
+from collections.abc import Iterator
 
 
 def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
@@ -21,17 +23,23 @@ def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
         offset += n
 
 
-def pread_all(fd: int, size: int, offset: int) -> bytes:
-    """`size` bytes at `offset`, or OSError (EIO) where the file ends before them."""
-    data = os.pread(fd, size, offset)
-    if len(data) == size:
-        return data
-    parts = [data]
-    got = len(data)
-    while got < size:
-        more = os.pread(fd, size - got, offset + got)
-        if not more:
-            raise OSError(errno.EIO, f"file ends at {offset + got}, {size - got} bytes short")
-        parts.append(more)
-        got += len(more)
-    return b"".join(parts)
+VIEW_BYTES = 1 << 20  # what file_views reads at once
+_this_thread = threading.local()
+
+
+def file_views(fd: int, offset: int, size: int) -> Iterator[memoryview]:
+    """Bytes [offset, offset + size) of a file, as views of a buffer this thread reuses,
+    VIEW_BYTES at a time; OSError (EIO) where the file ends first. A view is valid until the
+    next one is taken: for checks that consume each at once (a digest). Reading into fresh
+    `bytes` instead cost as much again as the copy (new memory faulted in, zeroed, and given
+    back: docs/benchmarks-notes.md, "Downloads spliced into the cache")."""
+    buffer = getattr(_this_thread, "buffer", None)
+    if buffer is None:
+        buffer = _this_thread.buffer = memoryview(bytearray(VIEW_BYTES))
+    end = offset + size
+    while offset < end:
+        n = os.preadv(fd, [buffer[: min(VIEW_BYTES, end - offset)]], offset)
+        if n <= 0:
+            raise OSError(errno.EIO, f"file ends at {offset}, {end - offset} bytes short")
+        yield buffer[:n]
+        offset += n
