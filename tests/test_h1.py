@@ -25,7 +25,16 @@ from shardfs.sources.h1 import Http11Pool
 from tests.conftest import SHARDFS, Dataset, Mounter, brace
 from tests.faultproxy import FaultProxy
 from tests.test_mount import publish
-from tests.test_sources import FAST, SIZE, http_server, put, read, read_into, with_http
+from tests.test_sources import (
+    FAST,
+    SIZE,
+    http_server,
+    put,
+    read,
+    read_into,
+    with_http,
+    zeroed_part,
+)
 
 
 def pool(source: HttpSource) -> Http11Pool:
@@ -240,8 +249,7 @@ def test_https_stream_into_writes_the_decrypted_bytes(https_nginx: Nginx,
     """TLS bytes cannot be spliced: over https stream_into yields the bytes, each written
     into the file at its offset first, the connection kept for the next GET."""
     data = put(https_nginx.root, "a.tar")
-    target = tmp_path / "part"
-    target.write_bytes(bytes(SIZE))
+    target = zeroed_part(tmp_path)
 
     async def check(source: HttpSource) -> None:
         shard = await source.stat(f"{https_nginx.url}/a.tar")

@@ -294,6 +294,13 @@ def test_sequential_ranged_streams_reuse_one_connection(nginx: Nginx) -> None:
         assert len(proxy.requests) == 23
 
 
+def zeroed_part(tmp_path: Path) -> Path:
+    """A file of SIZE zero bytes, as the reader's part file is before a download writes it."""
+    target = tmp_path / "part"
+    target.write_bytes(bytes(SIZE))
+    return target
+
+
 async def read_into(source: HttpSource, shard: ShardInfo, fd: int, start: int, end: int,
                     data: bytes) -> list[bytes | Written]:
     """Stream [start, end) of `shard` into `fd` with stream_into, checking that every piece
@@ -321,8 +328,7 @@ def test_http_stream_into_splices_plain_bodies_into_the_file(nginx: Nginx, tmp_p
     byte-exact; a connection reset, a body cut short or a stall mid-body resumes from the
     last byte written, nothing fetched twice; the connection is reused afterwards."""
     data = put(nginx.root, "a.tar")
-    target = tmp_path / "part"
-    target.write_bytes(bytes(SIZE))
+    target = zeroed_part(tmp_path)
     start = 12_345
     with proxy_for(nginx) as proxy:
 
@@ -357,8 +363,7 @@ def test_http_stream_into_raises_a_failed_write_as_oserror(nginx: Nginx,
     """A write into the file that fails (a full disk; here a descriptor open only for
     reading) is raised as the OSError it is, not retried as the server's failure."""
     data = put(nginx.root, "a.tar")
-    target = tmp_path / "part"
-    target.write_bytes(bytes(SIZE))
+    target = zeroed_part(tmp_path)
 
     async def check(source: HttpSource) -> None:
         shard = await source.stat(f"{nginx.url}/a.tar")
