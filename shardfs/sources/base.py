@@ -129,7 +129,12 @@ def check_span(shard: ShardInfo, start: int, end: int) -> None:
 
 
 class Source(Protocol):
-    """One backend. All methods run on the trio event loop and must not block it."""
+    """One backend. All methods run on the trio event loop and must not block it.
+
+    A source may also have `stream_into(shard, start, end, into)`: as `stream`, each piece
+    written into the file `into` (the reader's part file) at its offset in the shard before
+    it is yielded, as the bytes or, where Python never held them, as `Written` (FileSource:
+    by the thread that read them; HttpSource: spliced from the socket over plain http)."""
 
     stats: SourceStats
 
