@@ -30,9 +30,9 @@ _this_thread = threading.local()
 def file_views(fd: int, offset: int, size: int) -> Iterator[memoryview]:
     """Bytes [offset, offset + size) of a file, as views of a buffer this thread reuses,
     VIEW_BYTES at a time; OSError (EIO) where the file ends first. A view is valid until the
-    next one is taken: for checks that consume each at once (a digest). Reading into fresh
-    `bytes` instead cost as much again as the copy (new memory faulted in, zeroed, and given
-    back: docs/benchmarks-notes.md, "Downloads spliced into the cache")."""
+    next one is taken: for checks that consume each at once (a digest). No fresh memory per
+    piece (faulted in, zeroed and given back by a many-threaded process: docs/benchmarks-notes.md,
+    "Downloads spliced into the cache")."""
     buffer = getattr(_this_thread, "buffer", None)
     if buffer is None:
         buffer = _this_thread.buffer = memoryview(bytearray(VIEW_BYTES))
