@@ -164,15 +164,31 @@ class _Connection:
         await trio.aclose_forcefully(self.stream)
 
 
-def _splice_out(pipe: int, into: int, count: int, at: int) -> None:
-    """Move `count` bytes from the pipe into the file `into` at offset `at`, or raise
-    OSError (ENOSPC where the file system took fewer bytes without saying why)."""
-    while count:
-        n = os.splice(pipe, into, count, offset_dst=at, flags=os.SPLICE_F_MOVE)
+def _splice_out(pool: Http11Pool, pipe: int, into: int, count: int, at: int) -> bool:
+    """Move `count` bytes from the pipe into the file `into` at offset `at`: True, or False
+    where they were copied instead; OSError (ENOSPC where the file system took fewer bytes
+    without saying why). A file that takes no splice write (EINVAL: a file system without
+    it) gets the pipe's bytes by `pwrite`, and the pool splices no more bodies."""
+    total = count
+    while count and pool.splice_writes:
+        try:
+            n = os.splice(pipe, into, count, offset_dst=at)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            pool.splice_writes = False
+            break
         if n <= 0:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         count -= n
         at += n
+    unspliced = count
+    while count:  # they are in the pipe
+        data = os.read(pipe, count)
+        pwrite_all(into, data, at)
+        count -= len(data)
+        at += len(data)
+    return unspliced < total  # (a piece partly spliced counts as spliced)
 
 
 class _Body(httpx.AsyncByteStream):
@@ -212,15 +228,17 @@ class _Body(httpx.AsyncByteStream):
         """Whether splice_into can take the body: a plain TCP connection (TLS bytes must be
         decrypted in Python)."""
         conn = self._conn
-        return conn is not None and isinstance(conn.stream, trio.SocketStream)
+        return (self._pool.splice_writes and conn is not None
+                and isinstance(conn.stream, trio.SocketStream))
 
-    async def splice_into(self, into: int, at: int, count: int) -> AsyncIterator[int]:
+    async def splice_into(self, into: int, at: int,
+                          count: int) -> AsyncIterator[tuple[int, bool]]:
         """Write the body's next `count` bytes (at most what is left of it) into the file
-        `into` from offset `at`, yielding each piece's length once it is written: from the
-        socket through a pipe into the file's page cache (splice(2)), never copied into
-        Python, which halves what the loop's thread copies per byte of a download
-        (docs/sources.md). A write that fails raises its OSError; the connection's failures
-        raise as `receive`'s do. Plain TCP only (can_splice)."""
+        `into` from offset `at`, yielding each piece's length once it is written, and
+        whether it was spliced: from the socket through a pipe into the file's page cache
+        (splice(2)), never copied into Python, which halves what the loop's thread copies
+        per byte of a download (docs/sources.md). A write that fails raises its OSError;
+        the connection's failures raise as `receive`'s do. Plain TCP only (can_splice)."""
         conn = self._conn
         assert conn is not None and self.can_splice()
         count = min(count, self._left)
@@ -232,7 +250,7 @@ class _Body(httpx.AsyncByteStream):
             self._left -= len(piece)
             count -= len(piece)
             at += len(piece)
-            yield len(piece)
+            yield len(piece), False
         if not count:
             return
         pipe_out, pipe_in = os.pipe2(os.O_CLOEXEC)
@@ -255,9 +273,9 @@ class _Body(httpx.AsyncByteStream):
                         "still to come")
                 self._left -= n
                 count -= n
-                _splice_out(pipe_out, into, n, at)
+                spliced = _splice_out(self._pool, pipe_out, into, n, at)
                 at += n
-                yield n
+                yield n, spliced
         finally:
             os.close(pipe_out)
             os.close(pipe_in)
@@ -301,7 +319,8 @@ class Answer:
         self.is_stream_consumed = True
         return self._body.__aiter__()
 
-    def splice_into(self, into: int, at: int, count: int) -> AsyncIterator[int] | None:
+    def splice_into(self, into: int, at: int,
+                    count: int) -> AsyncIterator[tuple[int, bool]] | None:
         """The body's next `count` bytes written into the file `into` from `at`, as
         `_Body.splice_into`; None where the connection cannot (TLS): use aiter_raw."""
         if not self._body.can_splice():
@@ -355,6 +374,9 @@ class Http11Pool:
         self._tls: ssl.SSLContext | None = None  # made at the first https:// request
         self.opened = 0  # connections opened (for tests and benchmarks)
         self.sent = 0  # requests sent
+        # Bodies are spliced into files (_Body.splice_into) until a file refuses a splice
+        # write (a file system without it): from then on they come as bytes.
+        self.splice_writes = True
 
     def takes(self, request: httpx.Request) -> bool:
         url = request.url

@@ -336,9 +336,10 @@ class HttpSource:
                         spliced = resp.splice_into(into, pos, stop - pos)
                     if spliced is not None:
                         async with aclosing(spliced) as written:
-                            async for n in written:
+                            async for n, by_splice in written:
                                 self.stats.bytes_received += n
-                                self.stats.spliced_bytes += n
+                                if by_splice:
+                                    self.stats.spliced_bytes += n
                                 pos += n
                                 yield Written(pos - n, n)
                                 patience.progress()
