@@ -52,6 +52,33 @@ def test_crc32c_fed_in_pieces_of_every_kind_equals_the_whole() -> None:
     assert Crc32c().hexdigest() == "00000000"
 
 
+def test_crc32c_hands_the_library_only_pieces_that_release_the_gil(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The crc32c package keeps the GIL for pieces under 32 KiB: small pieces are joined
+    first, so a hashing thread never holds the GIL through a batch of them (only the last,
+    short remainder at hexdigest may be smaller); larger ones (a memoryview too) go as they
+    are, or with what is pending before them."""
+    sizes: list[int] = []
+
+    class Recording:
+        @staticmethod
+        def crc32c(data: bytes, value: int = 0) -> int:
+            sizes.append(len(data))
+            return crc32c.crc32c(data, value)
+
+    monkeypatch.setattr(checksum, "_crc32c", Recording)
+    data = os.urandom(1 << 20)
+    digest = Crc32c()
+    for pos in range(0, len(data) - 1000, 4096):
+        digest.update(data[pos:min(pos + 4096, len(data) - 1000)])
+    digest.update(memoryview(data)[len(data) - 1000:])
+    big = os.urandom(100_000)
+    digest.update(memoryview(big))
+    assert digest.hexdigest() == crc_hex(data + big)
+    assert all(size >= 32 << 10 for size in sizes), sizes
+    assert sum(sizes) == len(data) + len(big)
+
+
 def test_file_views_give_a_files_bytes_in_reused_pieces(tmp_path: Path) -> None:
     """file_views (what checks read back from the page cache) gives exactly the range, in
     views of one buffer per thread; a digest and a block CRC fed from them equal the whole's;
