@@ -993,23 +993,19 @@ class Reader:
 
             def check_and_decode(chunks: list[bytes | Written]) -> None:  # in a thread
                 for piece in chunks:
-                    if isinstance(piece, Written):
-                        # Bytes the source wrote into the part file itself: read back from
-                        # its page cache here, off the loop's thread.
-                        for view in file_views(fetch.part.fd, piece.offset, piece.size):
-                            if digest is not None:
-                                digest.update(view)
-                            if crcs is not None:
-                                crcs.update(view)
-                        continue
-                    chunk = piece
-                    if digest is not None:
-                        digest.update(chunk)
-                    if crcs is not None:
-                        crcs.update(chunk)
-                    if plain is not None:
+                    # Bytes the source wrote into the part file itself are read back from
+                    # its page cache here, off the loop's thread.
+                    views = file_views(fetch.part.fd, piece.offset, piece.size) \
+                        if isinstance(piece, Written) else (piece,)
+                    for chunk in views:
+                        if digest is not None:
+                            digest.update(chunk)
+                        if crcs is not None:
+                            crcs.update(chunk)
+                    if plain is not None:  # (bytes: a compressed shard is never written)
+                        assert isinstance(piece, bytes)
                         # Output in bounded pieces: a small input may inflate to gigabytes.
-                        plain.feed_into(chunk, append_from_thread)
+                        plain.feed_into(piece, append_from_thread)
 
             async def first_get() -> None:
                 # Hashing and decompressing cost milliseconds per MiB; hashlib, zlib, zstd,

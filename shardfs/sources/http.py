@@ -10,7 +10,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import aclosing
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import httpcore
@@ -296,21 +296,20 @@ class HttpSource:
 
     # -- stream -------------------------------------------------------------------------------
 
-    async def stream(self, shard: ShardInfo, start: int, end: int) -> AsyncIterator[bytes]:
-        async for piece in self._stream(shard, start, end, None):
-            assert isinstance(piece, bytes)
-            yield piece
+    def stream(self, shard: ShardInfo, start: int, end: int) -> AsyncIterator[bytes]:
+        # Without `into` the pieces are all bytes; the generator itself is returned (a GET
+        # per member through Lookahead: no layer more per piece).
+        return cast("AsyncIterator[bytes]", self._stream(shard, start, end, None))
 
-    async def stream_into(self, shard: ShardInfo, start: int, end: int,
-                          into: int) -> AsyncIterator[bytes | Written]:
+    def stream_into(self, shard: ShardInfo, start: int, end: int,
+                    into: int) -> AsyncIterator[bytes | Written]:
         """As `stream`, each piece also written at its offset in the shard into the file
         `into` (the reader's cache file) before it is yielded. Over a plain TCP connection of
         our own (h1) the body goes from the socket into the file without passing through
         Python (splice(2)), and the pieces are `Written` (the caller reads back what it
         checks); otherwise they are the bytes, written by this loop. An OSError of the
         write (a full disk) is raised as the caller's own would be."""
-        async for piece in self._stream(shard, start, end, into):
-            yield piece
+        return self._stream(shard, start, end, into)
 
     async def _stream(self, shard: ShardInfo, start: int, end: int,
                       into: int | None) -> AsyncIterator[bytes | Written]:
