@@ -2,12 +2,13 @@
 profiler) per kind of code.
 
 `python -m bench cpusplit [--files 20000] [--kb 24] [--shards 16] [--readers 8]
-[--workers 1,2] [--sources file,http] [--push-pages auto,off] [--rounds 1]
+[--workers 1,2] [--sources file,in-place,http] [--push-pages auto,off] [--rounds 1]
 [--profile perf,py-spy] [--variant NAME=DIR[:KEY=VALUE...]]... [--docs PAGE]`
 
 The `bench node` data set and readers (bench/node.py): P reader processes read every file of
-a fresh mount once, its cache empty and the page cache dropped, from `file://` shards and
-from nginx on loopback. Around that one cold pass, every thread of every process of the mount
+a fresh mount once, its cache empty and the page cache dropped, from `file://` shards (copied
+into the cache, or with `in-place` read from their own files: `--in-place on`) and from nginx
+on loopback. Around that one cold pass, every thread of every process of the mount
 is read from /proc (utime, stime): the daemon's main thread (its trio loop: everything that
 holds the GIL to answer FUSE requests and drive fetches), the daemon's other threads (hashing,
 page push, disk reads, source reads: they run beside the loop, the GIL released for most of
@@ -389,7 +390,8 @@ def _cold_pass(sources: list[str], mnt: Path, cache: Path, names: list[str], arg
                label: str, workers: int, work: Path, variant: Variant, push: str) -> dict:
     saved = variant.apply()
     try:
-        mount = Mount(sources, mnt, cache, workers, push)
+        in_place = ("--in-place", "on") if label == "in-place" else ()
+        mount = Mount(sources, mnt, cache, workers, push, *in_place)
     finally:
         _restore(saved)
     try:
@@ -486,6 +488,7 @@ def run(args: argparse.Namespace) -> dict:
         shard_paths = sorted(str(p) for p in shards.glob("node-*.tar"))
         shutil.rmtree(src)  # the readers read the mount only
         by_source = {"file": [f"file://{p}" for p in shard_paths]}
+        by_source["in-place"] = by_source["file"]  # mounted with --in-place on
         if "http" in args.sources:
             from shardfs.devtools.nginx import Nginx
 
@@ -580,7 +583,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_data_arguments(p)
     p.add_argument("--readers", type=int, default=8, help="reader processes")
     p.add_argument("--workers", default="1,2", help="shardfs --workers values, comma-separated")
-    p.add_argument("--sources", default="file,http", help="file and/or http, comma-separated")
+    p.add_argument("--sources", default="file,http",
+                   help="file, in-place (file:// with --in-place on) and/or http, "
+                   "comma-separated")
     p.add_argument("--rounds", type=int, default=1, help="turns through all passes")
     p.add_argument("--push-pages", default="auto",
                    help="shardfs --push-pages: auto and/or off, comma-separated (in turns)")
@@ -614,9 +619,10 @@ def cpusplit_command(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"bench cpusplit: --push-pages takes auto and/or off, not {args.push_pages}",
               file=sys.stderr)
         return 2
-    bad = [s for s in args.sources if s not in ("file", "http")]
+    bad = [s for s in args.sources if s not in ("file", "in-place", "http")]
     if bad:
-        print(f"bench cpusplit: unknown source {bad[0]!r} (file, http)", file=sys.stderr)
+        print(f"bench cpusplit: unknown source {bad[0]!r} (file, in-place, http)",
+              file=sys.stderr)
         return 2
     if os.geteuid() != 0:
         print("bench cpusplit: run as root (drop_caches, mounts)", file=sys.stderr)

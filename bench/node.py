@@ -10,6 +10,8 @@ Phases per reader count P:
 - shardfs cold from `file://` (fresh cache dir: the daemon copies shards from the source while
   serving), then page cache dropped (the shard cache on disk, `drop_caches` first), then warm
   (a second pass over the page cache);
+- shardfs cold from `file://` read in place (`--in-place on`: the shards' own files serve the
+  reads, nothing copied; `drop_caches` first);
 - shardfs cold from HTTP (nginx on loopback, no latency, no bandwidth cap; `--no-http`: left
   out).
 Daemon CPU (utime+stime of every process of the mount) per file read is recorded with each
@@ -137,10 +139,10 @@ def _mount_pids(pid: int) -> list[int]:
 
 class Mount:
     def __init__(self, sources: list[str], mountpoint: Path, cache_dir: Path,
-                 workers: int, push_pages: str = "auto") -> None:
+                 workers: int, push_pages: str = "auto", *extra: str) -> None:
         # --workers always: the default is one per core, not 1
         args = [*SHARDFS, "mount", *sources, str(mountpoint), "--cache-dir", str(cache_dir),
-                "--no-warm", "--push-pages", push_pages, "--workers", str(workers)]
+                "--no-warm", "--push-pages", push_pages, "--workers", str(workers), *extra]
         result = subprocess.run(args, capture_output=True, text=True, timeout=600)
         match = re.search(r"daemon pid (\d+)", result.stdout)
         if result.returncode != 0 or not match:
@@ -235,6 +237,17 @@ def run(args: argparse.Namespace) -> dict:
                 _measured(mount, names, procs, seed)
                 phase("shardfs warm", procs, _measured(mount, names, procs, seed))
                 record.setdefault("stats", {})[f"P={procs}"] = mount.stats()
+            finally:
+                mount.close()
+            shutil.rmtree(cache, ignore_errors=True)
+
+            cache = work / f"cache-in-place-{procs}"
+            mount = Mount(file_sources, mnt, cache, args.workers, args.push_pages,
+                          "--in-place", "on")
+            try:
+                drop_caches()
+                phase("shardfs cold file:// in place", procs,
+                      _measured(mount, names, procs, seed))
             finally:
                 mount.close()
             shutil.rmtree(cache, ignore_errors=True)
@@ -338,9 +351,12 @@ def ratios(record: dict) -> list[dict]:
                      "ext4_dropped": fps("ext4 dropped"),
                      "warm": fps("shardfs warm"), "dropped": fps("shardfs dropped"),
                      "cold_file": fps("shardfs cold file://"),
+                     "cold_in_place": fps("shardfs cold file:// in place"),
                      "cold_http": fps("shardfs cold http"),
                      "cpu_warm": cpu("shardfs warm"), "cpu_dropped": cpu("shardfs dropped"),
-                     "cpu_cold": cpu("shardfs cold file://")})
+                     "cpu_cold": cpu("shardfs cold file://"),
+                     "cpu_in_place": cpu("shardfs cold file:// in place"),
+                     "cpu_http": cpu("shardfs cold http")})
     return rows
 
 
@@ -353,8 +369,9 @@ def render(record: dict, command: str) -> str:
              "closing its share of one shuffled list; files/s, ratio to ext4 in brackets "
              "(warm vs ext4 warm; dropped and cold vs ext4 dropped); daemon CPU per file.", "",
              "| P | ext4 warm | ext4 dropped | shardfs warm | shardfs dropped | cold file:// "
-             "| cold HTTP | daemon µs/file (warm / dropped / cold) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| cold file:// in place | cold HTTP | daemon µs/file (warm / dropped / cold "
+             "file:// / in place / HTTP) |",
+             "|---|---|---|---|---|---|---|---|---|"]
 
     def cell(v: float | None, ref: float | None) -> str:
         if v is None:
@@ -366,8 +383,11 @@ def render(record: dict, command: str) -> str:
             f"| {r['readers']} | {r['ext4_warm']:,.0f} | {r['ext4_dropped']:,.0f} | "
             f"{cell(r['warm'], r['ext4_warm'])} | {cell(r['dropped'], r['ext4_dropped'])} | "
             f"{cell(r['cold_file'], r['ext4_dropped'])} | "
+            f"{cell(r['cold_in_place'], r['ext4_dropped'])} | "
             f"{cell(r['cold_http'], r['ext4_dropped'])} | "
-            f"{r['cpu_warm']} / {r['cpu_dropped']} / {r['cpu_cold']} |")
+            f"{r['cpu_warm']} / {r['cpu_dropped']} / {r['cpu_cold']} / "
+            f"{r['cpu_in_place'] if r['cpu_in_place'] is not None else '–'} / "
+            f"{r['cpu_http'] if r['cpu_http'] is not None else '–'} |")
     meta = record.get("meta")
     if meta:
         e, s = meta["ext4"], meta["shardfs"]

@@ -378,3 +378,48 @@ def test_budget_lowered_under_fetches_in_progress_is_met_as_they_complete(
         trio.run(cache.commit, part)
     assert not cache.has("a") and cache.has("d")
     assert cache.used <= cache.budget
+
+
+def test_a_linked_shard_holds_no_budget_and_is_never_evicted(
+        tmp_path: Path, opened: list[ShardCache]) -> None:
+    """A shard read in place (read/inplace.py): `shards/KEY` a link to its own file."""
+    own = tmp_path / "own.tar"
+    own.write_bytes(b"x" * 800)
+    cache = open_cache(tmp_path / "c", 1000, opened)
+    cache.link("linked", str(own), 800)
+    assert os.readlink(tmp_path / "c" / "shards" / "linked") == str(own)
+    assert cache.has("linked") and cache.used == 0
+    assert read_back(cache, "linked") == b"x" * 800
+    put(cache, "a", b"a" * 600)
+    put(cache, "b", b"b" * 600)  # evicts a, never the link
+    assert not cache.has("a") and cache.has("linked") and cache.used == 600
+    assert cache.evict_lru() and not cache.has("b")
+    assert not cache.evict_lru()  # the link is all that is left: nothing frees room
+    assert cache.has("linked") and cache.evictions == 2
+    assert os.path.islink(tmp_path / "c" / "shards" / "linked")
+
+
+def test_links_are_not_adopted_and_replace_a_kept_part(tmp_path: Path,
+                                                       opened: list[ShardCache]) -> None:
+    """A mount links its shards again each time (after checking them); a part an earlier
+    daemon left of a shard now read in place is dropped with its record."""
+    own = tmp_path / "own.tar"
+    own.write_bytes(b"y" * 100)
+    cache = open_cache(tmp_path / "c", 1000, opened)
+    cache.link("linked", str(own), 100)
+    assert cache.reserve("k", 100)
+    part = cache.begin("k", 100)
+    assert part.record is not None
+    os.pwrite(part.fd, b"y" * 100, 0)
+    part.record.extend([0])  # claims a block: kept by the next start
+    os.close(part.fd)
+    part.record.close()
+    cache.close()
+    again = open_cache(tmp_path / "c", 1000, opened)
+    assert not again.has("linked") and "k" in again.kept and again.used == 100
+    assert sorted(os.listdir(tmp_path / "c" / "shards")) == ["k.part"]
+    again.link("k", str(own), 100)
+    assert again.kept == {} and again.used == 0 and again.has("k")
+    assert os.listdir(tmp_path / "c" / "shards") == ["k"]
+    assert not again.record_path("k").exists()
+    assert own.read_bytes() == b"y" * 100  # the shard's own file untouched

@@ -4,6 +4,8 @@ Layout under the cache dir:
     lock                 flock()ed by the one daemon using this cache dir
     shards/KEY           a complete shard (KEY = hash of the shard's identity: URL+size+ETag)
     shards/KEY.part      a shard being fetched; never taken for complete
+    shards/KEY -> PATH   a shard read in place (`in_place`): a symbolic link to the shard's
+                         own file, holding no bytes of the cache (link())
     parts/KEY.crc        how much of KEY.part is written, a CRC-32 per 4 MiB (partrecord.py)
     index/KEY.idx        a shard's member index
     trees/KEY.tree       the merged namespace for one list of shards
@@ -11,7 +13,8 @@ Layout under the cache dir:
 A shard only gets its final name after all its bytes were written and fdatasync()ed, so a
 crash or kill -9 at any point leaves at most a `.part` file. The next start keeps a `.part`
 whose record is sound (same size; the record's blocks are checked against the file when its
-fetch resumes, reader.py) and deletes any other.
+fetch resumes, reader.py) and deletes any other. Links are not adopted: each mount links the
+shards it reads in place again (read/inplace.py), after checking them.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ class CachedShard:
     key: str
     size: int
     fd: int | None = None  # opened lazily for pread, closed on eviction
+    # A link to the shard's own file (read in place): no bytes of the budget, never evicted.
+    linked: bool = False
 
 
 @dataclass(slots=True)
@@ -149,6 +154,10 @@ class ShardCache:
     def _adopt_existing(self) -> None:
         found = []
         for entry in os.scandir(self.shards_dir):
+            if entry.is_symlink():  # read in place by an earlier mount: linked again if so
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                continue
             if entry.name.endswith(".part"):
                 self._keep_part(entry.name[: -len(".part")], entry.stat().st_size)
                 continue
@@ -227,11 +236,17 @@ class ShardCache:
     # -- accounting ------------------------------------------------------------------------
     @property
     def used(self) -> int:
-        return sum(s.size for s in self._complete.values()) + sum(self._reserved.values())
+        return sum(s.size for s in self._complete.values() if not s.linked) + \
+            sum(self._reserved.values())
 
     @property
     def complete_count(self) -> int:
         return len(self._complete)
+
+    @property
+    def linked_count(self) -> int:
+        """Complete shards read in place (link)."""
+        return sum(s.linked for s in self._complete.values())
 
     def has(self, key: str) -> bool:
         return key in self._complete
@@ -242,14 +257,14 @@ class ShardCache:
         if used + need <= self.budget:
             return True
         # Evict nothing when even evicting every unpinned shard would not make room.
-        evictable = sum(s.size for k, s in self._complete.items() if not self._pins.get(k))
+        evictable = sum(s.size for s in self._complete.values() if self._evictable(s))
         if used - evictable + need > self.budget:
             return False
         for key in list(self._complete):
             if used + need <= self.budget:
                 break
             shard = self._complete[key]
-            if self._pins.get(key):
+            if not self._evictable(shard):
                 continue
             self._evict(shard)
             used -= shard.size
@@ -263,17 +278,21 @@ class ShardCache:
         for key in list(self._complete):
             if self.used + need <= self.budget:
                 return
-            if not self._pins.get(key):
+            if self._evictable(self._complete[key]):
                 self._evict(self._complete[key])
 
     def evict_lru(self) -> bool:
         """Evict the least recently used unpinned shard (to make room for indexes and the
         tree on a full disk); False if there is none."""
-        for key, shard in self._complete.items():
-            if not self._pins.get(key):
+        for shard in self._complete.values():
+            if self._evictable(shard):
                 self._evict(shard)
                 return True
         return False
+
+    def _evictable(self, shard: CachedShard) -> bool:
+        """Unpinned, and holding bytes (a link frees nothing)."""
+        return not shard.linked and not self._pins.get(shard.key)
 
     def touch(self, key: str) -> None:
         """Mark a complete shard most recently used (read by another process)."""
@@ -339,6 +358,20 @@ class ShardCache:
                 del self._complete[key]
                 return None
         return shard
+
+    def link(self, key: str, target: str, size: int) -> None:
+        """Take the shard file at `target` as complete, in place: `shards/KEY` becomes a
+        symbolic link to it (the workers and the page push open shards by that name). It
+        holds none of the budget and is never evicted. A part an earlier daemon left of
+        it is dropped. OSError: not linked."""
+        self.drop_kept(key)
+        if key in self._complete or key in self._reserved:
+            return
+        temp = self.shards_dir / f"{key}.tmp-link"
+        temp.unlink(missing_ok=True)
+        os.symlink(target, temp)
+        os.replace(temp, self.shards_dir / key)
+        self._complete[key] = CachedShard(key, size, linked=True)
 
     # -- shards being fetched --------------------------------------------------------------
     def reserve(self, key: str, size: int, *, evict: bool = True) -> bool:

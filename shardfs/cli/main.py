@@ -59,6 +59,7 @@ def absolute_specs(specs: list[str]) -> list[str]:
 # a config file or -o option is only overridden by flags the user really typed.
 _FLAG_KEYS = ("cache_dir", "cache_size", "timeout", "deadline", "max_fetches",
               "max_member_fetches", "cold_start", "prefetch", "push_pages", "split_fetches",
+              "in_place",
               "index_parallel", "workers", "verify",
               "log_level", "log_file", "metrics_listen", "uid", "gid",
               "s3_endpoint", "s3_region", "s3_profile", "s3_addressing", "ais_endpoint",
@@ -106,6 +107,10 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    "of its own, which the download then skips (on; the download's bytes already in "
                    "flight past that point are wasted), or reads it alongside, fetching it "
                    "twice, within 10%% of the bytes (off, default)")
+    p.add_argument("--in-place", choices=("on", "off"),
+                   help="read plain shards named by file:// URLs where they are, from their "
+                   "own files, instead of copying them into the cache (on: for shards on a "
+                   "local disk; off, default: copied, for network file systems)")
     p.add_argument("--index-parallel", help="shards indexed at once (default 8)")
     p.add_argument("--workers", help="processes answering FUSE requests (default: half the "
                    "machine's cores, 1 to 8; 1: the daemon alone)")
@@ -407,7 +412,7 @@ def _mount_config(s: dict):
                                   max_requests=s["lookahead_requests"],
                                   fill_parts=s["lookahead_fill"]),
         index_parallel=s["index_parallel"], warm_while_indexing=s["warm_while_indexing"],
-        push_pages=s["push_pages"] == "auto",
+        in_place=s["in_place"], push_pages=s["push_pages"] == "auto",
         workers=s["workers"] or default_workers(),
         allow_other=s["allow_other"],
         uid=os.getuid() if s["uid"] is None else s["uid"],

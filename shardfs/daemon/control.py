@@ -167,6 +167,12 @@ def request(address: str, message: dict[str, Any], timeout: float = 30) -> dict[
     return response
 
 
+def _in_place(s: dict) -> str:
+    """The note " (N in place)" where shards are read from their own files (--in-place)."""
+    linked = s.get("shards_in_place") or 0
+    return f" ({linked} in place)" if linked else ""
+
+
 def _fmt_bytes(n: float | None) -> str:
     if n is None:
         return "-"
@@ -186,7 +192,8 @@ def format_stats(s: dict[str, Any]) -> str:
     lines = [
         f"mountpoint      {s['mountpoint']} (pid {s['pid']}, up {s['uptime_s']:.0f} s)",
         f"sources         {', '.join(s.get('sources', []))}",
-        f"shards          {s['shards']} indexed, {s['shards_cached']} cached, "
+        f"shards          {s['shards']} indexed, {s['shards_cached']} cached"
+        f"{_in_place(s)}, "
         f"{s['shards_fetching']} fetching; {s['files']} files, "
         f"{_fmt_bytes(s['dataset_bytes'])}",
         f"cache           {_fmt_bytes(s['cache_used_bytes'])} of "

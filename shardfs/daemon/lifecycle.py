@@ -48,6 +48,7 @@ from shardfs.fuse.worker import (
     resend_unanswered,
     run_worker,
 )
+from shardfs.read.inplace import link_in_place
 from shardfs.read.lookahead import Lookahead, LookaheadPolicy
 from shardfs.read.reader import Reader, ReadPolicy
 from shardfs.read.states import ShardStates
@@ -74,6 +75,8 @@ class MountConfig:
     lookahead: LookaheadPolicy = field(default_factory=LookaheadPolicy)
     index_parallel: int = 8
     warm_while_indexing: bool = True
+    # Plain file:// shards read from their own files, not copied (read/inplace.py).
+    in_place: bool = False
     # Fetched shards' files into the kernel's page cache when worth it (fuse/pagepush.py).
     push_pages: bool = True
     allow_other: bool = False
@@ -278,6 +281,7 @@ class Mounted:
             "files": catalog.tree.count_files(),
             "dataset_bytes": self.reader.dataset_bytes,
             "shards_cached": cache.complete_count,
+            "shards_in_place": cache.linked_count,  # of those: links to their own files
             "shards_fetching": len(self.reader.fetches),
             "working_set_reads": self.reader.window,
             # Bytes of the shards in the working set: whole shards are cached only while this
@@ -594,6 +598,8 @@ async def _serve(cfg: MountConfig, cache: ShardCache, catalog: Catalog, ops: Sha
                  session: SessionState) -> None:
     sources = Sources(cfg.settings, after=indexing_sources)
     try:
+        if cfg.in_place:  # before the reader: it takes linked shards as complete
+            await trio.to_thread.run_sync(link_in_place, catalog, cache)
         reader = Reader(catalog, cache, sources, cfg.policy, states=states)
         mounted = Mounted(cfg, catalog, cache, reader, sources, session=session,
                           shim=ops.no_open)

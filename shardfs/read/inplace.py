@@ -1,0 +1,60 @@
+"""Shards read in place (`in_place`): a file:// shard's own file serves its reads, uncopied.
+
+Copying a shard from a local disk into the cache costs the daemon two copies of every byte,
+the cache file's pages and the check of what was written (docs/benchmarks-notes.md, "Shards
+read in place"), and the disk space twice, for bytes that a local disk serves as well where
+they are. With `in_place`, each plain shard named by a file:// URL is linked into the cache
+(ShardCache.link) at mount time, after checking that it is the file the index was made of
+(same size and ETag: inode, mtime, size): it is complete from the start, and its members are
+read from the file itself, like the cached shards of a mount whose page cache was dropped.
+
+Not linked (copied as without the option): compressed shards (what is cached is the
+decompressed tar), shards of other sources, and a file that changed or cannot be opened since
+it was indexed (its fetch then fails as usual, naming the change). A linked file that is
+rewritten while mounted is read as it is then: the mount holds no copy to keep it from
+changing (docs/sources.md, "file://").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from shardfs.cache.shardcache import ShardCache
+from shardfs.catalog.catalog import Catalog
+from shardfs.sources import SourceError
+from shardfs.sources.file import file_etag, file_path
+
+log = logging.getLogger(__name__)
+
+
+def link_in_place(catalog: Catalog, cache: ShardCache) -> int:
+    """Link every plain file:// shard of the catalog that is unchanged since it was indexed;
+    returns how many were linked. Blocking (a stat per shard): run it in a thread."""
+    linked = 0
+    sizes = catalog.data_sizes or [info.size for info in catalog.shards]
+    codecs = catalog.codecs or [None] * len(catalog.shards)
+    for info, key, size, codec in zip(catalog.shards, catalog.keys, sizes, codecs,
+                                      strict=True):
+        if codec is not None or size != info.size or not info.url.startswith("file:"):
+            continue
+        try:
+            path = file_path(info.url)
+            st = os.stat(path)
+        except (SourceError, OSError) as exc:
+            log.warning("%s: not read in place (%s); copied into the cache when read",
+                        info.url, exc)
+            continue
+        if st.st_size != info.size or (info.etag and file_etag(st) != info.etag):
+            log.warning("%s: changed since it was indexed; not read in place", info.url)
+            continue
+        try:
+            cache.link(key, path, size)
+        except OSError as exc:
+            log.warning("%s: cannot link it into the cache (%s); copied when read",
+                        info.url, exc.strerror)
+            continue
+        linked += 1
+    log.info("%d of %d shards read in place (linked into %s)", linked, len(catalog.shards),
+             cache.shards_dir)
+    return linked

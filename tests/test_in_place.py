@@ -1,0 +1,111 @@
+"""Shards read in place (`--in-place on`): file:// shards serve reads from their own files,
+linked into the cache, nothing copied (shardfs/read/inplace.py)."""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import trio
+
+from shardfs.cache.shardcache import ShardCache
+from shardfs.catalog.catalog import open_catalog
+from shardfs.read.inplace import link_in_place
+from shardfs.sources import Sources
+from tests.conftest import SHARDFS, Dataset, Mounter
+
+
+def read_tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def shard_entries(cache_dir: Path) -> dict[str, str | None]:
+    """What `shards/` holds: name -> the link's target, or None for a file of bytes."""
+    shards = cache_dir / "shards"
+    return {e.name: os.readlink(e.path) if e.is_symlink() else None
+            for e in os.scandir(shards)}
+
+
+def test_a_mount_in_place_reads_every_file_from_the_shards_own_files(
+        dataset: Dataset, mounter: Mounter) -> None:
+    """With two worker processes: they open `shards/KEY` (the link) like a cached shard."""
+    shards = sorted(str(s.path) for s in dataset.shards.shards)
+    m = mounter.mount([Path(p).as_uri() for p in shards], None, None,
+                      "--in-place", "on", "--workers", "2")
+    entries = shard_entries(m.cache_dir)
+    assert sorted(entries.values()) == shards  # every shard linked, none copied
+    assert read_tree(m.mountpoint) == dataset.files()
+    stats = m.stats()
+    assert stats["shards_cached"] == stats["shards_in_place"] == len(shards), stats
+    assert stats["cache_used_bytes"] == 0 and stats["bytes_fetched"] == 0, stats
+    assert stats["reader"]["reads"] > 0 and stats["reader"]["fetch_errors"] == 0, stats
+    assert shard_entries(m.cache_dir) == entries  # reading copied nothing
+    shown = subprocess.run([*SHARDFS, "stats", str(m.mountpoint)], capture_output=True,
+                           text=True, timeout=30)
+    assert f"{len(shards)} cached ({len(shards)} in place)" in shown.stdout, shown.stdout
+
+
+def test_a_later_mount_without_in_place_copies_and_one_with_it_links_again(
+        dataset: Dataset, mounter: Mounter, tmp_path: Path) -> None:
+    """The links are the mount's own: a mount of the same cache dir without the option
+    starts without them and copies what it reads; the option links again."""
+    urls = [s.path.as_uri() for s in dataset.shards.shards]
+    cache_dir = tmp_path / "cache"
+    m = mounter.mount(urls, None, cache_dir, "--in-place", "on")
+    assert all(target is not None for target in shard_entries(cache_dir).values())
+    m.unmount()
+    m = mounter.mount(urls, None, cache_dir)
+    assert shard_entries(cache_dir) == {}  # no link left: nothing read in place
+    assert read_tree(m.mountpoint) == dataset.files()
+    assert m.stats()["shards_in_place"] == 0 and m.stats()["bytes_fetched"] > 0
+    m.unmount()
+    copied = {name for name, target in shard_entries(cache_dir).items() if target is None}
+    assert copied and all(not n.endswith(".part") for n in copied)
+    m = mounter.mount(urls, None, cache_dir, "--in-place", "on")
+    entries = shard_entries(cache_dir)
+    # Shards copied already are read from their copies; the others are linked.
+    assert {n for n, t in entries.items() if t is None} == copied
+    assert len(entries) == len(urls)
+    assert m.stats()["shards_in_place"] == len(urls) - len(copied)
+    assert read_tree(m.mountpoint) == dataset.files()
+
+
+def test_only_plain_unchanged_file_shards_are_linked(
+        dataset: Dataset, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A compressed shard is decompressed into the cache as before; a shard file changed or
+    gone since it was indexed is not linked (its fetch then fails as usual, naming it)."""
+    here = tmp_path / "shards"
+    here.mkdir()
+    plain = [Path(shutil.copy(s.path, here)) for s in dataset.shards.shards[:3]]
+    packed = here / "packed.tar.gz"
+    packed.write_bytes(gzip.compress(dataset.shards.shards[3].path.read_bytes()))
+    cache = ShardCache(tmp_path / "cache", 1 << 30)
+    cache.open()
+
+    async def catalog_of() -> object:
+        sources = Sources()
+        try:
+            return await open_catalog([p.as_uri() for p in [*plain, packed]], sources, cache)
+        finally:
+            await sources.aclose()
+
+    try:
+        catalog = trio.run(catalog_of)
+        changed, gone = plain[1], plain[2]
+        os.utime(changed, ns=(0, 1))  # another mtime: another ETag than the indexed one
+        gone.unlink()
+        with caplog.at_level(logging.INFO, logger="shardfs.read.inplace"):
+            assert link_in_place(catalog, cache) == 1
+        assert shard_entries(cache.root) == {catalog.keys[0]: str(plain[0])}
+        assert cache.linked_count == 1 and cache.used == 0
+        assert f"{changed.as_uri()}: changed since it was indexed" in caplog.text
+        assert f"{gone.as_uri()}: not read in place" in caplog.text
+        assert "1 of 4 shards read in place" in caplog.text
+    finally:
+        cache.close()
