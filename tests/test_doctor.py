@@ -163,3 +163,38 @@ def test_a_mount_with_and_without_the_shim(dataset: Dataset, mounter: Mounter):
     assert slow.returncode == 1, slow.stdout
     assert "mount's shim slows reads" in last_line(slow), slow.stdout
     assert "runs without the pyfuse3 shim" in last_line(slow)
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A tmpfs of the test's own (a file system doctor knows to be local)."""
+    where = tmp_path / "tmpfs"
+    where.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(where)],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def test_shards_on_a_local_disk_copied_or_read_in_place(dataset: Dataset, mounter: Mounter,
+                                                       tmpfs: Path):
+    """Plain shards on a local file system and copied into the cache: a note naming
+    --in-place (not a problem: exit 0); a mount reading them in place: ok."""
+    for shard in dataset.shards.shards:
+        shutil.copy(shard.path, tmpfs)
+    source = brace(dataset, str(tmpfs))
+    copied = doctor(source, "--cache-dir", str(tmpfs / "cache"), "--json")
+    report = json.loads(copied.stdout)
+    check = next(c for c in report["checks"] if c["name"] == "shard files")
+    shards = len(dataset.shards.shards)
+    assert check["verdict"] == "note", check
+    assert f"{shards} shard files on tmpfs (a local disk), copied" in check["detail"], check
+    assert "--in-place on" in check["fix"] and copied.returncode == 0, copied.stdout
+    m = mounter.mount([source], None, None, "--in-place", "on")
+    in_place = doctor(str(m.mountpoint), "--json")
+    check = next(c for c in json.loads(in_place.stdout)["checks"] if c["name"] == "shard files")
+    assert check["verdict"] == "ok" and check["detail"].endswith("read in place"), check

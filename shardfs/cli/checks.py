@@ -155,6 +155,32 @@ def check_mount_shim(snapshot: dict) -> Check:
                  f"{snapshot.get('worker_count', 0)} worker processes")
 
 
+# File systems on this machine's own disks (or memory): a shard there is served as well from
+# its own file as from a copy (--in-place on). Anything else (nfs, lustre, gpfs, ceph, cifs,
+# fuse.*) is taken for a network file system, where the copy is what makes reads sequential.
+LOCAL_FILESYSTEMS = frozenset(("ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs",
+                               "bcachefs", "jfs", "tmpfs", "overlay"))
+
+
+def check_local_shards(paths: list[str], in_place: bool | None) -> Check | None:
+    """Shards named by file:// URLs or paths: read in place, or copied (and should they?)."""
+    if not paths:
+        return None
+    from shardfs.daemon.mountpoint import fstype_of
+
+    types = sorted({fstype_of(p) or "?" for p in paths})
+    on = f"{len(paths)} shard files on {', '.join(types)}"
+    if in_place:
+        return Check("shard files", "ok", f"{on}, read in place")
+    if all(t in LOCAL_FILESYSTEMS for t in types):
+        return Check("shard files", "note", f"{on} (a local disk), copied into the cache: a "
+                     "second copy on disk, and ~2.5x the daemon's CPU per cold file",
+                     "mount with --in-place on: reads from the shards' own files "
+                     "(docs/sources.md, \"`file://` and plain paths\")")
+    return Check("shard files", "ok", f"{on}, copied into the cache (as a network file system "
+                 "needs: one sequential read per shard)")
+
+
 def nearest_existing(path: Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
@@ -168,7 +194,7 @@ def check_cache_dir(cache_dir: Path, cache_size: int | None) -> list[Check]:
         return [Check("cache dir", "fail", f"{where} is not writable by uid {os.getuid()}",
                       "choose another --cache-dir, or fix its permissions")]
     usage = shutil.disk_usage(where)
-    held = sum(f.stat().st_size for f in (cache_dir / "shards").glob("*")) \
+    held = sum(f.lstat().st_size for f in (cache_dir / "shards").glob("*")) \
         if (cache_dir / "shards").is_dir() else 0
     room = usage.free + held
     if cache_size is not None and room < cache_size:

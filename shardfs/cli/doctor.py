@@ -25,6 +25,7 @@ from shardfs.cli.checks import (
     check_dev_fuse,
     check_fusermount,
     check_kernel,
+    check_local_shards,
     check_memory,
     check_mount_shim,
     check_shim,
@@ -121,6 +122,11 @@ def diagnose(args: argparse.Namespace, config: dict) -> list[Check]:
         if store is not None and store.value and disk is not None:
             disk_against_store(disk, store.value)
         dataset_bytes = dataset_bytes or report.dataset_bytes
+        in_place = bool(snapshot.get("shards_in_place")) if snapshot else \
+            config.get("in_place")
+        local = check_local_shards(report.local_paths, in_place)
+        if local is not None:
+            checks.append(local)
     checks.append(check_memory(dataset_bytes))
     return checks
 

@@ -14,11 +14,13 @@ from urllib.parse import urlsplit
 import trio
 
 from shardfs.catalog.catalog import CatalogError, stat_all
+from shardfs.catalog.codecs import codec_for
 from shardfs.catalog.resolve import resolve_sources
 from shardfs.catalog.shardindex import INDEX_SUFFIX
 from shardfs.cli.checks import Check
 from shardfs.sources import NotFound, ShardInfo, SourceError, Sources, SourceSettings, Unreachable
 from shardfs.sources.credentials import describe_method
+from shardfs.sources.file import file_path
 from shardfs.util.sizes import format_size
 
 SAMPLE_BYTES = 32 << 20
@@ -36,6 +38,7 @@ class SourceReport:
     checks: list[Check] = field(default_factory=list)
     largest: int | None = None  # bytes of the largest shard, when the shards were reached
     dataset_bytes: int | None = None
+    local_paths: list[str] = field(default_factory=list)  # of file:// shards (plain, tar)
 
 
 def _cause(exc: Exception) -> tuple[str, str, str]:
@@ -91,6 +94,8 @@ async def _check(specs: list[str], sources: Sources, cache_size: int | None,
     if provider is not None:
         checks.append(provider)
     sizes = [info.size for info in infos]
+    report.local_paths = [file_path(info.url) for info in infos
+                          if info.url.startswith("file:") and codec_for(info.url) is None]
     report.largest = max(sizes, default=0)
     report.dataset_bytes = sum(sizes)
     hosts = sorted({urlsplit(url).netloc or "this machine" for url in urls})
