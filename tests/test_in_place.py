@@ -3,6 +3,7 @@ linked into the cache, nothing copied (shardfs/read/inplace.py)."""
 
 from __future__ import annotations
 
+import errno
 import gzip
 import logging
 import os
@@ -110,3 +111,29 @@ def test_only_plain_unchanged_file_shards_are_linked(
         assert "1 of 4 shards read in place" in caplog.text
     finally:
         cache.close()
+
+
+def test_a_shard_file_cut_short_while_mounted_gives_eio_not_a_short_file(
+        dataset: Dataset, mounter: Mounter, tmp_path: Path) -> None:
+    """In place the mount keeps no copy: a shard file truncated behind its back must not
+    serve its members cut short (a reader would take a partial JPEG for the whole one).
+    Two worker processes: the workers read shard files themselves."""
+    here = tmp_path / "shards"
+    shutil.copytree(dataset.shard_dir, here)
+    urls = [(here / s.path.name).as_uri() for s in dataset.shards.shards]
+    m = mounter.mount(urls, None, None, "--in-place", "on", "--workers", "2")
+    expected = dataset.files()
+    victim, *others = dataset.shards.shards
+    cut = [name for name, *_ in victim.members if name in expected]
+    assert cut and others
+    with open(here / victim.path.name, "r+b") as f:
+        f.truncate(1024)  # the first member's header and 512 of its bytes
+    for name in cut:
+        with pytest.raises(OSError) as caught:
+            (m.mountpoint / name).read_bytes()
+        assert caught.value.errno == errno.EIO, name
+    assert "shorter than its index says" in m.log()
+    for shard in others:  # untouched: read whole
+        for name, *_ in shard.members:
+            if name in expected:
+                assert (m.mountpoint / name).read_bytes() == expected[name], name

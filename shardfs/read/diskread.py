@@ -20,6 +20,8 @@ import os
 
 import trio
 
+from shardfs.read.errors import ReadError
+
 # Threads doing blocking disk reads at once: enough to keep an NVMe queue busy.
 DISK_THREADS = 32
 # Bytes read around a read that missed the page cache (aligned to this size).
@@ -60,7 +62,8 @@ class DiskReads:
         self.in_c = 0  # answered by the shim in C from the page cache (fuse/fastread.py)
 
     async def pread(self, fd: int, size: int, offset: int) -> bytes | bytearray:
-        """`size` bytes at `offset` of `fd`: from the page cache inline, else in a thread.
+        """`size` bytes at `offset` of `fd`: from the page cache inline, else in a thread;
+        ReadError if the file ends before them.
 
         The thread reads a duplicate of `fd`: the original may be closed meanwhile (the shard
         evicted, a fetch aborted) and its number reused, while the duplicate still names the
@@ -74,5 +77,11 @@ class DiskReads:
             os.posix_fadvise(fd, window, READ_AROUND, os.POSIX_FADV_WILLNEED)
         dup = os.dup(fd)
         self.threaded += 1
-        return await trio.to_thread.run_sync(_pread_and_close, dup, size, offset,
+        data = await trio.to_thread.run_sync(_pread_and_close, dup, size, offset,
                                              limiter=self._limiter, thread_name="shardfs disk")
+        if len(data) < size:
+            # Bytes a cache file holds never go, but a shard read in place (read/inplace.py)
+            # is the user's file: cut short, its members must fail, not read short.
+            raise ReadError(f"{len(data)} of {size} bytes at {offset}: the shard's file is "
+                            "shorter than its index says (cut short while mounted?)")
+        return data

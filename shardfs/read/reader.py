@@ -35,6 +35,7 @@ from shardfs.cache.shardcache import DISK_FULL, PartFile, ShardCache
 from shardfs.catalog.catalog import Catalog
 from shardfs.catalog.codecs import CodecError, decompressor
 from shardfs.read.diskread import DiskReads
+from shardfs.read.errors import ReadError
 from shardfs.read.fetch import NEVER, Fetch, FetchFailed, Get
 from shardfs.read.fetchqueue import FetchQueue
 from shardfs.read.layout import ShardLayout
@@ -174,10 +175,6 @@ class ReaderStats:
     resume_rejected_bytes: int = 0
     fetch_errors: int = 0
     eio: int = 0
-
-
-class ReadError(Exception):
-    """A read that must fail with EIO (source unreachable past the deadline, shard changed)."""
 
 
 @dataclass(slots=True)
