@@ -332,6 +332,28 @@ def test_kill_9_during_a_cold_http_fetch_with_two_workers(data, nginx: Nginx,
 
 
 @needs_shim
+def test_kill_9_of_a_daemon_reading_shards_in_place(data, mounter: Mounter):
+    """--in-place on, two workers: the daemon SIGKILLed under 8 readers; the new daemon
+    links the shards again (the links are not adopted, docs/design.md) before it serves:
+    0 errors, every shard still read in place, nothing copied."""
+    m = mounter.mount([data.pattern(f"file://{data.shard_dir}")], None, None,
+                      "--in-place", "on", "--workers", "2")
+    shards = stats(m.mountpoint)["shards"]
+    assert stats(m.mountpoint)["shards_in_place"] == shards
+    spare_ready(m)
+    readers = Readers(m.mountpoint, data.sha, seed=5)
+    time.sleep(0.3)
+    old, gap = kill_and_time(m.mountpoint, m.mountpoint / sorted(data.sha)[0])
+    assert gap < 5, gap
+    after = wait_serving_again(m.mountpoint, old)
+    readers.check(len(data.sha))
+    assert after["takeovers"] == 1 and after["shards_in_place"] == shards, after
+    entries = list(os.scandir(m.cache_dir / "shards"))
+    assert len(entries) == shards and all(e.is_symlink() for e in entries)
+    assert stats(m.mountpoint)["bytes_fetched"] == 0
+
+
+@needs_shim
 def test_restart_in_a_loop_during_reads(data, mounter: Mounter):
     """`shardfs restart` twice in a row while 8 reader processes read every file: each returns
     once a new daemon (started with the installed code) serves; 0 errors."""
