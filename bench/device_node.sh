@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The node scenario on a many-core machine (issue 26): `bench node` at P=8 and P=16 readers
 # with --workers 1, 4 and 8, then `bench cpusplit` (where a cold file's CPU goes, per process
-# and thread) at P=16 with 1 and 4 workers, lingering and the C push on and off in turns.
-# About 6 minutes on 16 cores.
+# and thread) at P=16 with 1 and 4 workers, lingering and the C push on and off in turns, and
+# for shards read in place (`bench node` has that phase too). About 7 minutes on 16 cores.
 #
 #   bench/device_node.sh OUTDIR
 #
 # Run from the repository root as root (mounts, drop_caches), with shardfs's dependencies
 # importable by $PYTHON (default python3; VENV=/path/to/venv activates one first) and the shim
 # built in place (python3 setup.py build_ext --inplace).
-# Results: OUTDIR/node-w{1,4,8}.log, OUTDIR/cpusplit.log, OUTDIR/machine.txt, and the JSON
+# Results: OUTDIR/node-w{1,4,8}.log, OUTDIR/cpusplit.log, OUTDIR/cpusplit-in-place.log, OUTDIR/machine.txt, and the JSON
 # records under OUTDIR/raw/. FILES=N changes the file count (default 20000).
 # The HTTP phases need nginx; without it they are left out (file:// only).
 set -u
@@ -54,4 +54,8 @@ timeout 150 $PYTHON -m bench.cpusplit --readers 16 --workers 1,4 --sources file 
   --variant pypush=$PWD:SHARDFS_PUSH_IN_PYTHON=1 --workdir "$work" --out "$out/raw" \
   > "$out/cpusplit.log" 2>&1
 echo "bench cpusplit: exit $?" >> "$out/machine.txt"
+# Shards read in place (--in-place on): no copy, no push; the serial part on many cores.
+timeout 100 $PYTHON -m bench.cpusplit --readers 16 --workers 1,4 --sources in-place \
+  --rounds 2 --files "$files" --workdir "$work" --out "$out/raw" > "$out/cpusplit-in-place.log" 2>&1
+echo "bench cpusplit in place: exit $?" >> "$out/machine.txt"
 ls "$out/raw" >> "$out/machine.txt" 2>&1
