@@ -315,7 +315,7 @@ def test_warm_fetches_subtree_then_everything(dataset: Dataset, nginx, mounter: 
     assert nginx.access_log() == []  # everything came from the cache
 
 
-def _scrape(port: int) -> dict[str, float]:
+def scrape_metrics(port: int) -> dict[str, float]:
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
     out = {}
     for line in body.decode().splitlines():
@@ -353,6 +353,7 @@ def test_prometheus_metrics(dataset: Dataset, mounter: Mounter):
         "shardfs_shards": shards,
         "shardfs_files": files,
         "shardfs_shards_cached": shards,
+        "shardfs_shards_in_place": 0,
         "shardfs_shards_fetching": 0,
         "shardfs_cache_used_bytes": sizes,
         "shardfs_cache_budget_bytes": budget,
@@ -367,10 +368,10 @@ def test_prometheus_metrics(dataset: Dataset, mounter: Mounter):
     # The snapshot behind /metrics is refreshed every 1 s, or every 5 s when NOTIFY_SOCKET is
     # set, and the last fetch may still be committing: wait for it to settle, not a fixed time.
     deadline = time.monotonic() + 30
-    metrics = _scrape(port)
+    metrics = scrape_metrics(port)
     while {k: metrics.get(k) for k in exact} != exact and time.monotonic() < deadline:
         time.sleep(0.2)
-        metrics = _scrape(port)
+        metrics = scrape_metrics(port)
     assert {k: metrics.get(k) for k in exact} == exact, \
         {k: (metrics.get(k), v) for k, v in exact.items() if metrics.get(k) != v}
     assert metrics["shardfs_uptime_seconds"] > 0

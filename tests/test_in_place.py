@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import gzip
+import importlib.util
 import logging
 import os
 import shutil
@@ -16,9 +17,11 @@ import trio
 
 from shardfs.cache.shardcache import ShardCache
 from shardfs.catalog.catalog import open_catalog
+from shardfs.devtools.nginx import free_port
 from shardfs.read.inplace import link_in_place
 from shardfs.sources import Sources
 from tests.conftest import SHARDFS, Dataset, Mounter
+from tests.test_admin import scrape_metrics
 
 
 def read_tree(root: Path) -> dict[str, bytes]:
@@ -37,8 +40,10 @@ def test_a_mount_in_place_reads_every_file_from_the_shards_own_files(
         dataset: Dataset, mounter: Mounter) -> None:
     """With two worker processes: they open `shards/KEY` (the link) like a cached shard."""
     shards = sorted(str(s.path) for s in dataset.shards.shards)
+    port = free_port()
     m = mounter.mount([Path(p).as_uri() for p in shards], None, None,
-                      "--in-place", "on", "--workers", "2")
+                      "--in-place", "on", "--workers", "2",
+                      "--metrics-listen", f"127.0.0.1:{port}")
     entries = shard_entries(m.cache_dir)
     assert sorted(entries.values()) == shards  # every shard linked, none copied
     assert read_tree(m.mountpoint) == dataset.files()
@@ -50,6 +55,10 @@ def test_a_mount_in_place_reads_every_file_from_the_shards_own_files(
     shown = subprocess.run([*SHARDFS, "stats", str(m.mountpoint)], capture_output=True,
                            text=True, timeout=30)
     assert f"{len(shards)} cached ({len(shards)} in place)" in shown.stdout, shown.stdout
+    if importlib.util.find_spec("prometheus_client") is not None:
+        metrics = scrape_metrics(port)
+        assert metrics["shardfs_shards_in_place"] == len(shards), metrics
+        assert metrics["shardfs_cache_used_bytes"] == 0, metrics
 
 
 def test_a_later_mount_without_in_place_copies_and_one_with_it_links_again(
