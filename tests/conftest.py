@@ -194,3 +194,18 @@ def brace(ds: Dataset, base: str) -> str:
     """The brace pattern naming the dataset's shards under `base` (a URL or a directory)."""
     n = len(ds.shards.shards)
     return f"{base}/train-{{000000..{n - 1:06d}}}.tar"
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A tmpfs of the test's own: a file system known to be local (util/fstypes.py)."""
+    where = tmp_path / "tmpfs"
+    where.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(where)],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)

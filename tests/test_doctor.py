@@ -165,21 +165,6 @@ def test_a_mount_with_and_without_the_shim(dataset: Dataset, mounter: Mounter):
     assert "runs without the pyfuse3 shim" in last_line(slow)
 
 
-@pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A tmpfs of the test's own (a file system doctor knows to be local)."""
-    where = tmp_path / "tmpfs"
-    where.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(where)],
-                          capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True)
-
-
 def test_shards_on_a_local_disk_copied_or_read_in_place(dataset: Dataset, mounter: Mounter,
                                                        tmpfs: Path):
     """Plain shards on a local file system and copied into the cache: a note naming
@@ -194,6 +179,11 @@ def test_shards_on_a_local_disk_copied_or_read_in_place(dataset: Dataset, mounte
     assert check["verdict"] == "note", check
     assert f"{shards} shard files on tmpfs (a local disk), copied" in check["detail"], check
     assert "--in-place on" in check["fix"] and copied.returncode == 0, copied.stdout
+    config = tmpfs / "mount.yaml"
+    config.write_text(f"sources: ['{source}']\ncache_dir: {tmpfs / 'cache'}\nin_place: auto\n")
+    auto = doctor("--config", str(config), "--json")
+    check = next(c for c in json.loads(auto.stdout)["checks"] if c["name"] == "shard files")
+    assert check["verdict"] == "ok" and "on a local disk read in place" in check["detail"], check
     m = mounter.mount([source], None, None, "--in-place", "on")
     in_place = doctor(str(m.mountpoint), "--json")
     check = next(c for c in json.loads(in_place.stdout)["checks"] if c["name"] == "shard files")

@@ -18,9 +18,10 @@ import trio
 from shardfs.cache.shardcache import ShardCache
 from shardfs.catalog.catalog import open_catalog
 from shardfs.devtools.nginx import free_port
+from shardfs.pack import pack
 from shardfs.read.inplace import link_in_place
 from shardfs.sources import Sources
-from tests.conftest import SHARDFS, Dataset, Mounter
+from tests.conftest import SHARDFS, Dataset, Mounter, brace
 from tests.test_admin import scrape_metrics
 
 
@@ -146,3 +147,27 @@ def test_a_shard_file_cut_short_while_mounted_gives_eio_not_a_short_file(
         for name, *_ in shard.members:
             if name in expected:
                 assert (m.mountpoint / name).read_bytes() == expected[name], name
+
+
+def test_auto_reads_in_place_from_a_local_disk_and_copies_from_a_network_one(
+        dataset: Dataset, mounter: Mounter, tmpfs: Path, tmp_path: Path) -> None:
+    """`--in-place auto`: shards on a tmpfs (local) are linked; the same shards served by a
+    FUSE file system (another shardfs mount, standing in for a network file system) are
+    copied, and the log says why."""
+    for shard in dataset.shards.shards:
+        shutil.copy(shard.path, tmpfs)
+    local = mounter.mount([brace(dataset, tmpfs.as_uri())], None, None, "--in-place", "auto")
+    assert local.stats()["shards_in_place"] == len(dataset.shards.shards)
+    assert local.stats()["in_place"] == "auto"
+    assert read_tree(local.mountpoint) == dataset.files()
+    # The shards as files of an outer shardfs mount (fuse.shardfs).
+    outer = pack(tmpfs, tmp_path / "outer", prefix="outer", shard_size=1 << 30)
+    served = mounter.mount([s.path.as_uri() for s in outer.shards], None, None)
+    assert (served.mountpoint / dataset.shards.shards[0].path.name).is_file()
+    remote = mounter.mount([brace(dataset, served.mountpoint.as_uri())], None, None,
+                           "--in-place", "auto")
+    assert remote.stats()["shards_in_place"] == 0
+    assert read_tree(remote.mountpoint) == dataset.files()
+    assert remote.stats()["bytes_fetched"] > 0
+    assert f"{len(dataset.shards.shards)} shards on fuse.shardfs copied into the cache" \
+        in remote.log()

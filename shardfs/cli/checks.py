@@ -155,27 +155,27 @@ def check_mount_shim(snapshot: dict) -> Check:
                  f"{snapshot.get('worker_count', 0)} worker processes")
 
 
-# File systems on this machine's own disks (or memory): a shard there is served as well from
-# its own file as from a copy (--in-place on). Anything else (nfs, lustre, gpfs, ceph, cifs,
-# fuse.*) is taken for a network file system, where the copy is what makes reads sequential.
-LOCAL_FILESYSTEMS = frozenset(("ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs",
-                               "bcachefs", "jfs", "tmpfs", "overlay"))
-
-
-def check_local_shards(paths: list[str], in_place: bool | None) -> Check | None:
-    """Shards named by file:// URLs or paths: read in place, or copied (and should they?)."""
+def check_local_shards(paths: list[str], in_place: str) -> Check | None:
+    """Shards named by file:// URLs or paths: read in place, or copied (and should they?).
+    `in_place`: the mount's setting, off, on or auto."""
     if not paths:
         return None
-    from shardfs.daemon.mountpoint import fstype_of
+    from shardfs.util.fstypes import LOCAL_FILESYSTEMS, device_types, fstype_of
 
-    types = sorted({fstype_of(p) or "?" for p in paths})
+    devices = device_types()
+    types = sorted({fstype_of(p, devices) or "?" for p in paths})
     on = f"{len(paths)} shard files on {', '.join(types)}"
-    if in_place:
+    if in_place == "auto":
+        local = sum(t in LOCAL_FILESYSTEMS for t in types)
+        return Check("shard files", "ok", f"{on}: those on a local disk read in place, the "
+                     "others copied (--in-place auto)" if local else
+                     f"{on}, copied into the cache (--in-place auto: no local disk)")
+    if in_place == "on":
         return Check("shard files", "ok", f"{on}, read in place")
     if all(t in LOCAL_FILESYSTEMS for t in types):
         return Check("shard files", "note", f"{on} (a local disk), copied into the cache: a "
                      "second copy on disk, and ~2.5x the daemon's CPU per cold file",
-                     "mount with --in-place on: reads from the shards' own files "
+                     "mount with --in-place on (or auto): reads from the shards' own files "
                      "(docs/sources.md, \"`file://` and plain paths\")")
     return Check("shard files", "ok", f"{on}, copied into the cache (as a network file system "
                  "needs: one sequential read per shard)")

@@ -115,6 +115,13 @@ def _bool(value: Any) -> bool:
     raise ValueError("expected true or false")
 
 
+def _in_place(value: Any) -> str:
+    """off, on or auto; a boolean (YAML's true, -o in_place) is on or off."""
+    if str(value).strip().lower() == "auto":
+        return "auto"
+    return "on" if _bool(value) else "off"
+
+
 def _choice(*allowed: str) -> Callable[[Any], str]:
     def parse(value: Any) -> str:
         if value not in allowed:
@@ -184,7 +191,7 @@ OPTIONS: dict[str, Option] = {o.key: o for o in (
     Option("prefetch", _choice("touched", "all"), "touched", "touched or all"),
     Option("push_pages", _choice("auto", "off"), "auto", "auto or off"),
     Option("split_fetches", _bool, False, "true or false (on or off)"),
-    Option("in_place", _bool, False, "true or false (on or off)"),
+    Option("in_place", _in_place, "off", "off, on or auto (true/false: on/off)"),
     Option("verify", _choice("auto", "sha256"), "auto", "auto or sha256"),
     Option("index_parallel", _positive_int, 8, "a whole number >= 1"),
     Option("workers", _positive_int, None, "a whole number >= 1"),

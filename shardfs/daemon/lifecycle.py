@@ -75,8 +75,9 @@ class MountConfig:
     lookahead: LookaheadPolicy = field(default_factory=LookaheadPolicy)
     index_parallel: int = 8
     warm_while_indexing: bool = True
-    # Plain file:// shards read from their own files, not copied (read/inplace.py).
-    in_place: bool = False
+    # Plain file:// shards read from their own files, not copied (read/inplace.py): off, on,
+    # or auto (those on a local file system).
+    in_place: str = "off"
     # Fetched shards' files into the kernel's page cache when worth it (fuse/pagepush.py).
     push_pages: bool = True
     allow_other: bool = False
@@ -282,6 +283,7 @@ class Mounted:
             "dataset_bytes": self.reader.dataset_bytes,
             "shards_cached": cache.complete_count,
             "shards_in_place": cache.linked_count,  # of those: links to their own files
+            "in_place": self.cfg.in_place,  # the setting: off, on or auto
             "shards_fetching": len(self.reader.fetches),
             "working_set_reads": self.reader.window,
             # Bytes of the shards in the working set: whole shards are cached only while this
@@ -598,8 +600,9 @@ async def _serve(cfg: MountConfig, cache: ShardCache, catalog: Catalog, ops: Sha
                  session: SessionState) -> None:
     sources = Sources(cfg.settings, after=indexing_sources)
     try:
-        if cfg.in_place:  # before the reader: it takes linked shards as complete
-            await trio.to_thread.run_sync(link_in_place, catalog, cache)
+        if cfg.in_place != "off":  # before the reader: it takes linked shards as complete
+            await trio.to_thread.run_sync(link_in_place, catalog, cache,
+                                          cfg.in_place == "auto")
         reader = Reader(catalog, cache, sources, cfg.policy, states=states)
         mounted = Mounted(cfg, catalog, cache, reader, sources, session=session,
                           shim=ops.no_open)

@@ -40,24 +40,6 @@ def mounted_fstype(path: str) -> str | None:
     return found
 
 
-def fstype_of(path: str) -> str | None:
-    """The type of the filesystem that holds `path` (the deepest mount above it), or None."""
-    path = os.path.realpath(path)
-    found, depth = None, -1
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                fields = line.split()
-                sep = fields.index("-")
-                where = _unescape(fields[4])
-                inside = path == where or path.startswith(where.rstrip("/") + "/")
-                if inside and len(where) >= depth:  # later lines are mounted on top
-                    found, depth = fields[sep + 1], len(where)
-    except OSError:
-        return None
-    return found
-
-
 def shardfs_mounts() -> list[str]:
     """Every shardfs mountpoint this process can see, in mount order."""
     found: list[str] = []

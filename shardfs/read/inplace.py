@@ -8,6 +8,9 @@ they are. With `in_place`, each plain shard named by a file:// URL is linked int
 (same size and ETag: inode, mtime, size): it is complete from the start, and its members are
 read from the file itself, like the cached shards of a mount whose page cache was dropped.
 
+`in_place: auto` links only the shards on a local file system (util/fstypes.py: ext4, xfs,
+btrfs, tmpfs...), and copies those on a network file system as `off` does.
+
 Not linked (copied as without the option): compressed shards (what is cached is the
 decompressed tar), shards of other sources, and a file that changed or cannot be opened since
 it was indexed (its fetch then fails as usual, naming the change). A linked file that is
@@ -24,14 +27,18 @@ from shardfs.cache.shardcache import ShardCache
 from shardfs.catalog.catalog import Catalog
 from shardfs.sources import SourceError
 from shardfs.sources.file import file_etag, file_path
+from shardfs.util.fstypes import LOCAL_FILESYSTEMS, device_types
 
 log = logging.getLogger(__name__)
 
 
-def link_in_place(catalog: Catalog, cache: ShardCache) -> int:
-    """Link every plain file:// shard of the catalog that is unchanged since it was indexed;
-    returns how many were linked. Blocking (a stat per shard): run it in a thread."""
+def link_in_place(catalog: Catalog, cache: ShardCache, local_only: bool = False) -> int:
+    """Link every plain file:// shard of the catalog that is unchanged since it was indexed
+    (`local_only`, in_place auto: and lies on a local file system); returns how many were
+    linked. Blocking (a stat per shard): run it in a thread."""
     linked = 0
+    devices = device_types() if local_only else {}
+    remote: dict[str, int] = {}  # in_place auto: shards left to be copied, by file system
     sizes = catalog.data_sizes or [info.size for info in catalog.shards]
     codecs = catalog.codecs or [None] * len(catalog.shards)
     for info, key, size, codec in zip(catalog.shards, catalog.keys, sizes, codecs,
@@ -48,6 +55,10 @@ def link_in_place(catalog: Catalog, cache: ShardCache) -> int:
         if st.st_size != info.size or (info.etag and file_etag(st) != info.etag):
             log.warning("%s: changed since it was indexed; not read in place", info.url)
             continue
+        if local_only and devices.get(st.st_dev) not in LOCAL_FILESYSTEMS:
+            kind = devices.get(st.st_dev, "an unknown file system")
+            remote[kind] = remote.get(kind, 0) + 1
+            continue
         try:
             cache.link(key, path, size)
         except OSError as exc:
@@ -57,4 +68,7 @@ def link_in_place(catalog: Catalog, cache: ShardCache) -> int:
         linked += 1
     log.info("%d of %d shards read in place (linked into %s)", linked, len(catalog.shards),
              cache.shards_dir)
+    for kind, count in sorted(remote.items()):
+        log.info("%d shards on %s copied into the cache when read (in_place auto reads in "
+                 "place only from a local disk)", count, kind)
     return linked
