@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardfs.util.fstypes import LOCAL_FILESYSTEMS, device_types, fstype_of
 from shardfs.util.sizes import format_size
 
 FUSE_MAJOR, FUSE_MINOR = 10, 229
@@ -160,8 +161,6 @@ def check_local_shards(paths: list[str], in_place: str) -> Check | None:
     `in_place`: the mount's setting, off, on or auto."""
     if not paths:
         return None
-    from shardfs.util.fstypes import LOCAL_FILESYSTEMS, device_types, fstype_of
-
     devices = device_types()
     types = sorted({fstype_of(p, devices) or "?" for p in paths})
     on = f"{len(paths)} shard files on {', '.join(types)}"

@@ -37,7 +37,3 @@ def fstype_of(path: str, types: dict[int, str] | None = None) -> str | None:
     except OSError:
         return None
     return (device_types() if types is None else types).get(dev)
-
-
-def on_local_disk(path: str, types: dict[int, str] | None = None) -> bool:
-    return fstype_of(path, types) in LOCAL_FILESYSTEMS
