@@ -101,8 +101,13 @@ class LookaheadPolicy:
     fill_scan: int = 256
     # GETs in flight while filling: most bring one member (~100 KiB), so 16 of them with a
     # 20 ms first byte do not fill a 100 MB/s link (0.89-0.91x of it on 16 cores, 32:
-    # 0.94-0.95x). Each costs the daemon ~0.4 ms of CPU (sources/h1.py).
-    fill_requests: int = 32
+    # 0.94-0.95x). On a faster link the fill is bound by them: 64 brought an uncapped
+    # epoch's last batch 11-13 % sooner, the capped one unchanged (docs/benchmarks-notes.md,
+    # session 26). Each costs the daemon ~0.4 ms of CPU (sources/h1.py).
+    fill_requests: int = 64
+    # The epoch's first reads are filled one member per GET (their bytes soonest), then GETs
+    # take the member's neighbours too.
+    fill_single_first: int = 64
 
 
 class PartFiller(Protocol):
@@ -639,7 +644,7 @@ class Lookahead:
             self._paced = True  # wait for reads to free the buffer
             return []
         group = [head]
-        if head.pos - stream.first_pos < 2 * policy.fill_requests:
+        if head.pos - stream.first_pos < policy.fill_single_first:
             return group  # the epoch's first reads: one member per GET, the first bytes soonest
         room -= head.size
         shard, span = head.shard, policy.coalesce_span
