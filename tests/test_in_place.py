@@ -119,6 +119,13 @@ def test_only_plain_unchanged_file_shards_are_linked(
         assert f"{changed.as_uri()}: changed since it was indexed" in caplog.text
         assert f"{gone.as_uri()}: not read in place" in caplog.text
         assert "1 of 4 shards read in place" in caplog.text
+        # A catalog without a plain file:// shard: said plainly, not "0 of N".
+        caplog.clear()
+        catalog.shards, catalog.keys = catalog.shards[3:], catalog.keys[3:]
+        catalog.data_sizes, catalog.codecs = catalog.data_sizes[3:], catalog.codecs[3:]
+        with caplog.at_level(logging.INFO, logger="shardfs.read.inplace"):
+            assert link_in_place(catalog, cache) == 0
+        assert "none of the 1 shards is a plain file:// shard" in caplog.text
     finally:
         cache.close()
 

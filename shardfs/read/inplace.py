@@ -41,10 +41,12 @@ def link_in_place(catalog: Catalog, cache: ShardCache, local_only: bool = False)
     remote: dict[str, int] = {}  # in_place auto: shards left to be copied, by file system
     sizes = catalog.data_sizes or [info.size for info in catalog.shards]
     codecs = catalog.codecs or [None] * len(catalog.shards)
+    candidates = 0  # plain file:// shards
     for info, key, size, codec in zip(catalog.shards, catalog.keys, sizes, codecs,
                                       strict=True):
         if codec is not None or size != info.size or not info.url.startswith("file:"):
             continue
+        candidates += 1
         try:
             path = file_path(info.url)
             st = os.stat(path)
@@ -66,6 +68,11 @@ def link_in_place(catalog: Catalog, cache: ShardCache, local_only: bool = False)
                         info.url, exc.strerror)
             continue
         linked += 1
+    if not candidates:
+        log.warning("in_place: none of the %d shards is a plain file:// shard (compressed, or "
+                    "from another source): every shard is fetched into the cache as usual",
+                    len(catalog.shards))
+        return 0
     log.info("%d of %d shards read in place (linked into %s)", linked, len(catalog.shards),
              cache.shards_dir)
     for kind, count in sorted(remote.items()):
