@@ -57,7 +57,7 @@ def test_crc32c_hands_the_library_only_pieces_that_release_the_gil(
     """The crc32c package keeps the GIL for pieces under 32 KiB: small pieces are joined
     first, so a hashing thread never holds the GIL through a batch of them (only the last,
     short remainder at hexdigest may be smaller); larger ones (a memoryview too) go as they
-    are, or with what is pending before them."""
+    are, after their head has topped up what is pending before them to 32 KiB."""
     sizes: list[int] = []
 
     class Recording:
@@ -77,6 +77,8 @@ def test_crc32c_hands_the_library_only_pieces_that_release_the_gil(
     assert digest.hexdigest() == crc_hex(data + big)
     assert all(size >= 32 << 10 for size in sizes), sizes
     assert sum(sizes) == len(data) + len(big)
+    # A large piece after small ones tops them up from its head: the rest goes uncopied.
+    assert sizes[-2:] == [32 << 10, len(data) + len(big) - sum(sizes[:-1])], sizes
 
 
 def test_file_views_give_a_files_bytes_in_reused_pieces(tmp_path: Path) -> None:

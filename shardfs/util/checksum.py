@@ -68,13 +68,20 @@ class Crc32c:
         self._pending_len = 0
 
     def update(self, data: Buffer, /) -> None:
-        if not self._pending and len(data) >= _GIL_FREE:
-            self._crc = _crc32c.crc32c(data, self._crc)
-            return
-        self._pending.append(bytes(data))
-        self._pending_len += len(data)
-        if self._pending_len >= _GIL_FREE:
+        if self._pending_len:  # topped up to _GIL_FREE from data's head, not joined whole
+            need = _GIL_FREE - self._pending_len
+            if len(data) < need:
+                self._pending.append(bytes(data))
+                self._pending_len += len(data)
+                return
+            self._pending.append(bytes(data[:need]))
             self._flush()
+            data = memoryview(data)[need:]
+        if len(data) >= _GIL_FREE:
+            self._crc = _crc32c.crc32c(data, self._crc)
+        elif len(data):
+            self._pending.append(bytes(data))
+            self._pending_len = len(data)
 
     def _flush(self) -> None:
         if self._pending:
