@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -209,3 +210,14 @@ def tmpfs(tmp_path: Path) -> Iterator[Path]:
         yield where
     finally:
         subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def scrape_metrics(port: int) -> dict[str, float]:
+    """A mount's Prometheus metrics (--metrics-listen), by name."""
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    out = {}
+    for line in body.decode().splitlines():
+        if line.startswith("shardfs_"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out

@@ -17,7 +17,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import pytest
 
 from shardfs.daemon.metrics import _METRICS
 from shardfs.devtools.nginx import free_port
-from tests.conftest import SHARDFS, Dataset, Mount, Mounter, brace, stop_foreground
+from tests.conftest import SHARDFS, Dataset, Mount, Mounter, brace, scrape_metrics, stop_foreground
 from tests.faultproxy import FaultProxy
 from tests.test_mount import assert_same_bytes, publish
 
@@ -313,16 +312,6 @@ def test_warm_fetches_subtree_then_everything(dataset: Dataset, nginx, mounter: 
     nginx.reset_log()
     assert_same_bytes(dataset, m.mountpoint)
     assert nginx.access_log() == []  # everything came from the cache
-
-
-def scrape_metrics(port: int) -> dict[str, float]:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
-    out = {}
-    for line in body.decode().splitlines():
-        if line.startswith("shardfs_"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 def test_prometheus_metrics(dataset: Dataset, mounter: Mounter):

@@ -21,8 +21,7 @@ from shardfs.devtools.nginx import free_port
 from shardfs.pack import pack
 from shardfs.read.inplace import link_in_place
 from shardfs.sources import Sources
-from tests.conftest import SHARDFS, Dataset, Mounter, brace
-from tests.test_admin import scrape_metrics
+from tests.conftest import SHARDFS, Dataset, Mounter, brace, scrape_metrics
 
 
 def read_tree(root: Path) -> dict[str, bytes]:
