@@ -68,6 +68,15 @@ class Catalog:
     warmed: int = 0  # shards cached while indexing
     crc32c: list[str | None] = field(default_factory=list)  # whole-shard CRC-32C when known
 
+    def cached_sizes(self) -> list[int]:
+        """Bytes each shard takes in the cache: its plain tar (a compressed shard is
+        decompressed there). Catalogs made by hand may leave data_sizes empty."""
+        return self.data_sizes or [info.size for info in self.shards]
+
+    def shard_codecs(self) -> list[str | None]:
+        """Each shard's compression (None: plain)."""
+        return self.codecs or [None] * len(self.shards)
+
     def check(self, shard: int, verify: str = "auto") -> ShardCheck | None:
         """What a complete fetch of `shard` is checked against (util/checksum.py)."""
         crc32c = self.crc32c[shard] if self.crc32c else None

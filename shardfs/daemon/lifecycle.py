@@ -465,7 +465,7 @@ def run(cfg: MountConfig, cache: ShardCache, on_ready: Callable[[str], None]) ->
                 if record is None and cfg.fuse_fd is None:
                     fuse_session.answer_init()
                 setup = WorkerSetup(ops, states, cache.shards_dir, catalog.keys,
-                                    sum(catalog.data_sizes or [s.size for s in catalog.shards]),
+                                    sum(catalog.cached_sizes()),
                                     worker_address(cfg.control_socket, os.getpid()), cfg.max_tasks)
                 zygote = Zygote(lambda clone: run_worker(setup, clone),
                                 keep_fds=tuple(fd for fd in (shim.session_fd(),

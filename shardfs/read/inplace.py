@@ -39,11 +39,9 @@ def link_in_place(catalog: Catalog, cache: ShardCache, local_only: bool = False)
     linked = 0
     devices = device_types() if local_only else {}
     remote: dict[str, int] = {}  # in_place auto: shards left to be copied, by file system
-    sizes = catalog.data_sizes or [info.size for info in catalog.shards]
-    codecs = catalog.codecs or [None] * len(catalog.shards)
     candidates = 0  # plain file:// shards
-    for info, key, size, codec in zip(catalog.shards, catalog.keys, sizes, codecs,
-                                      strict=True):
+    for info, key, size, codec in zip(catalog.shards, catalog.keys, catalog.cached_sizes(),
+                                      catalog.shard_codecs(), strict=True):
         if codec is not None or size != info.size or not info.url.startswith("file:"):
             continue
         candidates += 1

@@ -209,8 +209,8 @@ class Reader:
         self._nursery: trio.Nursery | None = None
         # Bytes each shard takes in the cache: the plain tar size (compressed shards are
         # decompressed into the cache).
-        self.sizes = catalog.data_sizes or [info.size for info in catalog.shards]
-        self.codecs = catalog.codecs or [None] * len(catalog.shards)
+        self.sizes = catalog.cached_sizes()
+        self.codecs = catalog.shard_codecs()
         # Shards read only whole (compressed, or on a server without Range support).
         self.whole_only = catalog.whole_only or [c is not None for c in self.codecs]
         # Reads waiting for their shard's fetch slot (compressed shards, or the duplicate
