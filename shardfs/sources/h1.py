@@ -164,11 +164,12 @@ class _Connection:
         await trio.aclose_forcefully(self.stream)
 
 
-def _splice_out(pool: Http11Pool, pipe: int, into: int, count: int, at: int) -> bool:
-    """Move `count` bytes from the pipe into the file `into` at offset `at`: True, or False
-    where they were copied instead; OSError (ENOSPC where the file system took fewer bytes
-    without saying why). A file that takes no splice write (EINVAL: a file system without
-    it) gets the pipe's bytes by `pwrite`, and the pool splices no more bodies."""
+def _splice_out(pool: Http11Pool, pipe: int, into: int, count: int, at: int) -> int:
+    """Move `count` bytes from the pipe into the file `into` at offset `at`; returns how
+    many of them were spliced (the rest were copied); OSError (ENOSPC where the file system
+    took fewer bytes without saying why). A file that takes no splice write (EINVAL: a file
+    system without it) gets the pipe's bytes by `pwrite`, and the pool splices no more
+    bodies."""
     total = count
     while count and pool.splice_writes:
         try:
@@ -188,7 +189,7 @@ def _splice_out(pool: Http11Pool, pipe: int, into: int, count: int, at: int) -> 
         pwrite_all(into, data, at)
         count -= len(data)
         at += len(data)
-    return unspliced < total  # (a piece partly spliced counts as spliced)
+    return total - unspliced
 
 
 class _Body(httpx.AsyncByteStream):
@@ -232,12 +233,12 @@ class _Body(httpx.AsyncByteStream):
                 and isinstance(conn.stream, trio.SocketStream))
 
     async def splice_into(self, into: int, at: int,
-                          count: int) -> AsyncIterator[tuple[int, bool]]:
+                          count: int) -> AsyncIterator[tuple[int, int]]:
         """Write the body's next `count` bytes (at most what is left of it) into the file
-        `into` from offset `at`, yielding each piece's length once it is written, and
-        whether it was spliced: from the socket through a pipe into the file's page cache
-        (splice(2)), never copied into Python, which halves what the loop's thread copies
-        per byte of a download (docs/sources.md). A write that fails raises its OSError;
+        `into` from offset `at`, yielding each piece's length once it is written, and how
+        many of its bytes were spliced: from the socket through a pipe into the file's page
+        cache (splice(2)), never copied into Python, which halves what the loop's thread
+        copies per byte of a download (docs/sources.md). A write that fails raises its OSError;
         the connection's failures raise as `receive`'s do. Plain TCP only (can_splice)."""
         conn = self._conn
         assert conn is not None and self.can_splice()
@@ -250,7 +251,7 @@ class _Body(httpx.AsyncByteStream):
             self._left -= len(piece)
             count -= len(piece)
             at += len(piece)
-            yield len(piece), False
+            yield len(piece), 0
         if not count:
             return
         pipe_out, pipe_in = os.pipe2(os.O_CLOEXEC)
@@ -275,7 +276,7 @@ class _Body(httpx.AsyncByteStream):
                 count -= n
                 spliced = _splice_out(self._pool, pipe_out, into, n, at)
                 at += n
-                yield n, spliced
+                yield n, spliced  # (bytes written, of them spliced)
         finally:
             os.close(pipe_out)
             os.close(pipe_in)
@@ -320,7 +321,7 @@ class Answer:
         return self._body.__aiter__()
 
     def splice_into(self, into: int, at: int,
-                    count: int) -> AsyncIterator[tuple[int, bool]] | None:
+                    count: int) -> AsyncIterator[tuple[int, int]] | None:
         """The body's next `count` bytes written into the file `into` from `at`, as
         `_Body.splice_into`; None where the connection cannot (TLS): use aiter_raw."""
         if not self._body.can_splice():

@@ -335,10 +335,9 @@ class HttpSource:
                         spliced = resp.splice_into(into, pos, stop - pos)
                     if spliced is not None:
                         async with aclosing(spliced) as written:
-                            async for n, by_splice in written:
+                            async for n, spliced_n in written:
                                 self.stats.bytes_received += n
-                                if by_splice:
-                                    self.stats.spliced_bytes += n
+                                self.stats.spliced_bytes += spliced_n
                                 pos += n
                                 yield Written(pos - n, n)
                                 patience.progress()
