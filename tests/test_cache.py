@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 import trio
 
-from shardfs.cache.shardcache import CacheError, ShardCache, pwrite_all, shard_key
+from shardfs.cache.shardcache import (
+    CacheError,
+    ShardCache,
+    ShardFileChanged,
+    open_shard_file,
+    pwrite_all,
+    shard_key,
+)
 
 
 @pytest.fixture
@@ -386,7 +393,7 @@ def test_a_linked_shard_holds_no_budget_and_is_never_evicted(
     own = tmp_path / "own.tar"
     own.write_bytes(b"x" * 800)
     cache = open_cache(tmp_path / "c", 1000, opened)
-    cache.link("linked", str(own), 800)
+    cache.link("linked", str(own), 800, own.stat().st_mtime_ns)
     assert os.readlink(tmp_path / "c" / "shards" / "linked") == str(own)
     assert cache.has("linked") and cache.used == 0
     assert read_back(cache, "linked") == b"x" * 800
@@ -399,6 +406,32 @@ def test_a_linked_shard_holds_no_budget_and_is_never_evicted(
     assert os.path.islink(tmp_path / "c" / "shards" / "linked")
 
 
+def test_a_link_opens_only_while_its_file_is_the_one_linked(
+        tmp_path: Path, opened: list[ShardCache]) -> None:
+    """A shard file replaced after it was linked (a new version renamed over it) is not
+    opened through the link: its reads would go to other bytes at the old index's offsets.
+    Copied shards open as before."""
+    own = tmp_path / "own.tar"
+    own.write_bytes(b"x" * 800)
+    cache = open_cache(tmp_path / "c", 1000, opened)
+    cache.link("linked", str(own), 800, own.stat().st_mtime_ns)
+    link = tmp_path / "c" / "shards" / "linked"
+    assert os.lstat(link).st_mtime_ns == own.stat().st_mtime_ns
+    os.close(open_shard_file(link, 800))
+    new = tmp_path / "new.tar"
+    new.write_bytes(b"z" * 800)  # same size, other bytes, its own mtime
+    os.utime(new, ns=(1, own.stat().st_mtime_ns + 1))
+    os.replace(new, own)
+    with pytest.raises(ShardFileChanged, match="changed since it was linked"):
+        open_shard_file(link, 800)
+    assert cache.get("linked") is None and not cache.has("linked")  # forgotten: fetched
+    os.utime(own, ns=(1, os.lstat(link).st_mtime_ns))  # the mtime again, another size
+    with pytest.raises(ShardFileChanged):
+        open_shard_file(link, 799)
+    put(cache, "a", b"a" * 100)
+    os.close(open_shard_file(tmp_path / "c" / "shards" / "a", 100))  # a copy: no check
+
+
 def test_links_are_not_adopted_and_replace_a_kept_part(tmp_path: Path,
                                                        opened: list[ShardCache]) -> None:
     """A mount links its shards again each time (after checking them); a part an earlier
@@ -406,7 +439,7 @@ def test_links_are_not_adopted_and_replace_a_kept_part(tmp_path: Path,
     own = tmp_path / "own.tar"
     own.write_bytes(b"y" * 100)
     cache = open_cache(tmp_path / "c", 1000, opened)
-    cache.link("linked", str(own), 100)
+    cache.link("linked", str(own), 100, own.stat().st_mtime_ns)
     assert cache.reserve("k", 100)
     part = cache.begin("k", 100)
     assert part.record is not None
@@ -418,7 +451,7 @@ def test_links_are_not_adopted_and_replace_a_kept_part(tmp_path: Path,
     again = open_cache(tmp_path / "c", 1000, opened)
     assert not again.has("linked") and "k" in again.kept and again.used == 100
     assert sorted(os.listdir(tmp_path / "c" / "shards")) == ["k.part"]
-    again.link("k", str(own), 100)
+    again.link("k", str(own), 100, own.stat().st_mtime_ns)
     assert again.kept == {} and again.used == 0 and again.has("k")
     assert os.listdir(tmp_path / "c" / "shards") == ["k"]
     assert not again.record_path("k").exists()

@@ -5,7 +5,8 @@ Layout under the cache dir:
     shards/KEY           a complete shard (KEY = hash of the shard's identity: URL+size+ETag)
     shards/KEY.part      a shard being fetched; never taken for complete
     shards/KEY -> PATH   a shard read in place (`in_place`): a symbolic link to the shard's
-                         own file, holding no bytes of the cache (link())
+                         own file, holding no bytes of the cache, with the file's mtime as
+                         its own (link(); open_shard_file() checks the two still agree)
     parts/KEY.crc        how much of KEY.part is written, a CRC-32 per 4 MiB (partrecord.py)
     index/KEY.idx        a shard's member index
     trees/KEY.tree       the merged namespace for one list of shards
@@ -48,6 +49,31 @@ DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 def shard_key(identity: str) -> str:
     return hashlib.sha256(identity.encode("utf-8", "surrogateescape")).hexdigest()[:40]
+
+
+def open_shard_file(path: Path | str, size: int | None = None) -> int:
+    """A read-only descriptor of a shard's cache file. A link (a shard read in place) is
+    opened only while its target is the file that was linked: the same mtime as the link's own
+    (link() gives it the file's) and, if given, `size`. A shard file replaced since (published
+    anew by a rename, say) raises ShardFileChanged: its reads must not go to another file at
+    the old index's offsets. OSError as os.open raises it otherwise."""
+    try:  # a copied shard: one call, as before links existed
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+    linked = os.lstat(path)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if st.st_mtime_ns != linked.st_mtime_ns or (size is not None and st.st_size != size):
+        os.close(fd)
+        raise ShardFileChanged(errno.ESTALE, "a shard read in place changed since it was "
+                               f"linked (mtime or size): {os.readlink(path)}", str(path))
+    return fd
+
+
+class ShardFileChanged(OSError):
+    """A shard read in place is no longer the file that was linked."""
 
 
 @dataclass(slots=True)
@@ -353,23 +379,33 @@ class ShardCache:
         self._complete.move_to_end(key)
         if shard.fd is None:
             try:
-                shard.fd = os.open(self.shards_dir / key, os.O_RDONLY)
+                shard.fd = open_shard_file(self.shards_dir / key, shard.size)
             except FileNotFoundError:  # removed behind our back: forget it
+                del self._complete[key]
+                return None
+            except ShardFileChanged as exc:  # fetched from now on: the fetch names the change
+                log.warning("%s; its reads now fail as a changed shard's do", exc.strerror)
                 del self._complete[key]
                 return None
         return shard
 
-    def link(self, key: str, target: str, size: int) -> None:
+    def link(self, key: str, target: str, size: int, mtime_ns: int) -> None:
         """Take the shard file at `target` as complete, in place: `shards/KEY` becomes a
-        symbolic link to it (the workers and the page push open shards by that name). It
-        holds none of the budget and is never evicted. A part an earlier daemon left of
-        it is dropped. OSError: not linked."""
+        symbolic link to it (the workers and the page push open shards by that name), whose
+        own mtime is `mtime_ns`, the file's as checked against its index: opening it checks
+        the file still has it (open_shard_file). It holds none of the budget and is never
+        evicted. A part an earlier daemon left of it is dropped. OSError: not linked."""
         self.drop_kept(key)
         if key in self._complete or key in self._reserved:
             return
         temp = self.shards_dir / f"{key}.tmp-link"
         temp.unlink(missing_ok=True)
         os.symlink(target, temp)
+        try:
+            os.utime(temp, ns=(mtime_ns, mtime_ns), follow_symlinks=False)
+        except OSError:
+            temp.unlink(missing_ok=True)
+            raise
         os.replace(temp, self.shards_dir / key)
         self._complete[key] = CachedShard(key, size, linked=True)
 

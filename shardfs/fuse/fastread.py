@@ -28,6 +28,7 @@ from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardfs.cache.shardcache import open_shard_file
 from shardfs.fuse import shim
 from shardfs.read.states import NONE, ShardStates
 
@@ -37,8 +38,8 @@ def open_cache_file(shards_dir: Path, key: str, complete: bool) -> int | None:
     fetched the file is `KEY.part`; the fetch may just have ended (renamed to `KEY`, the same
     file)."""
     for name in (key,) if complete else (key + ".part", key):
-        try:
-            return os.open(shards_dir / name, os.O_RDONLY | os.O_CLOEXEC)
+        try:  # a link to a shard file replaced since it was linked: None, the daemon decides
+            return open_shard_file(shards_dir / name)
         except OSError:
             continue
     return None

@@ -8,14 +8,17 @@ they are. With `in_place`, each plain shard named by a file:// URL is linked int
 (same size and ETag: inode, mtime, size): it is complete from the start, and its members are
 read from the file itself, like the cached shards of a mount whose page cache was dropped.
 
-`in_place: auto` links only the shards on a local file system (util/fstypes.py: ext4, xfs,
-btrfs, tmpfs...), and copies those on a network file system as `off` does.
+`in_place: auto` (the default) links only the shards on a local file system (util/fstypes.py:
+ext4, xfs, btrfs, tmpfs...), and copies those on a network file system as `off` does.
 
 Not linked (copied as without the option): compressed shards (what is cached is the
 decompressed tar), shards of other sources, and a file that changed or cannot be opened since
-it was indexed (its fetch then fails as usual, naming the change). A linked file that is
-rewritten while mounted is read as it is then: the mount holds no copy to keep it from
-changing (docs/sources.md, "file://").
+it was indexed (its fetch then fails as usual, naming the change). A linked file replaced
+while mounted (a new version renamed over it) is not read at the old index's offsets: each
+process opens a link only while the file has the mtime and size it was linked with
+(cache.shardcache.open_shard_file), and a replaced one is fetched, which fails naming the
+change. A file rewritten in place, keeping its mtime, is read as it is then: the mount holds
+no copy to keep it from changing (docs/sources.md, "file://").
 """
 
 from __future__ import annotations
@@ -60,16 +63,17 @@ def link_in_place(catalog: Catalog, cache: ShardCache, local_only: bool = False)
             remote[kind] = remote.get(kind, 0) + 1
             continue
         try:
-            cache.link(key, path, size)
+            cache.link(key, path, size, st.st_mtime_ns)
         except OSError as exc:
             log.warning("%s: cannot link it into the cache (%s); copied when read",
                         info.url, exc.strerror)
             continue
         linked += 1
     if not candidates:
-        log.warning("in_place: none of the %d shards is a plain file:// shard (compressed, or "
-                    "from another source): every shard is fetched into the cache as usual",
-                    len(catalog.shards))
+        if not local_only:  # asked for by name (on); auto, the default, has nothing to say
+            log.warning("in_place: none of the %d shards is a plain file:// shard (compressed, "
+                        "or from another source): every shard is fetched into the cache as "
+                        "usual", len(catalog.shards))
         return 0
     log.info("%d of %d shards read in place (linked into %s)", linked, len(catalog.shards),
              cache.shards_dir)
