@@ -6,8 +6,9 @@ profiler) per kind of code.
 [--profile perf,py-spy] [--variant NAME=DIR[:KEY=VALUE...]]... [--docs PAGE]`
 
 The `bench node` data set and readers (bench/node.py): P reader processes read every file of
-a fresh mount once, its cache empty and the page cache dropped, from `file://` shards (copied
-into the cache, or with `in-place` read from their own files: `--in-place on`) and from nginx
+a fresh mount once, its cache empty and the page cache dropped, from `file://` shards (`file`:
+copied into the cache, `--in-place off`; `in-place`: read from their own files, `--in-place
+on`, what the default does on a local disk) and from nginx
 on loopback. Around that one cold pass, every thread of every process of the mount
 is read from /proc (utime, stime): the daemon's main thread (its trio loop: everything that
 holds the GIL to answer FUSE requests and drive fetches), the daemon's other threads (hashing,
@@ -390,7 +391,9 @@ def _cold_pass(sources: list[str], mnt: Path, cache: Path, names: list[str], arg
                label: str, workers: int, work: Path, variant: Variant, push: str) -> dict:
     saved = variant.apply()
     try:
-        in_place = ("--in-place", "on") if label == "in-place" else ()
+        # file: copied into the cache (what a network file system gets; the default reads
+        # a local disk's shards in place)
+        in_place = ("--in-place", "on" if label == "in-place" else "off")
         mount = Mount(sources, mnt, cache, workers, push, *in_place)
     finally:
         _restore(saved)

@@ -7,11 +7,12 @@ workers are, against the same files on local ext4 in the same run.
 Each reader process opens, reads and closes every file of its share of one shuffled list.
 Phases per reader count P:
 - ext4 warm (page cache holds the files) and ext4 dropped (`drop_caches` first);
-- shardfs cold from `file://` (fresh cache dir: the daemon copies shards from the source while
-  serving), then page cache dropped (the shard cache on disk, `drop_caches` first), then warm
-  (a second pass over the page cache);
-- shardfs cold from `file://` read in place (`--in-place on`: the shards' own files serve the
-  reads, nothing copied; `drop_caches` first);
+- shardfs cold from `file://` copied (`--in-place off`, as a network file system's shards are:
+  fresh cache dir, the daemon copies shards from the source while serving), then page cache
+  dropped (the shard cache on disk, `drop_caches` first), then warm (a second pass over the
+  page cache);
+- shardfs cold from `file://` read in place (`--in-place on`, what the default `auto` does on
+  a local disk: the shards' own files serve the reads, nothing copied; `drop_caches` first);
 - shardfs cold from HTTP (nginx on loopback, no latency, no bandwidth cap; `--no-http`: left
   out).
 Daemon CPU (utime+stime of every process of the mount) per file read is recorded with each
@@ -228,7 +229,8 @@ def run(args: argparse.Namespace) -> dict:
             phase("ext4 dropped", procs, read_all(src, names, procs, seed))
 
             cache = work / f"cache-file-{procs}"
-            mount = Mount(file_sources, mnt, cache, args.workers, args.push_pages)
+            mount = Mount(file_sources, mnt, cache, args.workers, args.push_pages,
+                          "--in-place", "off")  # copied: what a network file system gets
             try:
                 drop_caches()
                 phase("shardfs cold file://", procs, _measured(mount, names, procs, seed))

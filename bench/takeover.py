@@ -1,7 +1,8 @@
 """The gap a daemon's death leaves: kill -9 -> the next read answered through the mount.
 
 `python -m bench.takeover [--kills 5] [--workers 1] [--files 400]`: mounts random files packed
-into shards (file:// source, `--no-warm`, through the CLI, so with the holder), and for each
+into shards (file:// source copied into the cache as before `--in-place auto` became the
+default, `--no-warm`, through the CLI, so with the holder), and for each
 kill: waits until the holder's spare daemon stands by, drops the page cache of every file,
 starts 8 reader threads over every file (sha256-checked), SIGKILLs the daemon (the pid of the
 stats) and times from the kill until a probe read of a file whose pages were dropped, started
@@ -126,7 +127,8 @@ def main() -> None:
         shard_dir, sha, nshards = _make_data(work / "data", args.files, 25)
         pattern = f"file://{shard_dir}/train-{{000000..{nshards - 1:06d}}}.tar"
         subprocess.run([sys.executable, "-m", "shardfs", "mount", pattern, str(mnt),
-                        "--cache-dir", str(work / "cache"), "--no-warm", "--log-level",
+                        "--cache-dir", str(work / "cache"), "--no-warm", "--in-place", "off",
+                        "--log-level",
                         os.environ.get("SHARDFS_BENCH_LOG_LEVEL", "info"), "--workers",
                         args.workers], check=True, stdout=subprocess.DEVNULL,
                        # every kill counts as a death: keep the give-up rule out of the way

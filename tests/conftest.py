@@ -112,12 +112,18 @@ class Mounter:
         return result
 
     def mount(self, sources: list[str], mountpoint: Path | None = None,
-              cache_dir: Path | None = None, *extra: str) -> Mount:
+              cache_dir: Path | None = None, *extra: str,
+              in_place: str | None = "off") -> Mount:
+        """`in_place`: "off" (the default here) copies file:// shards into the cache, so that
+        the many tests which use local shards as a stand-in for a remote store exercise the
+        fetch, check, push and eviction they are about; None leaves the product's default
+        (auto: local shards read in place) or whatever `extra` says."""
         mnt, cache = self.paths()
         mountpoint = mountpoint or mnt
         cache_dir = cache_dir or cache
+        chosen = ("--in-place", in_place) if in_place is not None else ()
         result = self.run(*sources, str(mountpoint), "--cache-dir", str(cache_dir),
-                          "--log-level", "debug", *extra)
+                          "--log-level", "debug", *chosen, *extra)
         if result.returncode != 0:
             raise AssertionError(f"mount failed ({result.returncode}):\n{result.stderr}")
         return self.adopt(Mount.from_result(result, mountpoint, cache_dir))

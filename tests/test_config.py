@@ -105,14 +105,14 @@ def test_split_fetches_from_flag_option_and_file(tmp_path: Path):
 
 def test_in_place_from_flag_option_and_file(tmp_path: Path):
     """`--in-place off|on|auto`, `-o in_place[=...]` and `in_place:` (a YAML boolean too)
-    reach the mount's settings; the default is off; anything else is refused."""
+    reach the mount's settings; the default is auto; anything else is refused."""
     import argparse
 
     from shardfs.cli.config import ConfigError, validate
     from shardfs.cli.main import _mount_config, add_mount_arguments, mount_settings
 
     config = tmp_path / "c.yaml"
-    cases = {(): "off", ("--in-place", "on"): "on", ("--in-place", "auto"): "auto",
+    cases = {(): "auto", ("--in-place", "on"): "on", ("--in-place", "auto"): "auto",
              ("-o", "in_place"): "on", ("-o", "in_place=auto"): "auto",
              ("-o", "in_place=false"): "off", ("--config", str(config)): "on",
              ("--config", str(config), "--in-place", "off"): "off"}
@@ -123,7 +123,7 @@ def test_in_place_from_flag_option_and_file(tmp_path: Path):
         args = parser.parse_args(["file:///data/a.tar", str(tmp_path / "mnt"),
                                   "--cache-dir", str(tmp_path / "cache"), *extra])
         assert _mount_config(mount_settings(args)).in_place == want, extra
-    with pytest.raises(ConfigError, match=r"in_place: bad value 'sometimes'.*off, on or auto"):
+    with pytest.raises(ConfigError, match=r"in_place: bad value 'sometimes'.*auto, on or off"):
         validate({"in_place": "sometimes"}, "-o")
 
 

@@ -167,23 +167,23 @@ def test_a_mount_with_and_without_the_shim(dataset: Dataset, mounter: Mounter):
 
 def test_shards_on_a_local_disk_copied_or_read_in_place(dataset: Dataset, mounter: Mounter,
                                                        tmpfs: Path):
-    """Plain shards on a local file system and copied into the cache: a note naming
-    --in-place (not a problem: exit 0); a mount reading them in place: ok."""
+    """Plain shards on a local file system: read in place by default (ok); copied into the
+    cache (`in_place: off`): a note naming the option (not a problem: exit 0); a mount
+    reading them in place: ok."""
     for shard in dataset.shards.shards:
         shutil.copy(shard.path, tmpfs)
     source = brace(dataset, str(tmpfs))
-    copied = doctor(source, "--cache-dir", str(tmpfs / "cache"), "--json")
-    report = json.loads(copied.stdout)
-    check = next(c for c in report["checks"] if c["name"] == "shard files")
     shards = len(dataset.shards.shards)
-    assert check["verdict"] == "note", check
-    assert f"{shards} shard files on tmpfs (a local disk), copied" in check["detail"], check
-    assert "--in-place on" in check["fix"] and copied.returncode == 0, copied.stdout
-    config = tmpfs / "mount.yaml"
-    config.write_text(f"sources: ['{source}']\ncache_dir: {tmpfs / 'cache'}\nin_place: auto\n")
-    auto = doctor("--config", str(config), "--json")
+    auto = doctor(source, "--cache-dir", str(tmpfs / "cache"), "--json")
     check = next(c for c in json.loads(auto.stdout)["checks"] if c["name"] == "shard files")
     assert check["verdict"] == "ok" and "on a local disk read in place" in check["detail"], check
+    config = tmpfs / "mount.yaml"
+    config.write_text(f"sources: ['{source}']\ncache_dir: {tmpfs / 'cache'}\nin_place: off\n")
+    copied = doctor("--config", str(config), "--json")
+    check = next(c for c in json.loads(copied.stdout)["checks"] if c["name"] == "shard files")
+    assert check["verdict"] == "note", check
+    assert f"{shards} shard files on tmpfs (a local disk), copied" in check["detail"], check
+    assert "without --in-place off" in check["fix"] and copied.returncode == 0, copied.stdout
     m = mounter.mount([source], None, None, "--in-place", "on")
     in_place = doctor(str(m.mountpoint), "--json")
     check = next(c for c in json.loads(in_place.stdout)["checks"] if c["name"] == "shard files")

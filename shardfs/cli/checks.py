@@ -158,7 +158,7 @@ def check_mount_shim(snapshot: dict) -> Check:
 
 def check_local_shards(paths: list[str], in_place: str) -> Check | None:
     """Shards named by file:// URLs or paths: read in place, or copied (and should they?).
-    `in_place`: the mount's setting, off, on or auto."""
+    `in_place`: the mount's setting, auto (the default), on or off."""
     if not paths:
         return None
     devices = device_types()
@@ -174,8 +174,9 @@ def check_local_shards(paths: list[str], in_place: str) -> Check | None:
     if all(t in LOCAL_FILESYSTEMS for t in types):
         return Check("shard files", "note", f"{on} (a local disk), copied into the cache: a "
                      "second copy on disk, and ~2.5x the daemon's CPU per cold file",
-                     "mount with --in-place on (or auto): reads from the shards' own files "
-                     "(docs/sources.md, \"`file://` and plain paths\")")
+                     "mount without --in-place off (auto, the default, reads the shards "
+                     "on a local disk from their own files; docs/sources.md, \"`file://` and "
+                     "plain paths\")")
     return Check("shard files", "ok", f"{on}, copied into the cache (as a network file system "
                  "needs: one sequential read per shard)")
 

@@ -109,9 +109,9 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    "twice, within 10%% of the bytes (off, default)")
     p.add_argument("--in-place", choices=("on", "off", "auto"),
                    help="read plain shards named by file:// URLs where they are, from their "
-                   "own files, instead of copying them into the cache (on: for shards on a "
-                   "local disk; auto: those on a local file system; off, default: copied, "
-                   "as suits a network file system)")
+                   "own files, instead of copying them into the cache (auto, default: "
+                   "those on a local file system; on: all of them; off: none, every shard "
+                   "copied, as suits a network file system)")
     p.add_argument("--index-parallel", help="shards indexed at once (default 8)")
     p.add_argument("--workers", help="processes answering FUSE requests (default: half the "
                    "machine's cores, 1 to 8; 1: the daemon alone)")

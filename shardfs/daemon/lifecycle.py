@@ -77,7 +77,7 @@ class MountConfig:
     warm_while_indexing: bool = True
     # Plain file:// shards read from their own files, not copied (read/inplace.py): off, on,
     # or auto (those on a local file system).
-    in_place: str = "off"
+    in_place: str = "auto"
     # Fetched shards' files into the kernel's page cache when worth it (fuse/pagepush.py).
     push_pages: bool = True
     allow_other: bool = False
