@@ -11,9 +11,11 @@ import os
 # File systems on the machine's own disks (or in memory): a shard there is served as well from
 # its own file as from a copy of it (`--in-place`). Anything else (nfs, lustre, gpfs, ceph,
 # cifs, fuse.*) is taken for one served over a network, where a copy on local disk is what
-# turns reads into one sequential read per shard.
+# turns reads into one sequential read per shard. squashfs and erofs are left out on purpose:
+# their images are often files on a shared file system behind a loop device (Apptainer).
 LOCAL_FILESYSTEMS = frozenset(("ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs",
-                               "bcachefs", "jfs", "tmpfs", "overlay"))
+                               "bcachefs", "jfs", "tmpfs", "ramfs", "overlay", "vfat", "exfat",
+                               "ntfs3"))
 
 
 def device_types() -> dict[int, str]:
