@@ -116,8 +116,10 @@ class Mounter:
               in_place: str | None = "off") -> Mount:
         """`in_place`: "off" (the default here) copies file:// shards into the cache, so that
         the many tests which use local shards as a stand-in for a remote store exercise the
-        fetch, check, push and eviction they are about; None leaves the product's default
-        (auto: local shards read in place) or whatever `extra` says."""
+        fetch, check, push and eviction they are about; an `--in-place` in `extra` wins (the
+        last flag counts); None leaves the product's default (auto: local shards read in
+        place), and is what a test that sets it by `-o` or a config file must pass (a flag
+        would override those)."""
         mnt, cache = self.paths()
         mountpoint = mountpoint or mnt
         cache_dir = cache_dir or cache
