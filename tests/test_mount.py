@@ -227,6 +227,29 @@ def test_later_shard_wins_duplicate_paths(tmp_path: Path, mounter: Mounter):
     assert "1 paths appear in more than one shard" in m.stderr + m.log()
 
 
+@pytest.mark.parametrize("in_place", ["off", None], ids=["copied", "default"])
+def test_a_local_shard_whose_name_is_not_utf8_mounts(tmp_path: Path, mounter: Mounter,
+                                                    in_place: str | None):
+    """A shard file named by bytes that are not UTF-8 (Latin-1 `é`), with no index beside it:
+    scanned, mounted and read as a plain path and as a percent-encoded file:// URL, copied
+    and read in place. (The scan once decoded the URL as UTF-8: "No such file".)"""
+    import io
+    import tarfile
+
+    here = tmp_path / "shards"
+    here.mkdir()
+    shard = os.fsencode(here) + b"/caf\xe9.tar"
+    with tarfile.open(os.fsdecode(shard), "w") as tf:
+        info = tarfile.TarInfo("a/x.txt")
+        info.size = 5
+        tf.addfile(info, io.BytesIO(b"hello"))
+    for source in (os.fsdecode(shard), Path(os.fsdecode(shard)).as_uri()):
+        m = mounter.mount([source], None, None, in_place=in_place)
+        assert (m.mountpoint / "a" / "x.txt").read_bytes() == b"hello", source
+        assert m.stats()["shards_in_place"] == (0 if in_place == "off" else 1)
+        m.unmount()
+
+
 def test_foreground_mount_unmounts_on_sigterm(dataset, tmp_path: Path):
     import signal
     import sys

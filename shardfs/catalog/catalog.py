@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 import trio
 
@@ -38,6 +38,7 @@ from shardfs.catalog.shardindex import (
 from shardfs.catalog.tar import TarError, TarScanner
 from shardfs.catalog.tree import TREE_FORMAT, Tree
 from shardfs.sources import ShardInfo, Source, SourceError, Sources
+from shardfs.sources.file import file_path
 from shardfs.util.aioutil import first_error
 from shardfs.util.checksum import ShardCheck, ShardSums, shard_check, valid_crc32c
 from shardfs.util.sizes import format_size
@@ -84,8 +85,8 @@ class Catalog:
 
 
 def local_path(url: str) -> str | None:
-    parts = urlsplit(url)
-    return unquote(parts.path) if parts.scheme == "file" else None
+    """The path a file:// URL names (bytes-exact: a name that is not UTF-8 too), else None."""
+    return file_path(url) if urlsplit(url).scheme.lower() == "file" else None
 
 
 def scan_local_file(path: str) -> ShardIndex:
