@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from shardfs.devtools.pagecache import drop_pages
-from tests.conftest import Dataset, Mounter, brace, shard_names, stop_foreground
+from tests.conftest import SHARDFS, Dataset, Mounter, brace, shard_names, stop_foreground
 
 
 def publish(ds: Dataset, root: Path, sub: str = "data") -> Path:
@@ -248,6 +248,11 @@ def test_a_local_shard_whose_name_is_not_utf8_mounts(tmp_path: Path, mounter: Mo
         assert (m.mountpoint / "a" / "x.txt").read_bytes() == b"hello", source
         assert m.stats()["shards_in_place"] == (0 if in_place == "off" else 1)
         m.unmount()
+    # `shardfs index` names the index file as the catalog looks for it: beside the shard.
+    done = subprocess.run([*SHARDFS, "index", os.fsdecode(shard), "-o", str(here)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert sorted(os.listdir(os.fsencode(here))) == [b"caf\xe9.tar", b"caf\xe9.tar.shardfs.idx"]
 
 
 def test_foreground_mount_unmounts_on_sigterm(dataset, tmp_path: Path):

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote_to_bytes, urlsplit
 
 import trio
 
@@ -23,8 +24,9 @@ log = logging.getLogger(__name__)
 
 
 def index_name(url: str) -> str:
-    """`.../train-000003.tar` -> `train-000003.tar.shardfs.idx`."""
-    return unquote(urlsplit(url).path.rsplit("/", 1)[-1]) + INDEX_SUFFIX
+    """`.../train-000003.tar` -> `train-000003.tar.shardfs.idx` (bytes-exact: the file the
+    catalog looks for beside the shard, also where its name is not UTF-8)."""
+    return os.fsdecode(unquote_to_bytes(urlsplit(url).path.rsplit("/", 1)[-1])) + INDEX_SUFFIX
 
 
 async def _write_all(specs: list[str], out: Path, parallel: int) -> int:
