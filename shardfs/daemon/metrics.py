@@ -15,7 +15,7 @@ _METRICS = (
     ("shardfs_files", ("files",), "gauge", "Files in the mount"),
     ("shardfs_shards_cached", ("shards_cached",), "gauge", "Shards complete in the cache"),
     ("shardfs_shards_in_place", ("shards_in_place",), "gauge",
-     "Of those, read from their own files (--in-place on)"),
+     "Of those, read from their own files (--in-place)"),
     ("shardfs_shards_fetching", ("shards_fetching",), "gauge", "Whole-shard fetches running"),
     ("shardfs_cache_used_bytes", ("cache_used_bytes",), "gauge", "Cache bytes in use"),
     ("shardfs_cache_budget_bytes", ("cache_budget_bytes",), "gauge", "Cache budget"),
