@@ -450,9 +450,39 @@ def test_links_are_not_adopted_and_replace_a_kept_part(tmp_path: Path,
     cache.close()
     again = open_cache(tmp_path / "c", 1000, opened)
     assert not again.has("linked") and "k" in again.kept and again.used == 100
-    assert sorted(os.listdir(tmp_path / "c" / "shards")) == ["k.part"]
+    assert sorted(os.listdir(tmp_path / "c" / "shards")) == ["k.part", "linked"]
     again.link("k", str(own), 100, own.stat().st_mtime_ns)
     assert again.kept == {} and again.used == 0 and again.has("k")
+    assert again.drop_old_links() == 1  # "linked" was not linked again by this mount
     assert os.listdir(tmp_path / "c" / "shards") == ["k"]
     assert not again.record_path("k").exists()
     assert own.read_bytes() == b"y" * 100  # the shard's own file untouched
+
+
+def test_a_remount_keeps_the_links_of_unchanged_files_and_makes_the_others_again(
+        tmp_path: Path, opened: list[ShardCache]) -> None:
+    """Links cost metadata writes (a symlink and its mtime each): a mount that links the
+    same file with the same mtime keeps the earlier mount's link as it is; a file whose
+    mtime changed gets a new link with the new mtime; links not made again are dropped."""
+    files = []
+    for name in ("a", "b", "c"):
+        own = tmp_path / f"{name}.tar"
+        own.write_bytes(name.encode() * 100)
+        files.append(own)
+    cache = open_cache(tmp_path / "c", 1000, opened)
+    for own in files:
+        cache.link(own.stem, str(own), 100, own.stat().st_mtime_ns)
+    shards = tmp_path / "c" / "shards"
+    before = {own.stem: os.lstat(shards / own.stem).st_ctime_ns for own in files}
+    cache.close()
+    os.utime(files[1], ns=(1, files[1].stat().st_mtime_ns + 1))  # b: another mtime
+    again = open_cache(tmp_path / "c", 1000, opened)
+    assert not any(again.has(own.stem) for own in files)  # nothing taken before linking
+    for own in files[:2]:  # c is not linked by this mount
+        again.link(own.stem, str(own), 100, own.stat().st_mtime_ns)
+    assert os.lstat(shards / "a").st_ctime_ns == before["a"]  # kept: nothing written
+    assert os.lstat(shards / "b").st_mtime_ns == files[1].stat().st_mtime_ns  # made again
+    assert again.drop_old_links() == 1
+    assert sorted(os.listdir(shards)) == ["a", "b"]
+    for own in files[:2]:
+        assert read_back(again, own.stem) == own.read_bytes()

@@ -603,6 +603,7 @@ async def _serve(cfg: MountConfig, cache: ShardCache, catalog: Catalog, ops: Sha
         if cfg.in_place != "off":  # before the reader: it takes linked shards as complete
             await trio.to_thread.run_sync(link_in_place, catalog, cache,
                                           cfg.in_place == "auto")
+        await trio.to_thread.run_sync(cache.drop_old_links)  # those not linked again
         reader = Reader(catalog, cache, sources, cfg.policy, states=states)
         mounted = Mounted(cfg, catalog, cache, reader, sources, session=session,
                           shim=ops.no_open)
