@@ -371,8 +371,8 @@ def render(record: dict, command: str) -> str:
              "closing its share of one shuffled list; files/s, ratio to ext4 in brackets "
              "(warm vs ext4 warm; dropped and cold vs ext4 dropped); daemon CPU per file.", "",
              "| P | ext4 warm | ext4 dropped | shardfs warm | shardfs dropped | cold file:// "
-             "| cold file:// in place | cold HTTP | daemon µs/file (warm / dropped / cold "
-             "file:// / in place / HTTP) |",
+             "copied | cold file:// in place | cold HTTP | daemon µs/file (warm / dropped / "
+             "cold copied / in place / HTTP) |",
              "|---|---|---|---|---|---|---|---|---|"]
 
     def cell(v: float | None, ref: float | None) -> str:

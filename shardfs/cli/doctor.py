@@ -122,7 +122,9 @@ def diagnose(args: argparse.Namespace, config: dict) -> list[Check]:
         if store is not None and store.value and disk is not None:
             disk_against_store(disk, store.value)
         dataset_bytes = dataset_bytes or report.dataset_bytes
-        in_place = snapshot.get("in_place") or config.get("in_place") or "auto"
+        from shardfs.cli.config import OPTIONS
+        in_place = snapshot.get("in_place") or config.get("in_place") or \
+            OPTIONS["in_place"].default
         local = check_local_shards(report.local_paths, in_place)
         if local is not None:
             checks.append(local)
