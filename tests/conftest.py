@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -218,6 +218,50 @@ def tmpfs(tmp_path: Path) -> Iterator[Path]:
         yield where
     finally:
         subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+@dataclass
+class LoopDisk:
+    """An ext4 file system on a loop device of the test's own (`loop_disks`)."""
+
+    path: Path  # where it is mounted
+    device: str  # the kernel's name: loop3
+
+    def set_rotational(self, spins: bool) -> None:
+        """What the kernel tells of the disk (queue/rotational: writable by root)."""
+        Path(f"/sys/block/{self.device}/queue/rotational").write_text("1" if spins else "0")
+
+
+@pytest.fixture
+def loop_disks(tmp_path: Path) -> Iterator[Callable[[str], LoopDisk]]:
+    """Makes small ext4 file systems on loop devices (standing in for a machine's disks, one
+    spinning, one not); skips where loop devices cannot be had. Unmounted and detached after
+    the test (lazily: a mount's cache dir may still be on one while its teardown runs)."""
+    made: list[tuple[Path, str]] = []
+
+    def make(name: str) -> LoopDisk:
+        image, where = tmp_path / f"{name}.img", tmp_path / name
+        with open(image, "wb") as f:
+            f.truncate(64 << 20)
+        where.mkdir()
+        attach = subprocess.run(["losetup", "--find", "--show", str(image)],
+                                capture_output=True, text=True)
+        if attach.returncode != 0:
+            pytest.skip(f"no loop device here: {attach.stderr.strip()}")
+        dev = attach.stdout.strip()
+        made.append((where, dev))
+        for cmd in (["mkfs.ext4", "-q", "-F", dev], ["mount", dev, str(where)]):
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                pytest.skip(f"{' '.join(cmd)}: {done.stderr.strip()}")
+        return LoopDisk(where, os.path.basename(dev))
+
+    try:
+        yield make
+    finally:
+        for where, dev in reversed(made):
+            subprocess.run(["umount", "-l", str(where)], capture_output=True)
+            subprocess.run(["losetup", "-d", dev], capture_output=True)
 
 
 def scrape_metrics(port: int) -> dict[str, float]:

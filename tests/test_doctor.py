@@ -176,7 +176,8 @@ def test_shards_on_a_local_disk_copied_or_read_in_place(dataset: Dataset, mounte
     shards = len(dataset.shards.shards)
     auto = doctor(source, "--cache-dir", str(tmpfs / "cache"), "--json")
     check = next(c for c in json.loads(auto.stdout)["checks"] if c["name"] == "shard files")
-    assert check["verdict"] == "ok" and "on a local disk read in place" in check["detail"], check
+    assert check["verdict"] == "ok", check
+    assert check["detail"].endswith("on a local disk: read in place (--in-place auto)"), check
     config = tmpfs / "mount.yaml"
     config.write_text(f"sources: ['{source}']\ncache_dir: {tmpfs / 'cache'}\nin_place: off\n")
     copied = doctor("--config", str(config), "--json")
@@ -188,3 +189,28 @@ def test_shards_on_a_local_disk_copied_or_read_in_place(dataset: Dataset, mounte
     in_place = doctor(str(m.mountpoint), "--json")
     check = next(c for c in json.loads(in_place.stdout)["checks"] if c["name"] == "shard files")
     assert check["verdict"] == "ok" and check["detail"].endswith("read in place"), check
+
+
+def test_shards_on_a_spinning_disk_beside_a_cache_dir_on_a_faster_one(dataset: Dataset,
+                                                                      loop_disks):
+    """Shards on a disk that spins, the cache dir on one that does not: by default they are
+    copied, and doctor says why; `in_place: off` then gets no note (it does what auto does)."""
+    shard_disk, cache_disk = loop_disks("shards"), loop_disks("cache")
+    shard_disk.set_rotational(True)
+    cache_disk.set_rotational(False)
+    for shard in dataset.shards.shards:
+        shutil.copy(shard.path, shard_disk.path)
+    source = brace(dataset, str(shard_disk.path))
+    shards = len(dataset.shards.shards)
+    auto = doctor(source, "--cache-dir", str(cache_disk.path / "cache"), "--json")
+    check = next(c for c in json.loads(auto.stdout)["checks"] if c["name"] == "shard files")
+    assert check["verdict"] == "ok", check
+    assert (f"copied into the cache (--in-place auto: {shards} on a rotational disk "
+            f"({shard_disk.device}; the cache dir on {cache_disk.device}, not rotational))"
+            ) in check["detail"], check
+    config = cache_disk.path / "mount.yaml"
+    config.write_text(f"sources: ['{source}']\ncache_dir: {cache_disk.path / 'cache'}\n"
+                      "in_place: off\n")
+    copied = doctor("--config", str(config), "--json")
+    check = next(c for c in json.loads(copied.stdout)["checks"] if c["name"] == "shard files")
+    assert check["verdict"] == "ok" and "as auto would" in check["detail"], check

@@ -21,6 +21,7 @@ from shardfs.devtools.nginx import free_port
 from shardfs.pack import pack
 from shardfs.read.inplace import link_in_place
 from shardfs.sources import Sources
+from shardfs.util.fstypes import Disk, disk_of
 from tests.conftest import SHARDFS, Dataset, Mounter, brace, scrape_metrics
 
 
@@ -214,5 +215,61 @@ def test_by_default_shards_on_a_local_disk_are_read_in_place_and_a_network_ones_
     assert remote.stats()["shards_in_place"] == 0
     assert read_tree(remote.mountpoint) == dataset.files()
     assert remote.stats()["bytes_fetched"] > 0
-    assert f"{len(dataset.shards.shards)} shards on fuse.shardfs copied into the cache" \
-        in remote.log()
+    assert f"{len(dataset.shards.shards)} shards on fuse.shardfs (not a local disk) copied " \
+        "into the cache" in remote.log()
+
+
+def test_by_default_shards_on_a_spinning_disk_are_copied_to_a_cache_dir_on_a_faster_one(
+        dataset: Dataset, loop_disks, mounter: Mounter) -> None:
+    """`--in-place auto` and what the kernel tells of the disks (queue/rotational): shards on
+    a disk that spins with the cache dir on one that does not are copied (one sequential read
+    per shard to the faster disk), and the log says why; with both disks spinning, or
+    neither, they are read in place."""
+    shard_disk, cache_disk = loop_disks("shards"), loop_disks("cache")
+    for shard in dataset.shards.shards:
+        shutil.copy(shard.path, shard_disk.path)
+    source = brace(dataset, shard_disk.path.as_uri())
+    shards = len(dataset.shards.shards)
+
+    shard_disk.set_rotational(True)
+    cache_disk.set_rotational(False)
+    copied = mounter.mount([source], None, cache_disk.path / "spinning", in_place=None)
+    assert copied.stats()["shards_in_place"] == 0
+    assert read_tree(copied.mountpoint) == dataset.files()
+    assert copied.stats()["bytes_fetched"] > 0
+    assert not any(shard_entries(copied.cache_dir).values())  # files of bytes, no links
+    assert (f"{shards} shards on a rotational disk ({shard_disk.device}; the cache dir on "
+            f"{cache_disk.device}, not rotational) copied into the cache") in copied.log()
+    copied.unmount()
+
+    for spins in (True, False):  # the copy would buy nothing: the same kind of disk
+        cache_disk.set_rotational(spins)
+        shard_disk.set_rotational(spins)
+        linked = mounter.mount([source], None, cache_disk.path / f"rotational-{spins}",
+                               in_place=None)
+        assert linked.stats()["shards_in_place"] == shards, spins
+        assert read_tree(linked.mountpoint) == dataset.files()
+        assert linked.stats()["bytes_fetched"] == 0
+        linked.unmount()
+
+
+def test_a_partition_is_told_of_by_its_disk(tmp_path: Path) -> None:
+    """sysfs's layout: /sys/dev/block/MAJ:MIN links to the device; a partition (a `partition`
+    file, no queue of its own) is answered by its disk's queue/rotational. Device numbers no
+    block device backs (tmpfs's, btrfs's) have no entry."""
+    disk = tmp_path / "devices" / "pci0" / "block" / "sdb"
+    (disk / "queue").mkdir(parents=True)
+    (disk / "queue" / "rotational").write_text("1\n")
+    (disk / "sdb2").mkdir()
+    (disk / "sdb2" / "partition").write_text("2\n")
+    links = tmp_path / "dev" / "block"
+    links.mkdir(parents=True)
+    (links / "8:16").symlink_to("../../devices/pci0/block/sdb")
+    (links / "8:18").symlink_to("../../devices/pci0/block/sdb/sdb2")
+    assert disk_of(os.makedev(8, 16), str(tmp_path)) == Disk("sdb", True)
+    assert disk_of(os.makedev(8, 18), str(tmp_path)) == Disk("sdb2", True)
+    assert disk_of(os.makedev(0, 42), str(tmp_path)) is None
+    # and this machine's own: the root file system's disk, if a block device backs it
+    root = disk_of(os.stat("/").st_dev)
+    if root is not None:
+        assert Path("/sys/class/block", root.name).exists()

@@ -7,15 +7,17 @@ nothing on its own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardfs.util.fstypes import LOCAL_FILESYSTEMS, device_types, fstype_of
+from shardfs.util.fstypes import ShardStorage
 from shardfs.util.sizes import format_size
 
 FUSE_MAJOR, FUSE_MINOR = 10, 229
@@ -156,29 +158,39 @@ def check_mount_shim(snapshot: dict) -> Check:
                  f"{snapshot.get('worker_count', 0)} worker processes")
 
 
-def check_local_shards(paths: list[str], in_place: str) -> Check | None:
+def check_local_shards(paths: list[str], in_place: str, cache_dir: Path) -> Check | None:
     """Shards named by file:// URLs or paths: read in place, or copied (and should they?).
     `in_place`: the mount's setting, auto (the default), on or off."""
     if not paths:
         return None
-    devices = device_types()
-    types = sorted({fstype_of(p, devices) or "?" for p in paths})
+    storage = ShardStorage(str(nearest_existing(cache_dir)))
+    devices = []
+    for path in paths:
+        with contextlib.suppress(OSError):  # the source checks say what cannot be read
+            devices.append(os.stat(path).st_dev)
+    types = sorted({storage.types.get(dev) or "?" for dev in devices}) or ["?"]
     on = f"{len(paths)} shard files on {', '.join(types)}"
+    reasons = Counter(storage.copied_because(dev) for dev in devices)
+    read_in_place = reasons.pop(None, 0)
+    whys = "; ".join(f"{n} {why}" for why, n in sorted(reasons.items()))
     if in_place == "auto":
-        local = sum(t in LOCAL_FILESYSTEMS for t in types)
-        return Check("shard files", "ok", f"{on}: those on a local disk read in place, the "
-                     "others copied (--in-place auto)" if local else
-                     f"{on}, copied into the cache (--in-place auto: no local disk)")
+        if not reasons:
+            return Check("shard files", "ok", f"{on}, on a local disk: read in place "
+                         "(--in-place auto)")
+        if not read_in_place:
+            return Check("shard files", "ok", f"{on}, copied into the cache (--in-place auto: "
+                         f"{whys})")
+        return Check("shard files", "ok", f"{on}: {read_in_place} read in place, the others "
+                     f"copied into the cache (--in-place auto: {whys})")
     if in_place == "on":
         return Check("shard files", "ok", f"{on}, read in place")
-    if all(t in LOCAL_FILESYSTEMS for t in types):
+    if not reasons:
         return Check("shard files", "note", f"{on} (a local disk), copied into the cache: a "
                      "second copy on disk, and ~2.5x the daemon's CPU per cold file",
                      "mount without --in-place off (auto, the default, reads the shards "
                      "on a local disk from their own files; docs/sources.md, \"`file://` and "
                      "plain paths\")")
-    return Check("shard files", "ok", f"{on}, copied into the cache (as a network file system "
-                 "needs: one sequential read per shard)")
+    return Check("shard files", "ok", f"{on}, copied into the cache (as auto would: {whys})")
 
 
 def nearest_existing(path: Path) -> Path:

@@ -125,7 +125,7 @@ def diagnose(args: argparse.Namespace, config: dict) -> list[Check]:
         from shardfs.cli.config import OPTIONS
         in_place = snapshot.get("in_place") or config.get("in_place") or \
             OPTIONS["in_place"].default
-        local = check_local_shards(report.local_paths, in_place)
+        local = check_local_shards(report.local_paths, in_place, cache_dir)
         if local is not None:
             checks.append(local)
     checks.append(check_memory(dataset_bytes))

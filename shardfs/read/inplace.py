@@ -9,7 +9,9 @@ they are. With `in_place`, each plain shard named by a file:// URL is linked int
 read from the file itself, like the cached shards of a mount whose page cache was dropped.
 
 `in_place: auto` (the default) links only the shards on a local file system (util/fstypes.py:
-ext4, xfs, btrfs, tmpfs...), and copies those on a network file system as `off` does.
+ext4, xfs, btrfs, tmpfs...), and copies those on a network file system as `off` does, and
+those on a spinning disk when the cache dir lies on one that does not spin
+(fstypes.ShardStorage).
 
 Not linked (copied as without the option): compressed shards (what is cached is the
 decompressed tar), shards of other sources, and a file that changed or cannot be opened since
@@ -30,7 +32,7 @@ from shardfs.cache.shardcache import ShardCache
 from shardfs.catalog.catalog import Catalog
 from shardfs.sources import SourceError
 from shardfs.sources.file import file_etag, file_path
-from shardfs.util.fstypes import LOCAL_FILESYSTEMS, device_types
+from shardfs.util.fstypes import ShardStorage
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +42,8 @@ def link_in_place(catalog: Catalog, cache: ShardCache, local_only: bool = False)
     (`local_only`, in_place auto: and lies on a local file system); returns how many were
     linked. Blocking (a stat per shard): run it in a thread."""
     linked = 0
-    devices = device_types() if local_only else {}
-    remote: dict[str, int] = {}  # in_place auto: shards left to be copied, by file system
+    storage = ShardStorage(str(cache.shards_dir)) if local_only else None
+    copied: dict[str, int] = {}  # in_place auto: shards left to be copied, by why
     candidates = 0  # plain file:// shards
     for info, key, size, codec in zip(catalog.shards, catalog.keys, catalog.cached_sizes(),
                                       catalog.shard_codecs(), strict=True):
@@ -58,9 +60,9 @@ def link_in_place(catalog: Catalog, cache: ShardCache, local_only: bool = False)
         if st.st_size != info.size or (info.etag and file_etag(st) != info.etag):
             log.warning("%s: changed since it was indexed; not read in place", info.url)
             continue
-        if local_only and devices.get(st.st_dev) not in LOCAL_FILESYSTEMS:
-            kind = devices.get(st.st_dev, "an unknown file system")
-            remote[kind] = remote.get(kind, 0) + 1
+        why = storage.copied_because(st.st_dev) if storage is not None else None
+        if why is not None:
+            copied[why] = copied.get(why, 0) + 1
             continue
         try:
             cache.link(key, path, size, st.st_mtime_ns)
@@ -77,7 +79,7 @@ def link_in_place(catalog: Catalog, cache: ShardCache, local_only: bool = False)
         return 0
     log.info("%d of %d shards read in place (linked into %s)", linked, len(catalog.shards),
              cache.shards_dir)
-    for kind, count in sorted(remote.items()):
-        log.info("%d shards on %s copied into the cache when read (in_place auto reads in "
-                 "place only from a local disk)", count, kind)
+    for why, count in sorted(copied.items()):
+        log.info("%d shards %s copied into the cache when read (in_place auto; --in-place "
+                 "on reads them in place)", count, why)
     return linked

@@ -1,12 +1,15 @@
-"""Which kind of file system a file lies on: a local disk, or something served from afar.
+"""Which kind of storage a file lies on: a local disk (spinning or not), or something served
+from afar.
 
-Read from /proc/self/mountinfo, whose third field is the device number (`st_dev`) that files
-of each mount report: one parse serves any number of files (`stat` each, look its device up).
+File system types are read from /proc/self/mountinfo, whose third field is the device number
+(`st_dev`) that files of each mount report: one parse serves any number of files (`stat` each,
+look its device up). Whether a disk spins is the kernel's `queue/rotational` in sysfs.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 # File systems on the machine's own disks (or in memory): a shard there is served as well from
 # its own file as from a copy of it (`--in-place`). Anything else (nfs, lustre, gpfs, ceph,
@@ -32,10 +35,63 @@ def device_types() -> dict[int, str]:
     return types
 
 
-def fstype_of(path: str, types: dict[int, str] | None = None) -> str | None:
-    """The type of the file system `path` lies on, or None if it cannot be told."""
+@dataclass(frozen=True)
+class Disk:
+    """The block device behind a file system: its kernel name (sda, nvme0n1p2, dm-0) and
+    whether the kernel takes it for a spinning one."""
+
+    name: str
+    rotational: bool
+
+
+def disk_of(dev: int, sys_root: str = "/sys") -> Disk | None:
+    """The block device whose file system reports `st_dev` `dev`, or None where none backs it
+    (tmpfs, NFS, FUSE, btrfs's and zfs's own device numbers) or sysfs cannot tell. A
+    partition's answer is its disk's (only a whole disk has a queue)."""
+    node = f"{sys_root}/dev/block/{os.major(dev)}:{os.minor(dev)}"
+    # The kernel resolves the link before "..": a partition's ".." is its disk.
+    queue = f"{node}/../queue" if os.path.exists(f"{node}/partition") else f"{node}/queue"
     try:
-        dev = os.stat(path).st_dev
+        with open(f"{queue}/rotational") as f:
+            spins = f.read().strip() == "1"
+        return Disk(os.path.basename(os.path.realpath(node)), spins)
     except OSError:
         return None
-    return (device_types() if types is None else types).get(dev)
+
+
+class ShardStorage:
+    """`in_place auto`'s judgement of a shard file's storage: read in place, or copied.
+
+    Copied: a shard on a file system served from afar (not in LOCAL_FILESYSTEMS), where the
+    copy turns reads into one sequential read per shard; and a shard on a spinning disk while
+    the cache dir lies on a disk that does not spin (an HDD array beside an NVMe drive: the
+    copy moves each shard once, sequentially, to the faster disk, and its members' reads go
+    there). A disk the kernel cannot tell about (tmpfs, btrfs, zfs) counts as not spinning."""
+
+    def __init__(self, cache_dir: str, sys_root: str = "/sys") -> None:
+        self.types = device_types()
+        self._sys_root = sys_root
+        self._disks: dict[int, Disk | None] = {}
+        try:
+            self.cache_disk = self.disk(os.stat(cache_dir).st_dev)
+        except OSError:
+            self.cache_disk = None
+
+    def disk(self, dev: int) -> Disk | None:
+        if dev not in self._disks:
+            self._disks[dev] = disk_of(dev, self._sys_root)
+        return self._disks[dev]
+
+    def copied_because(self, dev: int) -> str | None:
+        """Why a file on `st_dev` `dev` is copied, as "on ..." words for a log line; None:
+        read in place."""
+        kind = self.types.get(dev)
+        if kind not in LOCAL_FILESYSTEMS:
+            return f"on {kind or 'an unknown file system'} (not a local disk)"
+        cache = self.cache_disk
+        if cache is not None and not cache.rotational:
+            shard = self.disk(dev)
+            if shard is not None and shard.rotational:
+                return (f"on a rotational disk ({shard.name}; the cache dir on "
+                        f"{cache.name}, not rotational)")
+        return None
