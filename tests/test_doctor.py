@@ -214,3 +214,23 @@ def test_shards_on_a_spinning_disk_beside_a_cache_dir_on_a_faster_one(dataset: D
     copied = doctor("--config", str(config), "--json")
     check = next(c for c in json.loads(copied.stdout)["checks"] if c["name"] == "shard files")
     assert check["verdict"] == "ok" and "as auto would" in check["detail"], check
+
+
+def test_shards_read_in_place_need_no_room_in_the_cache(dataset: Dataset, tmpfs: Path):
+    """A cache smaller than the largest shard slows reads only for shards that come into it:
+    local shards read in place (the default) need no room there; copied (`in_place: off`),
+    they do."""
+    for shard in dataset.shards.shards:
+        shutil.copy(shard.path, tmpfs)
+    source = brace(dataset, str(tmpfs))
+    shards = len(dataset.shards.shards)
+    auto = doctor(source, "--cache-dir", str(tmpfs / "cache"), "--cache-size", "4k", "--json")
+    check = next(c for c in json.loads(auto.stdout)["checks"] if c["name"] == "cache size")
+    assert check["verdict"] == "ok", check
+    assert f"all {shards} shards are read in place and need no room in it" in check["detail"]
+    config = tmpfs / "mount.yaml"
+    config.write_text(f"sources: ['{source}']\ncache_dir: {tmpfs / 'cache'}\n"
+                      "cache_size: 4k\nin_place: off\n")
+    copied = doctor("--config", str(config), "--json")
+    check = next(c for c in json.loads(copied.stdout)["checks"] if c["name"] == "cache size")
+    assert check["verdict"] == "slow" and "smaller than the largest shard" in check["detail"]

@@ -377,6 +377,40 @@ def test_no_page_push_when_the_dataset_exceeds_the_cache(dataset: Dataset, mount
     assert stats["pages_pushed"] is None, stats["pages_pushed"]
 
 
+@needs_shim
+def test_shards_read_in_place_do_not_count_against_the_cache_for_the_page_push(
+        dataset: Dataset, mounter: Mounter, tmpfs: Path, nginx) -> None:
+    """"The dataset fits the cache" counts only the shards fetched into it: half the shards
+    read in place from a local disk, the other half over HTTP, a cache of exactly the HTTP
+    half's size: the page push is on and pushes the downloaded shards' files (it was off:
+    the whole dataset was counted against the cache)."""
+    names = shard_names(dataset)
+    half = len(names) // 2
+    (nginx.root / "data").mkdir()
+    for name in names[:half]:
+        shutil.copy(dataset.shard_dir / name, tmpfs)
+    for name in names[half:]:
+        shutil.copy(dataset.shard_dir / name, nginx.root / "data")
+    fetched = sum((dataset.shard_dir / name).stat().st_size for name in names[half:])
+    sources = [str(tmpfs / name) for name in names[:half]] + \
+        [f"{nginx.url}/data/{name}" for name in names[half:]]
+    m = mounter.mount(sources, None, None, "--cache-size", str(fetched), "--no-warm",
+                      in_place=None)
+    stats = m.stats()
+    assert stats["shards_in_place"] == half
+    assert stats["fetched_bytes"] == fetched == stats["cache_budget_bytes"]
+    assert stats["dataset_bytes"] > fetched
+    assert stats["pages_pushed"] is not None, stats
+    with tarfile.open(nginx.root / "data" / names[half]) as tar:
+        first = m.mountpoint / tar.getnames()[0]
+    expected = dataset.files()
+    assert first.read_bytes() == expected[first.relative_to(m.mountpoint).as_posix()]
+    wait_for(lambda: m.stats()["pages_pushed"]["shards"] >= 1, "nothing pushed")
+    for path in m.mountpoint.rglob("*"):
+        if path.is_file():
+            assert path.read_bytes() == expected[path.relative_to(m.mountpoint).as_posix()]
+
+
 # -- 5: a mountpoint holding only dot-files is not empty -----------------------------------------
 
 

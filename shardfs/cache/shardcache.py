@@ -281,6 +281,11 @@ class ShardCache:
     def has(self, key: str) -> bool:
         return key in self._complete
 
+    def is_linked(self, key: str) -> bool:
+        """A shard read in place: it takes no room in the cache."""
+        shard = self._complete.get(key)
+        return shard is not None and shard.linked
+
     def evict_to_fit(self, need: int) -> bool:
         """Evict least recently used unpinned shards until `need` more bytes fit."""
         used = self.used

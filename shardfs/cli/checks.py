@@ -14,6 +14,7 @@ import stat
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,6 +159,22 @@ def check_mount_shim(snapshot: dict) -> Check:
                  f"{snapshot.get('worker_count', 0)} worker processes")
 
 
+def in_place_judge(in_place: str, cache_dir: Path) -> Callable[[str], bool]:
+    """Whether a mount with `in_place` (auto, on, off) reads the plain local shard at a path
+    in place, as read/inplace.py decides (which also checks it against its index)."""
+    if in_place in ("on", "off"):
+        return lambda path: in_place == "on"
+    storage = ShardStorage(str(nearest_existing(cache_dir)))
+
+    def reads_in_place(path: str) -> bool:
+        try:
+            return storage.copied_because(os.stat(path).st_dev) is None
+        except OSError:
+            return False
+
+    return reads_in_place
+
+
 def check_local_shards(paths: list[str], in_place: str, cache_dir: Path) -> Check | None:
     """Shards named by file:// URLs or paths: read in place, or copied (and should they?).
     `in_place`: the mount's setting, auto (the default), on or off."""
@@ -260,8 +277,9 @@ def disk_against_store(disk: Check, store_bps: float) -> None:
 
 
 def check_memory(dataset_bytes: int | None) -> Check:
-    """Room in the page cache: pushing arrived shards' files there needs the dataset to fit a
-    quarter of the memory this process may use (the machine's or its cgroup's limit)."""
+    """Room in the page cache: pushing arrived shards' files there needs the dataset (its
+    shards fetched into the cache: those read in place are not pushed) to fit a quarter of the
+    memory this process may use (the machine's or its cgroup's limit)."""
     from shardfs.fuse.pagepush import _cgroup_limits, memory_available_to_us
 
     memory = memory_available_to_us()

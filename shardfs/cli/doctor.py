@@ -30,6 +30,7 @@ from shardfs.cli.checks import (
     check_mount_shim,
     check_shim,
     disk_against_store,
+    in_place_judge,
 )
 from shardfs.cli.main import default_cache_size
 from shardfs.daemon.control import ControlError, read_stats
@@ -108,27 +109,28 @@ def diagnose(args: argparse.Namespace, config: dict) -> list[Check]:
         snapshot.get("cache_budget_bytes") or config.get("cache_size") or \
         default_cache_size(cache_dir)
     checks.extend(check_cache_dir(cache_dir, cache_size))
-    dataset_bytes = snapshot.get("dataset_bytes")
+    # The shards fetched into the cache: those read in place are never pushed.
+    fetched_bytes = snapshot.get("fetched_bytes", snapshot.get("dataset_bytes"))
     if specs:
+        from shardfs.cli.config import OPTIONS
         from shardfs.cli.sourcecheck import check_sources
 
         absolute = [s if "://" in s else os.path.abspath(s) for s in specs]
+        in_place = snapshot.get("in_place") or config.get("in_place") or \
+            OPTIONS["in_place"].default
         report = trio.run(check_sources, absolute,
                           _settings(args, snapshot.get("source_settings") or {}, config),
-                          cache_size)
+                          cache_size, in_place_judge(in_place, cache_dir))
         checks.extend(report.checks)
         store = next((c for c in report.checks if c.name == "store speed"), None)
         disk = next((c for c in checks if c.name == "cache disk"), None)
         if store is not None and store.value and disk is not None:
             disk_against_store(disk, store.value)
-        dataset_bytes = dataset_bytes or report.dataset_bytes
-        from shardfs.cli.config import OPTIONS
-        in_place = snapshot.get("in_place") or config.get("in_place") or \
-            OPTIONS["in_place"].default
+        fetched_bytes = fetched_bytes if fetched_bytes is not None else report.fetched_bytes
         local = check_local_shards(report.local_paths, in_place, cache_dir)
         if local is not None:
             checks.append(local)
-    checks.append(check_memory(dataset_bytes))
+    checks.append(check_memory(fetched_bytes))
     return checks
 
 

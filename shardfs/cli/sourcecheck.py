@@ -8,6 +8,7 @@ index files are looked for next to at most INDEX_SAMPLE shards.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -38,6 +39,7 @@ class SourceReport:
     checks: list[Check] = field(default_factory=list)
     largest: int | None = None  # bytes of the largest shard, when the shards were reached
     dataset_bytes: int | None = None
+    fetched_bytes: int | None = None  # of those: the shards not read in place
     local_paths: list[str] = field(default_factory=list)  # of file:// shards (plain, tar)
 
 
@@ -65,12 +67,14 @@ def _provider_check(sources: Sources) -> Check | None:
     return Check("credential provider", "ok", text)
 
 
-async def check_sources(specs: list[str], settings: SourceSettings,
-                        cache_size: int | None) -> SourceReport:
+async def check_sources(specs: list[str], settings: SourceSettings, cache_size: int | None,
+                        in_place: Callable[[str], bool] = lambda path: False) -> SourceReport:
+    """`in_place`: whether the mount would read the plain local shard at a path in place
+    (it then needs no room in the cache)."""
     report = SourceReport()
     sources = Sources(settings)
     try:
-        await _check(specs, sources, cache_size, report)
+        await _check(specs, sources, cache_size, report, in_place)
     finally:
         with trio.CancelScope(shield=True):
             await sources.aclose()
@@ -78,7 +82,7 @@ async def check_sources(specs: list[str], settings: SourceSettings,
 
 
 async def _check(specs: list[str], sources: Sources, cache_size: int | None,
-                 report: SourceReport) -> None:
+                 report: SourceReport, in_place: Callable[[str], bool]) -> None:
     checks = report.checks
     try:
         urls = await resolve_sources(specs, sources)
@@ -94,8 +98,9 @@ async def _check(specs: list[str], sources: Sources, cache_size: int | None,
     if provider is not None:
         checks.append(provider)
     sizes = [info.size for info in infos]
-    report.local_paths = [file_path(info.url) for info in infos
-                          if info.url.startswith("file:") and codec_for(info.url) is None]
+    plain_local = {i: file_path(info.url) for i, info in enumerate(infos)
+                   if info.url.startswith("file:") and codec_for(info.url) is None}
+    report.local_paths = list(plain_local.values())
     report.largest = max(sizes, default=0)
     report.dataset_bytes = sum(sizes)
     hosts = sorted({urlsplit(url).netloc or "this machine" for url in urls})
@@ -108,7 +113,10 @@ async def _check(specs: list[str], sources: Sources, cache_size: int | None,
                             "ignores Range requests: every read waits for its shard's whole "
                             "download", "serve the shards from a server that honours Range"))
     checks.append(await _speed(sources, infos[sizes.index(report.largest)]))
-    checks.extend(_sizes(infos, cache_size))
+    read_in_place = {i for i, path in plain_local.items() if in_place(path)}
+    fetched = [info for i, info in enumerate(infos) if i not in read_in_place]
+    report.fetched_bytes = sum(info.size for info in fetched)
+    checks.extend(_sizes(fetched, cache_size, len(read_in_place)))
     checks.append(await _indexes(sources, infos))
 
 
@@ -138,9 +146,13 @@ async def _speed(sources: Sources, info: ShardInfo) -> Check:
                  value=None if rate == float("inf") else rate)
 
 
-def _sizes(infos: list[ShardInfo], cache_size: int | None) -> list[Check]:
+def _sizes(infos: list[ShardInfo], cache_size: int | None, in_place: int) -> list[Check]:
+    """`infos`: the shards that come into the cache; `in_place` more are read in place."""
     if cache_size is None:
         return []
+    if not infos:
+        return [Check("cache size", "ok", f"{format_size(cache_size)}; all {in_place} shards "
+                      "are read in place and need no room in it")]
     largest = max(infos, key=lambda i: i.size)
     whole = [i for i in infos if i.whole_only or i.url.endswith(COMPRESSED)]
     if whole and max(i.size for i in whole) > cache_size:

@@ -281,6 +281,7 @@ class Mounted:
             "shards": len(catalog.shards),
             "files": catalog.tree.count_files(),
             "dataset_bytes": self.reader.dataset_bytes,
+            "fetched_bytes": self.reader.fetched_bytes,  # of those: not read in place
             "shards_cached": cache.complete_count,
             "shards_in_place": cache.linked_count,  # of those: links to their own files
             "in_place": self.cfg.in_place,  # the setting: off, on or auto
@@ -608,7 +609,7 @@ async def _serve(cfg: MountConfig, cache: ShardCache, catalog: Catalog, ops: Sha
         mounted = Mounted(cfg, catalog, cache, reader, sources, session=session,
                           shim=ops.no_open)
         mounted.lookahead = attach_lookahead(reader, cfg.lookahead)
-        if cfg.push_pages and worth_pushing(ops.no_open, reader.dataset_bytes, cache.budget) \
+        if cfg.push_pages and worth_pushing(ops.no_open, reader.fetched_bytes, cache.budget) \
                 and _mount_visible(cfg) and not _push_would_block_a_restart():
             mounted.pusher = PagePusher(catalog.tree, cache, catalog.keys, cfg.mountpoint)
             reader.on_complete = mounted.pusher.shard_complete

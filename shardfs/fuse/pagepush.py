@@ -10,7 +10,9 @@ of their inodes, while the readers still wait on the link.
 
 When (`worth_pushing`): only without OPEN requests (the shim in effect: pages then survive
 every open of the file), and only when the dataset fits both the cache budget and a quarter of
-the memory (the machine's, or its cgroup's limit if lower: the pages are charged to it).
+the memory (the machine's, or its cgroup's limit if lower: the pages are charged to it); "the
+dataset" here is its shards that are fetched into the cache (shards read in place are never
+pushed and take no room in the cache).
 Pushed pages are the pages a full pass over the files leaves in the page cache anyway
 (docs/pyfuse3.md, "Members cached twice?"), only earlier; they are clean and reclaimable.
 
@@ -57,12 +59,13 @@ log = logging.getLogger(__name__)
 PIECE = 4 << 20  # larger files are pushed in pieces of this size (bounded memory)
 
 
-def worth_pushing(no_open: bool, dataset_bytes: int, cache_budget: int) -> bool:
-    """Push completed shards into the page cache? See the module's docstring."""
-    if not no_open or dataset_bytes > cache_budget:
+def worth_pushing(no_open: bool, fetched_bytes: int, cache_budget: int) -> bool:
+    """Push completed shards into the page cache? See the module's docstring. `fetched_bytes`:
+    the dataset's shards that come into the cache (those read in place never do)."""
+    if not no_open or fetched_bytes > cache_budget:
         return False
     memory = memory_available_to_us()
-    return memory is not None and dataset_bytes <= memory // 4
+    return memory is not None and fetched_bytes <= memory // 4
 
 
 def memory_available_to_us() -> int | None:

@@ -217,6 +217,10 @@ class Reader:
         # allowance spent), by shard.
         self._slot_waiters: dict[int, trio.Event] = {}
         self.dataset_bytes = sum(self.sizes)
+        # The shards fetched into the cache: what must fit its budget for "the dataset fits"
+        # (shards read in place, linked before the reader starts, take no room in it).
+        self.fetched_bytes = sum(size for size, key in zip(self.sizes, catalog.keys, strict=True)
+                                 if not cache.is_linked(key))
         self._queue = FetchQueue(self.sizes)  # shards waiting for a fetch slot
         files = catalog.tree.count_files()
         per_shard = files // max(1, len(catalog.shards))
@@ -300,7 +304,7 @@ class Reader:
             self._read_ahead(shards)
 
     def _dataset_fits(self) -> bool:
-        return self.dataset_bytes <= self.cache.budget
+        return self.fetched_bytes <= self.cache.budget
 
     def _whole_fetches(self) -> int:
         """Fetches that hold a fetch slot: all but fills (their GETs are the Lookahead's)."""
