@@ -7,12 +7,15 @@ The stand-ins behave like the real services on what shardfs relies on:
   any Authorization header (as presigned object-store URLs do).
 - GCS: the XML API (`/BUCKET/KEY` with Range, ETag, If-Match; ListObjectsV2) accepting only
   unexpired OAuth bearer tokens (401 otherwise); tokens come from a metadata-server stand-in
-  (`Metadata-Flavor: Google`) or an OAuth token endpoint (refresh_token grant).
+  (`Metadata-Flavor: Google`), an OAuth token endpoint (a user's refresh_token grant; a
+  service account's JWT bearer grant, whose RS256 signature it verifies with the account's
+  public key) or an STS token exchange (workload identity federation).
 gs:// with HMAC keys is S3 itself and runs against SeaweedFS (a real S3 server).
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
 import hmac
@@ -221,11 +224,22 @@ def test_hf_gated_dataset_needs_the_token(hub: tuple[Hub, object, object], tmp_p
 # -- Google Cloud Storage ------------------------------------------------------------------------
 
 
-class Gcs:
-    """The XML API, a metadata server and an OAuth token endpoint, sharing issued tokens."""
+def b64url(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
-    def __init__(self, lifetime: float = 3600.0) -> None:
+
+class Gcs:
+    """The XML API, a metadata server, an OAuth token endpoint and an STS, sharing issued
+    tokens. `service_account`: (client email, public key) whose signed JWTs it honours;
+    `subject_token`: the external token its STS exchanges."""
+
+    def __init__(self, lifetime: float = 3600.0,
+                 service_account: tuple[str, object] | None = None,
+                 subject_token: str | None = None) -> None:
         self.lifetime = lifetime
+        self.service_account = service_account
+        self.subject_token = subject_token
+        self.grants: list[str] = []  # grant types of the tokens issued at /token and /sts
         self.tokens: dict[str, float] = {}  # token -> expiry
         self.objects = {f"b1/{k}": v for k, v in FILES.items()}
         self.refused = 0
@@ -244,11 +258,16 @@ class Gcs:
             if req.headers.get("metadata-flavor") != "Google":
                 return 403, {}, b"Missing Metadata-Flavor:Google header."
             return 200, {"Content-Type": "application/json"}, json.dumps(self.issue()).encode()
-        if url.path == "/token" and req.method == "POST":
+        if url.path in ("/token", "/sts") and req.method == "POST":
             form = {k: v[0] for k, v in parse_qs(req.body.decode()).items()}
-            if form.get("grant_type") != "refresh_token" or form.get("refresh_token") != "1//rt":
+            granted = self._grant(url.path, form)
+            if not granted:
                 return 400, {"Content-Type": "application/json"}, b'{"error":"invalid_grant"}'
-            return 200, {"Content-Type": "application/json"}, json.dumps(self.issue()).encode()
+            self.grants.append(form["grant_type"])
+            answer = self.issue()
+            if url.path == "/sts":
+                answer["issued_token_type"] = "urn:ietf:params:oauth:token-type:access_token"
+            return 200, {"Content-Type": "application/json"}, json.dumps(answer).encode()
         auth = req.headers.get("authorization", "")
         token = auth.removeprefix("Bearer ")
         if not auth.startswith("Bearer ") or self.tokens.get(token, 0) <= time.time():
@@ -257,7 +276,7 @@ class Gcs:
                 b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AuthenticationRequired"
                 b"</Code><Message>Authentication required.</Message></Error>")
         bucket, _, key = url.path.lstrip("/").partition("/")
-        if not key:
+        if not key:  # a listing
             query = {k: v[0] for k, v in parse_qs(url.query).items()}
             prefix = query.get("prefix", "")
             keys = sorted(k.partition("/")[2] for k in self.objects
@@ -272,6 +291,42 @@ class Gcs:
             return 404, {"Content-Type": "application/xml"}, \
                 b"<Error><Code>NoSuchKey</Code></Error>"
         return ranged(body, req, f'"{hashlib.md5(body).hexdigest()}"')
+
+
+    def _grant(self, path: str, form: dict[str, str]) -> bool:
+        grant = form.get("grant_type")
+        if path == "/sts":  # RFC 8693, as Google's STS takes it
+            return grant == "urn:ietf:params:oauth:grant-type:token-exchange" and \
+                self.subject_token is not None and \
+                form.get("subject_token") == self.subject_token and \
+                form.get("requested_token_type") == \
+                "urn:ietf:params:oauth:token-type:access_token"
+        if grant == "refresh_token":
+            return form.get("refresh_token") == "1//rt"
+        if grant == "urn:ietf:params:oauth:grant-type:jwt-bearer" and self.service_account:
+            return self._valid_jwt(form.get("assertion", ""))
+        return False
+
+    def _valid_jwt(self, assertion: str) -> bool:
+        """A service account's assertion: signed RS256 by its key, for this endpoint, asking
+        for read-only storage, unexpired."""
+        from cryptography.exceptions import InvalidSignature
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.asymmetric import padding
+
+        assert self.service_account is not None
+        email, public_key = self.service_account
+        try:
+            head, body, signature = assertion.split(".")
+            public_key.verify(b64url(signature), f"{head}.{body}".encode(),  # type: ignore
+                              padding.PKCS1v15(), hashes.SHA256())
+        except (ValueError, InvalidSignature):
+            return False
+        claims = json.loads(b64url(body))
+        return json.loads(b64url(head)).get("alg") == "RS256" and \
+            claims.get("iss") == email and claims.get("aud", "").endswith("/token") and \
+            claims.get("scope") == "https://www.googleapis.com/auth/devstorage.read_only" and \
+            claims.get("exp", 0) > time.time()
 
 
 @pytest.fixture
@@ -340,20 +395,101 @@ def test_gs_user_credentials_and_forced_refresh(gcs_env: Path,
 
         trio.run(main)
         assert gcs.refused == 1
-        # Service-account key files need RS256: refused with a message that says what works.
-        key_file = gcs_env / "sa.json"
-        key_file.write_text(json.dumps({"type": "service_account", "private_key": "-----"}))
-        monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key_file))
 
-        async def refused() -> None:
+
+def test_gs_service_account_key(gcs_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A service-account key file (GOOGLE_APPLICATION_CREDENTIALS): google-auth signs a JWT
+    with its private key (RS256), the token endpoint checks the signature with the public key
+    and issues a token scoped to read-only storage; it is refreshed ahead of expiry. A key
+    the endpoint does not know, or a file that holds no key, is a clear error."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    email = "reader@proj.iam.gserviceaccount.com"
+    gcs = Gcs(lifetime=4.0, service_account=(email, key.public_key()))
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                            serialization.NoEncryption()).decode()
+    with serve(gcs.route) as server:
+        key_file = gcs_env / "sa.json"
+        document = {"type": "service_account", "project_id": "proj", "private_key_id": "k1",
+                    "private_key": pem, "client_email": email, "client_id": "1",
+                    "token_uri": server.url + "/token"}
+        key_file.write_text(json.dumps(document))
+        monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key_file))
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.url)
+
+        async def main() -> None:
             source = GsSource(FAST)
             try:
-                with pytest.raises(SourceError, match="'service_account' are not supported"):
-                    await source.stat("gs://b1/train/shard-1.tar")
+                shard = await source.stat("gs://b1/train/shard-2.tar")
+                end = time.monotonic() + 5.0  # over a token's lifetime
+                while time.monotonic() < end:
+                    assert await read(source, shard) == FILES["train/shard-2.tar"]
+                    await trio.sleep(0.2)
+                assert source.stats.credential_refreshes >= 1
+                assert source.credential_method == \
+                    f"service account {email} (key from {key_file})"
             finally:
                 await source.aclose()
 
-        trio.run(refused)
+        trio.run(main)
+        assert gcs.refused == 0
+        assert gcs.grants and set(gcs.grants) == {"urn:ietf:params:oauth:grant-type:jwt-bearer"}
+        assert pem not in json.dumps(gcs.grants)
+
+        other = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        unknown = {**document, "private_key": other.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption()).decode()}
+        for bad, words in ((unknown, "invalid_grant"), ({**document, "private_key": "-----"},
+                                                         "type 'service_account'")):
+            key_file.write_text(json.dumps(bad))
+
+            async def refused(words: str = words) -> None:
+                source = GsSource(FAST)
+                try:
+                    with pytest.raises(SourceError, match=words) as raised:
+                        await source.stat("gs://b1/train/shard-1.tar")
+                    assert "BEGIN PRIVATE KEY" not in str(raised.value)
+                finally:
+                    await source.aclose()
+
+            trio.run(refused)
+
+
+def test_gs_workload_identity_federation(gcs_env: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """An `external_account` file (workload identity federation, as `gcloud iam
+    workload-identity-pools create-cred-config` writes it): google-auth reads the external
+    token from its credential source (a file here: a Kubernetes service-account token, say)
+    and exchanges it at the STS for an access token."""
+    gcs = Gcs(subject_token="eyJ.external-oidc-token.sig")
+    with serve(gcs.route) as server:
+        subject = gcs_env / "oidc-token"
+        subject.write_text(gcs.subject_token or "")
+        audience = ("//iam.googleapis.com/projects/1/locations/global/workloadIdentityPools/"
+                    "pool/providers/cluster")
+        config = gcs_env / "wif.json"
+        config.write_text(json.dumps({
+            "type": "external_account", "audience": audience,
+            "subject_token_type": "urn:ietf:params:oauth:token-type:jwt",
+            "token_url": server.url + "/sts", "credential_source": {"file": str(subject)}}))
+        monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(config))
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.url)
+
+        async def main() -> None:
+            source = GsSource(FAST)
+            try:
+                shard = await source.stat("gs://b1/train/shard-0.tar")
+                assert await read(source, shard) == FILES["train/shard-0.tar"]
+                assert source.credential_method == \
+                    f"workload identity federation ({audience}) from {config}"
+            finally:
+                await source.aclose()
+
+        trio.run(main)
+        assert gcs.grants == ["urn:ietf:params:oauth:grant-type:token-exchange"]
 
 
 def test_gs_hmac_keys_against_a_real_s3_server(gcs_env: Path, tmp_path: Path,

@@ -11,7 +11,8 @@ from shardfs.util.progress import end_lines
 # Libraries that log every request at INFO (httpx: "HTTP Request: GET ..."): one line per
 # member read is noise at the default level. At --log-level debug httpx's request lines show.
 _CHATTY = {"httpx": logging.INFO, "httpcore": logging.WARNING, "hpack": logging.WARNING,
-           "botocore": logging.WARNING, "urllib3": logging.WARNING, "asyncio": logging.WARNING}
+           "botocore": logging.WARNING, "urllib3": logging.WARNING, "asyncio": logging.WARNING,
+           "google": logging.WARNING}
 
 
 def _formatter(to_file: bool) -> logging.Formatter:

@@ -12,11 +12,14 @@ first found wins:
 2. An OAuth2 bearer token:
    - $GOOGLE_OAUTH_ACCESS_TOKEN (a token you obtained, e.g. `gcloud auth print-access-token`;
      never refreshed);
-   - application default credentials of a user: $GOOGLE_APPLICATION_CREDENTIALS or
+   - a credentials file: $GOOGLE_APPLICATION_CREDENTIALS, else
      ~/.config/gcloud/application_default_credentials.json (`gcloud auth
-     application-default login`), type `authorized_user`: its refresh token is traded at its
-     `token_uri` for access tokens. Service-account key files are refused with a clear error
-     (they need RS256 signing; use the metadata server, HMAC keys, or a token);
+     application-default login`). A user's (`authorized_user`): its refresh token is traded
+     at its `token_uri` for access tokens (here, on the loop). Any other kind, by google-auth
+     (the library Google's clients use; in a thread), scoped to read-only storage: a
+     service-account key (`service_account`: a JWT signed RS256, traded at its `token_uri`),
+     workload identity federation (`external_account`: a token from AWS, Azure, an OIDC
+     provider or a file, exchanged at Google's STS), an impersonated service account;
    - the metadata server (GCE, GKE workload identity, Cloud Run): $GCE_METADATA_HOST, default
      metadata.google.internal, `/computeMetadata/v1/instance/service-accounts/default/token`
      with `Metadata-Flavor: Google`.
@@ -30,12 +33,14 @@ server (tests/test_hf_gs.py), not against Google Cloud (no network in CI).
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import httpx
 import trio
@@ -51,6 +56,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_ENDPOINT = "https://storage.googleapis.com"
 DEFAULT_TOKEN_URI = "https://oauth2.googleapis.com/token"
+READ_ONLY_SCOPE = "https://www.googleapis.com/auth/devstorage.read_only"
+FILE_TIMEOUT_S = 10.0  # per connect and per read of a token request made for a file
 METADATA_PATH = "/computeMetadata/v1/instance/service-accounts/default/token"
 EARLY_S = 5 * 60.0  # refresh at most this long before expiry (at half-life when shorter)
 
@@ -147,10 +154,13 @@ class GoogleToken:
             return env["GOOGLE_OAUTH_ACCESS_TOKEN"].strip(), None, \
                 "access token from GOOGLE_OAUTH_ACCESS_TOKEN"
         adc = await trio.to_thread.run_sync(self._adc_file)
-        if adc is not None:
-            path, doc = adc
+        if adc is None:
+            return await self._metadata()
+        path, doc = adc
+        if doc.get("type") == "authorized_user":
             return await self._refresh_user(path, doc)
-        return await self._metadata()
+        token, lifetime = await trio.to_thread.run_sync(token_from_file, path, doc)
+        return token, lifetime, describe_file(path, doc)
 
     def _adc_file(self) -> tuple[str, dict] | None:
         env = self._env
@@ -172,13 +182,8 @@ class GoogleToken:
         return path, doc
 
     async def _refresh_user(self, path: str, doc: dict) -> tuple[str, float, str]:
-        kind = doc.get("type")
-        if kind != "authorized_user":
-            raise SourceError(
-                f"{path}: Google credentials of type {kind!r} are not supported for gs:// "
-                "(supported: authorized_user from `gcloud auth application-default login`, "
-                "the metadata server, HMAC keys in GS_ACCESS_KEY_ID/GS_SECRET_ACCESS_KEY, or "
-                "GOOGLE_OAUTH_ACCESS_TOKEN)")
+        """A user's refresh token traded at the file's `token_uri` (google-auth always uses
+        Google's own endpoint for these; ours honours the file), on the loop."""
         try:
             form = {"grant_type": "refresh_token", "client_id": doc["client_id"],
                     "client_secret": doc["client_secret"], "refresh_token": doc["refresh_token"]}
@@ -216,6 +221,79 @@ class GoogleToken:
             raise SourceError(f"{where} refused to issue a token (HTTP {resp.status_code}"
                               f"{' ' + reason if reason else ''})")
         return str(doc["access_token"]), float(doc.get("expires_in") or 3600), method
+
+
+def describe_file(path: str, doc: dict) -> str:
+    """Names the credentials of a file for the log and `stats` (never a secret)."""
+    kind = doc.get("type")
+    if kind == "authorized_user":
+        return f"user credentials from {path}"
+    if kind == "service_account":
+        return f"service account {doc.get('client_email', '?')} (key from {path})"
+    if kind == "external_account":
+        return f"workload identity federation ({doc.get('audience', '?')}) from {path}"
+    if kind == "impersonated_service_account":
+        target = str(doc.get("service_account_impersonation_url", "?")).rsplit("/", 1)[-1]
+        return f"impersonated service account {target.split(':')[0]} from {path}"
+    return f"{kind} credentials from {path}"
+
+
+def credentials_from(doc: dict) -> Any:
+    """google-auth's credentials for a parsed credentials file, scoped to read-only storage
+    (each kind's own constructor: the generic loader also looks the project up, a request
+    of its own). ValueError: a kind gs:// does not take."""
+    scopes = [READ_ONLY_SCOPE]
+    kind = doc.get("type")
+    if kind == "service_account":
+        from google.oauth2 import service_account
+        return service_account.Credentials.from_service_account_info(doc, scopes=scopes)
+    if kind == "external_account":
+        source = doc.get("credential_source") or {}
+        if str(source.get("environment_id", "")).startswith("aws"):
+            from google.auth import aws
+            return aws.Credentials.from_info(doc, scopes=scopes)
+        if "executable" in source:
+            from google.auth import pluggable
+            return pluggable.Credentials.from_info(doc, scopes=scopes)
+        from google.auth import identity_pool
+        return identity_pool.Credentials.from_info(doc, scopes=scopes)
+    if kind == "impersonated_service_account":
+        from google.auth import impersonated_credentials
+        return impersonated_credentials.Credentials.from_impersonated_service_account_info(
+            doc, scopes=scopes)
+    if kind == "external_account_authorized_user":
+        from google.auth import external_account_authorized_user
+        return external_account_authorized_user.Credentials.from_info(doc)
+    raise ValueError("not a kind gs:// takes (authorized_user, service_account, "
+                     "external_account, impersonated_service_account, "
+                     "external_account_authorized_user)")
+
+
+def token_from_file(path: str, doc: dict) -> tuple[str, float | None]:
+    """An access token for the credentials file `path` (parsed: `doc`) of any kind but a
+    user's, and its lifetime in seconds (None: unknown), by google-auth. Blocking: run it in a
+    thread."""
+    import google.auth.exceptions
+    import google.auth.transport.urllib3
+    import urllib3
+
+    kind = doc.get("type")
+    http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=FILE_TIMEOUT_S,
+                                                       read=FILE_TIMEOUT_S), retries=False)
+    try:
+        creds = credentials_from(doc)
+        creds.refresh(google.auth.transport.urllib3.Request(http))
+    except (google.auth.exceptions.GoogleAuthError, ValueError, KeyError) as e:
+        raise SourceError(f"{path}: no token for Google credentials of type {kind!r}: "
+                          f"{e}") from None
+    finally:
+        http.clear()
+    if not creds.token:
+        raise SourceError(f"{path}: Google credentials of type {kind!r} gave no token")
+    if creds.expiry is None:
+        return creds.token, None
+    expiry = creds.expiry.replace(tzinfo=datetime.UTC)
+    return creds.token, (expiry - datetime.datetime.now(datetime.UTC)).total_seconds()
 
 
 class GsSource(S3Source):
