@@ -201,8 +201,10 @@ def check_local_shards(paths: list[str], in_place: str, cache_dir: Path) -> Chec
                      f"copied into the cache (--in-place auto: {whys})")
     if in_place == "on":
         return Check("shard files", "ok", f"{on}, read in place")
-    if not reasons:
-        return Check("shard files", "note", f"{on} (a local disk), copied into the cache: a "
+    if read_in_place:  # off: copies what auto would read in place
+        local = "(a local disk)" if not reasons else \
+            f"({read_in_place} of them on a local disk)"
+        return Check("shard files", "note", f"{on} {local}, copied into the cache: a "
                      "second copy on disk, and ~2.5x the daemon's CPU per cold file",
                      "mount without --in-place off (auto, the default, reads the shards "
                      "on a local disk from their own files; docs/sources.md, \"`file://` and "
