@@ -197,6 +197,69 @@ def test_every_error_code(dataset: Dataset, nginx, tmp_path: Path) -> None:
         assert "Traceback" not in node.logs(), node.logs()
 
 
+def test_gs_volume_with_a_service_account_key_in_its_secret(tmp_path: Path) -> None:
+    """`GOOGLE_CREDENTIALS_JSON` in a volume's secret (a service-account key's JSON): the
+    mounter writes it to a private file that GOOGLE_APPLICATION_CREDENTIALS names to the
+    volume's daemon, whose gs:// source signs a JWT with the key (the stand-in token endpoint
+    checks its signature); the key is in no log and in no file others may read, and gone
+    with the volume. A secret that is not a credentials file is refused."""
+    import io
+    import tarfile
+
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    from tests.cloud_standins import serve
+    from tests.test_hf_gs import Gcs
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    email = "csi-reader@proj.iam.gserviceaccount.com"
+    gcs = Gcs(service_account=(email, key.public_key()))
+    members = {f"cls/{i}.bin": os.urandom(2000 + i) for i in range(12)}
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    gcs.objects["b1/csi/train-0.tar"] = buf.getvalue()
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                            serialization.NoEncryption()).decode()
+    with serve(gcs.route) as server, csi_node(tmp_path / "node") as (node, kubelet):
+        document = {"type": "service_account", "project_id": "proj", "private_key_id": "k1",
+                    "private_key": pem, "client_email": email, "client_id": "1",
+                    "token_uri": server.url + "/token"}
+        attrs = {"source": "gs://b1/csi/train-0.tar", "gs_endpoint": server.url,
+                 "deadline": "5"}
+        with pytest.raises(grpc.RpcError) as exc:
+            kubelet.publish("pod-g", "vol", "csi-gs0", attrs,
+                            secrets={"GOOGLE_CREDENTIALS_JSON": "not json"})
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.value.details()
+        target = kubelet.publish("pod-g", "vol", "csi-gs1", attrs,
+                                 secrets={"GOOGLE_CREDENTIALS_JSON": json.dumps(document)})
+        assert read_as(target) == {n: hashlib.sha256(d).hexdigest()
+                                   for n, d in members.items()}
+        assert gcs.grants and gcs.refused == 0
+        secret = key.private_bytes(serialization.Encoding.DER,
+                                   serialization.PrivateFormat.PKCS8,
+                                   serialization.NoEncryption())
+        private = pem.splitlines()[5]  # a line of the key's base64
+        assert private not in node.logs()
+        held = [p for p in node.paths.mounter_state.rglob("*")
+                if p.is_file() and private.encode() in p.read_bytes()]
+        assert held, "the mounter keeps the key for its daemons"
+        for root in (node.paths.mounter_state, node.paths.cache_root, node.paths.plugin_state):
+            for path in root.rglob("*"):
+                if path.is_file() and (private.encode() in path.read_bytes()
+                                       or secret in path.read_bytes()):
+                    assert path.stat().st_mode & 0o077 == 0, path
+                    assert path.parent.stat().st_mode & 0o077 == 0, path.parent
+        kubelet.unpublish("pod-g", "vol", "csi-gs1")
+        assert node_mount_count(node) == 0
+        assert not any(private.encode() in p.read_bytes()
+                       for p in node.paths.mounter_state.rglob("*") if p.is_file())
+
+
 def test_inline_volume_with_secrets_and_fsgroup(tmp_path: Path) -> None:
     from tests.seaweed_fixture import SeaweedServer
 

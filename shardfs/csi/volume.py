@@ -37,9 +37,13 @@ _NOT_SETTABLE = {
 # container, whose files (other volumes' caches, its state) are not the pod's to read.
 REMOTE_SCHEMES = ("http", "https", "s3", "gs", "hf", "ais")
 
-# Secret keys (nodePublishSecretRef) -> the daemon's environment variable of the same name.
+# Secret keys (nodePublishSecretRef) -> the daemon's environment variable of the same name;
+# GOOGLE_CREDENTIALS_JSON (the content of a Google credentials file: a service-account key, a
+# workload identity federation config) is written to a private file of the mounter's, which
+# GOOGLE_APPLICATION_CREDENTIALS names to the daemon (csi/mounter/volumes.py).
+GOOGLE_CREDENTIALS_JSON = "GOOGLE_CREDENTIALS_JSON"
 SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN",
-               "GS_ACCESS_KEY_ID", "GS_SECRET_ACCESS_KEY")
+               "GS_ACCESS_KEY_ID", "GS_SECRET_ACCESS_KEY", GOOGLE_CREDENTIALS_JSON)
 
 
 class VolumeError(ValueError):
@@ -114,6 +118,15 @@ def check_secrets(secrets: Mapping[str, str]) -> None:
     if unknown:
         raise VolumeError(f"secret keys {', '.join(map(repr, unknown))} are not used by "
                           f"shardfs; allowed: {', '.join(SECRET_KEYS)}")
+    google = secrets.get(GOOGLE_CREDENTIALS_JSON)
+    if google is not None:
+        try:
+            kind = json.loads(google).get("type")
+        except (ValueError, AttributeError):
+            kind = None
+        if not isinstance(kind, str):
+            raise VolumeError(f"secret key {GOOGLE_CREDENTIALS_JSON}: not a Google "
+                              "credentials file (JSON with a \"type\")")
 
 
 def is_ephemeral(context: Mapping[str, str]) -> bool:

@@ -4,6 +4,8 @@
 STATE_DIR/volumes/KEY.json   spec, node path, secrets (0600, in a 0700 dir): what a new
                              mounter needs to start the volume's daemon again
 STATE_DIR/volumes/KEY.yaml   the volume's settings, given to its daemon as --config
+STATE_DIR/volumes/KEY.google.json  the secret GOOGLE_CREDENTIALS_JSON, if given (0600): the
+                             file GOOGLE_APPLICATION_CREDENTIALS names to the daemon
 CACHE_ROOT/KEY/              the volume's cache dir (shards, indexes, tree, shardfs.log)
 ```
 A daemon that dies while its volume is published is started again with `--takeover` (the
@@ -30,7 +32,7 @@ from typing import Any
 import yaml
 
 from shardfs.csi.mounter.daemon import Daemon, DaemonArgs, StartFailed
-from shardfs.csi.volume import VolumeSpec, check_secrets
+from shardfs.csi.volume import GOOGLE_CREDENTIALS_JSON, VolumeSpec, check_secrets
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,8 @@ class Volumes:
     def _load(self) -> None:
         """Volumes an earlier mounter served; their descriptors come with the plugin's sync."""
         for path in sorted(self.records.glob("*.json")):
+            if path.name.endswith(".google.json"):
+                continue  # a volume's credentials file, not a record
             try:
                 data = json.loads(path.read_text())
                 volume = Volume(path.stem, VolumeSpec.from_json(data["spec"]),
@@ -102,8 +106,20 @@ class Volumes:
         _write_private(self.records / f"{volume.key}.yaml",
                        yaml.safe_dump(volume.spec.options) if volume.spec.options else "{}\n")
 
+    def _daemon_secrets(self, volume: Volume) -> dict[str, str]:
+        """The volume's secrets as its daemon's environment: a Google credentials file's
+        content is written to a private file, which GOOGLE_APPLICATION_CREDENTIALS names (the
+        variable Google's libraries and shardfs's gs:// read)."""
+        secrets = dict(volume.secrets)
+        google = secrets.pop(GOOGLE_CREDENTIALS_JSON, None)
+        if google is not None:
+            path = self.records / f"{volume.key}.google.json"
+            _write_private(path, google)
+            secrets["GOOGLE_APPLICATION_CREDENTIALS"] = str(path)
+        return secrets
+
     def _drop_record(self, key: str) -> None:
-        for suffix in (".json", ".yaml"):
+        for suffix in (".json", ".yaml", ".google.json"):
             with contextlib.suppress(FileNotFoundError):
                 (self.records / f"{key}{suffix}").unlink()
 
@@ -182,7 +198,8 @@ class Volumes:
             if spare is not None:
                 spare.dismiss()
             self._prune(keep=volume.key)
-            daemon = Daemon(self._daemon_args(volume, takeover=takeover), volume.secrets)
+            daemon = Daemon(self._daemon_args(volume, takeover=takeover),
+                            self._daemon_secrets(volume))
             how = "took over the mount" if takeover else "serves the mount"
         try:
             summary = daemon.wait_ready(READY_TIMEOUT_S)
@@ -198,7 +215,8 @@ class Volumes:
     def _start_spare(self, volume: Volume) -> None:
         """A daemon that imports everything and waits, so that a death costs a takeover,
         not a start: the holder's spare (issue 25), one per volume."""
-        spare = Daemon(self._daemon_args(volume, takeover=True), volume.secrets, standby=True)
+        spare = Daemon(self._daemon_args(volume, takeover=True), self._daemon_secrets(volume),
+                       standby=True)
         volume.spare = spare
 
         def stand_by() -> None:
