@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import gzip
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -86,6 +87,17 @@ def test_a_later_mount_with_in_place_off_copies_and_one_with_it_links_again(
     assert len(entries) == len(urls)
     assert m.stats()["shards_in_place"] == len(urls) - len(copied)
     assert read_tree(m.mountpoint) == dataset.files()
+
+
+def test_top_counts_the_shards_read_in_place(dataset: Dataset, mounter: Mounter) -> None:
+    """`shardfs top --json` says how many of the cached shards are read in place."""
+    m = mounter.mount([brace(dataset, str(dataset.shard_dir))], None, None, in_place=None)
+    top = subprocess.run([*SHARDFS, "top", "--json", "--count", "2", "--interval", "0.2",
+                          str(m.mountpoint)], capture_output=True, text=True, timeout=60)
+    assert top.returncode == 0, top.stderr
+    record = json.loads(top.stdout.splitlines()[-1])["mounts"][0]
+    shards = len(dataset.shards.shards)
+    assert record["shards"] == record["shards_cached"] == record["shards_in_place"] == shards
 
 
 def test_only_plain_unchanged_file_shards_are_linked(

@@ -83,7 +83,8 @@ def block(w: MountWatch, width: int) -> list[str]:
     s, r = w.last, w.rates
     head = (f"{w.mountpoint}  pid {s.get('pid')}  up {uptime(s.get('uptime_s', 0))}  "
             f"workers {s.get('worker_count', 0)}  shim {'on' if s.get('shim') else 'OFF'}  "
-            f"{s.get('shards_cached', 0)}/{s.get('shards', 0)} shards cached")
+            f"{s.get('shards_cached', 0)}/{s.get('shards', 0)} shards cached"
+            + (f" ({s['shards_in_place']} read in place)" if s.get("shards_in_place") else ""))
     if not r:
         return [head, "  (measuring...)"]
     spark_w = max(0, min(30, width - 62))

@@ -186,6 +186,8 @@ class MountWatch:
             out["reason"] = self.reason
         if self.last is not None and self.state == "ok":
             out["pid"] = self.last.get("pid")
+            for key in ("shards", "shards_cached", "shards_in_place"):
+                out[key] = self.last.get(key, 0)
             out.update(self.rates)
         note = self.page_cache_note()
         if note:
