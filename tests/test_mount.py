@@ -103,6 +103,38 @@ def test_published_index_files_avoid_scanning(dataset, nginx, mounter: Mounter, 
     assert_same_bytes(dataset, m.mountpoint)
 
 
+def test_signed_urls_find_their_indexes_and_keep_their_signature_out_of_logs(
+        dataset, nginx, mounter: Mounter):
+    """Shards named by signed URLs (a token in the query: an Azure SAS, say; nginx ignores
+    it): each published index is looked up beside its shard with the same query, so no shard
+    is streamed to be indexed; the signature is in no log line, no error and not in the
+    stats, where the URL shows with `sig=REDACTED`."""
+    dest = publish(dataset, nginx.root)
+    for name in shard_names(dataset):
+        shutil.copy(dataset.shard_dir / f"{name}.shardfs.idx", dest / f"{name}.shardfs.idx")
+    query = "?sv=2024-11-04&sr=c&sp=rl&sig=SeCrEtSiGnAtUrE%3D"
+    source = brace(dataset, f"{nginx.url}/data") + query
+    nginx.reset_log()
+    m = mounter.mount([source], None, None, "--no-warm")
+    records = nginx.access_log()
+    indexes = [r for r in records if ".shardfs.idx" in r.uri]
+    assert len(indexes) == len(dataset.shards.shards), [r.uri for r in records]
+    assert all(r.uri.endswith(".shardfs.idx" + query) and r.status == 200 for r in indexes)
+    assert [r for r in records if ".tar?" in r.uri and r.range != "bytes=0-0"] == [], \
+        "a shard with a published index was streamed"
+    assert_same_bytes(dataset, m.mountpoint)
+    stats = m.stats()
+    log = m.log()
+    assert "sig=REDACTED" in log and "sig=REDACTED" in json.dumps(stats["sources"])
+    assert "SeCrEtSiGnAtUrE" not in log + json.dumps(stats)
+    # An error naming the URL: a shard that is not there.
+    missing = mounter.run(f"{nginx.url}/data/absent.tar{query}", str(mounter.paths()[0]),
+                          "--cache-dir", str(mounter.paths()[1]))
+    assert missing.returncode != 0
+    assert "absent.tar" in missing.stderr and "SeCrEtSiGnAtUrE" not in missing.stderr, \
+        missing.stderr
+
+
 def mounter_cmd() -> list[str]:
     from tests.conftest import SHARDFS
 

@@ -42,6 +42,7 @@ from shardfs.sources.file import file_path
 from shardfs.util.aioutil import first_error
 from shardfs.util.checksum import ShardCheck, ShardSums, shard_check, valid_crc32c
 from shardfs.util.sizes import format_size
+from shardfs.util.urls import beside
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +264,7 @@ class _Indexer:
         return self.cache.evict_lru()
 
     async def _published(self, info: ShardInfo) -> ShardIndex | None:
-        url = info.url + INDEX_SUFFIX
+        url = beside(info.url, INDEX_SUFFIX)
         data = await self.sources.for_url(url).fetch_optional(url)
         if data is None:
             return None

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from shardfs.catalog.tar import Member, normalize_path
+from shardfs.util.urls import beside, replace_suffix
 
 MAGIC = 0xCED7230A
 MAGIC_BYTES = struct.pack("<I", MAGIC)
@@ -65,13 +66,12 @@ def chunk_at(header: bytes, at: int) -> Chunk:
 
 
 def rec_url_of(idx_url: str) -> str | None:
-    """`x.idx` -> `x.rec`; None if the name is not an .idx."""
-    return idx_url[: -len(IDX_SUFFIX)] + ".rec" if idx_url.endswith(IDX_SUFFIX) else None
+    """`x.idx` -> `x.rec`; None if the name is not an .idx (an http(s) query is kept)."""
+    return replace_suffix(idx_url, IDX_SUFFIX, ".rec")
 
 
 def idx_url_of(rec_url: str) -> str:
-    return rec_url[: -len(".rec")] + IDX_SUFFIX if rec_url.endswith(".rec") else \
-        rec_url + IDX_SUFFIX
+    return replace_suffix(rec_url, ".rec", IDX_SUFFIX) or beside(rec_url, IDX_SUFFIX)
 
 
 def parse_idx(text: bytes) -> list[tuple[bytes, int]]:

@@ -40,6 +40,7 @@ from shardfs.catalog.shardindex import INDEX_SUFFIX
 from shardfs.sources import NotFound, SourceError, Sources, to_url
 from shardfs.sources.file import file_path
 from shardfs.sources.s3 import split_bucket_url
+from shardfs.util.urls import replace_suffix
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.zst", ".tar.lz4", ".zip", ".rec")
 RECORDIO_INDEX_SUFFIX = ".idx"  # `x.idx` beside `x.rec`: read with it, not a shard
@@ -63,12 +64,12 @@ async def resolve_sources(specs: list[str], sources: Sources) -> list[str]:
         if _name_path(url).endswith(INDEX_SUFFIX):
             # `mount shards/*` names the published index files too: they are found next to
             # their shards anyway. One on its own is a mistake worth naming.
-            shard = url[: -len(INDEX_SUFFIX)]
+            shard = replace_suffix(url, INDEX_SUFFIX, "") or url
             if shard in listed:
                 continue
             raise ResolveError(f"{spec}: {url} is a shardfs index file, not a shard; name the "
                                f"shard ({shard}) and its index is used from next to it")
-        rec = url[: -len(RECORDIO_INDEX_SUFFIX)] + ".rec" \
+        rec = replace_suffix(url, RECORDIO_INDEX_SUFFIX, ".rec") \
             if _name_path(url).endswith(RECORDIO_INDEX_SUFFIX) else None
         if rec is not None and rec in listed:
             continue  # `mount data/*` names train.idx beside train.rec: it goes with it

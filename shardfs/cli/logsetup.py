@@ -7,6 +7,7 @@ import os
 import sys
 
 from shardfs.util.progress import end_lines
+from shardfs.util.urls import redact
 
 # Libraries that log every request at INFO (httpx: "HTTP Request: GET ..."): one line per
 # member read is noise at the default level. At --log-level debug httpx's request lines show.
@@ -15,12 +16,20 @@ _CHATTY = {"httpx": logging.INFO, "httpcore": logging.WARNING, "hpack": logging.
            "google": logging.WARNING}
 
 
+class _RedactingFormatter(logging.Formatter):
+    """Log lines never carry a signed URL's signature (util/urls.py, `redact`): sources named
+    by signed URLs (an Azure SAS, a presigned URL) appear in many lines."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
+
+
 def _formatter(to_file: bool) -> logging.Formatter:
     # journald adds its own timestamps; a terminal or file wants them.
     under_journal = "JOURNAL_STREAM" in os.environ and not to_file
     fmt = "%(levelname)s %(name)s: %(message)s" if under_journal else \
         "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    return logging.Formatter(fmt)
+    return _RedactingFormatter(fmt)
 
 
 def _apply_level(level: str) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from shardfs import __version__
 from shardfs.cli.daemonize import READY_PREFIX
+from shardfs.util.urls import redact
 
 log = logging.getLogger("shardfs")
 
@@ -476,8 +477,8 @@ def run_mount_foreground(args: argparse.Namespace) -> int:
     except (UsageError, ConfigError, MountpointError, CacheError, KeyboardInterrupt) as exc:
         interrupted = isinstance(exc, KeyboardInterrupt)
         if not (interrupted and daemonized):
-            print("shardfs: interrupted" if interrupted else f"shardfs: error: {exc}",
-                  file=sys.stderr)
+            print("shardfs: interrupted" if interrupted else
+                  f"shardfs: error: {redact(str(exc))}", file=sys.stderr)
         if cache is not None:
             cache.close()
         if created_cache_dir is not None:
@@ -533,7 +534,7 @@ def _say_error(message: str) -> None:
     from shardfs.util.progress import end_lines
 
     end_lines()  # after a progress line drawn on the terminal, not glued to its end
-    print(f"shardfs: error: {message}", file=sys.stderr)
+    print(f"shardfs: error: {redact(message)}", file=sys.stderr)  # no signed URL's token
 
 
 def run_mount_daemon(argv: list[str], args: argparse.Namespace) -> int:

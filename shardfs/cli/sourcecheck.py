@@ -23,6 +23,7 @@ from shardfs.sources import NotFound, ShardInfo, SourceError, Sources, SourceSet
 from shardfs.sources.credentials import describe_method
 from shardfs.sources.file import file_path
 from shardfs.util.sizes import format_size
+from shardfs.util.urls import beside
 
 SAMPLE_BYTES = 32 << 20
 SAMPLE_SECONDS = 5.0
@@ -175,7 +176,7 @@ async def _indexes(sources: Sources, infos: list[ShardInfo]) -> Check:
     sample = infos[:INDEX_SAMPLE]
     found = 0
     for info in sample:
-        url = info.url + INDEX_SUFFIX
+        url = beside(info.url, INDEX_SUFFIX)
         try:
             with trio.move_on_after(SAMPLE_SECONDS):
                 if await sources.for_url(url).fetch_optional(url) is not None:

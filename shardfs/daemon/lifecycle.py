@@ -56,6 +56,7 @@ from shardfs.sources import ShardInfo, Sources, SourceSettings
 from shardfs.util.gcfreeze import freeze_startup_objects
 from shardfs.util.proc import cpu_seconds
 from shardfs.util.progress import ProgressLine
+from shardfs.util.urls import redact
 
 log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal closed
@@ -275,7 +276,7 @@ class Mounted:
             "takeover_ready": session.can_take_over,
             "connection_kept_by": session.keeper,
             "holder_pid": holder_pid() if session.keeper == "holder" else None,
-            "sources": self.cfg.specs,
+            "sources": [redact(spec) for spec in self.cfg.specs],  # no signed URL's token
             "cache_dir": str(self.cfg.cache_dir),
             "control_socket": self.cfg.control_socket,
             "shards": len(catalog.shards),

@@ -1,0 +1,49 @@
+"""Signed URLs (util/urls.py): files beside a shard keep its query; signatures are redacted."""
+
+from __future__ import annotations
+
+from shardfs.catalog.recordio import idx_url_of, rec_url_of
+from shardfs.catalog.shardindex import INDEX_SUFFIX
+from shardfs.util.urls import beside, path_of, redact, replace_suffix
+
+SAS = "?sv=2024-11-04&se=2026-12-01&sr=c&sp=rl&sig=AbC%2Fd%3D"
+
+
+def test_files_beside_a_signed_shard_keep_its_query() -> None:
+    shard = f"https://acct.blob.core.windows.net/data/train-000001.tar{SAS}"
+    index = beside(shard, INDEX_SUFFIX)
+    assert index == f"https://acct.blob.core.windows.net/data/train-000001.tar{INDEX_SUFFIX}{SAS}"
+    assert replace_suffix(index, INDEX_SUFFIX, "") == shard
+    assert path_of(index) == f"/data/train-000001.tar{INDEX_SUFFIX}"
+    rec = f"https://h/d/train.rec{SAS}"
+    assert idx_url_of(rec) == f"https://h/d/train.idx{SAS}"
+    assert rec_url_of(f"https://h/d/train.idx{SAS}") == rec
+    assert rec_url_of(f"https://h/d/train.tar{SAS}") is None
+    # Unsigned URLs, and schemes whose `?` is part of the object's name, as before.
+    assert beside("https://h/d/x.tar", ".idx") == "https://h/d/x.tar.idx"
+    assert beside("s3://b/odd?name.tar", ".idx") == "s3://b/odd?name.tar.idx"
+    assert idx_url_of("file:///d/train.rec") == "file:///d/train.idx"
+    assert idx_url_of("https://h/d/train.bin") == "https://h/d/train.bin.idx"
+
+
+def test_signatures_are_redacted_and_nothing_else() -> None:
+    presigned = ("https://b.s3.amazonaws.com/k.tar?X-Amz-Algorithm=AWS4-HMAC-SHA256"
+                 "&X-Amz-Credential=AKIAEXAMPLE%2F20261128&X-Amz-Date=20261128T000000Z"
+                 "&X-Amz-Expires=3600&X-Amz-SignedHeaders=host&X-Amz-Signature=0123abcd"
+                 "&X-Amz-Security-Token=FwoGZX")
+    text = redact(f"fetched shard {presigned}: 3 bytes")
+    for secret in ("AKIAEXAMPLE", "0123abcd", "FwoGZX"):
+        assert secret not in text
+    assert "X-Amz-Algorithm=AWS4-HMAC-SHA256" in text and "X-Amz-Expires=3600" in text
+    assert text.endswith(": 3 bytes")
+    assert redact(f"GET https://h/x.tar{SAS} failed") == \
+        "GET https://h/x.tar?sv=2024-11-04&se=2026-12-01&sr=c&sp=rl&sig=REDACTED failed"
+    gcs = "https://storage.googleapis.com/b/o?X-Goog-Signature=feed&X-Goog-Date=1"
+    assert redact(gcs) == "https://storage.googleapis.com/b/o?X-Goog-Signature=REDACTED&X-Goog-Date=1"
+    cloudfront = "https://d.cloudfront.net/x?Policy=eyJ&Signature=abc~&Key-Pair-Id=K2"
+    assert redact(cloudfront) == \
+        "https://d.cloudfront.net/x?Policy=REDACTED&Signature=REDACTED&Key-Pair-Id=REDACTED"
+    assert redact("https://h/x?token=t0k&key=k3y&keyword=fine") == \
+        "https://h/x?token=REDACTED&key=REDACTED&keyword=fine"
+    plain = "cache 3 of 8 shards; prefix=train/ sig=12 (no URL query)"
+    assert redact(plain) == plain
