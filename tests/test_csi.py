@@ -7,11 +7,13 @@ their own (the container-death tests are in test_csi_restart.py).
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -197,15 +199,24 @@ def test_every_error_code(dataset: Dataset, nginx, tmp_path: Path) -> None:
         assert "Traceback" not in node.logs(), node.logs()
 
 
+def tar_of(members: dict[str, bytes], mode: int = 0o644) -> bytes:
+    """A ustar archive of `members` (name -> bytes), each with `mode`."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mode = mode
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
 def test_gs_volume_with_a_service_account_key_in_its_secret(tmp_path: Path) -> None:
     """`GOOGLE_CREDENTIALS_JSON` in a volume's secret (a service-account key's JSON): the
     mounter writes it to a private file that GOOGLE_APPLICATION_CREDENTIALS names to the
     volume's daemon, whose gs:// source signs a JWT with the key (the stand-in token endpoint
     checks its signature); the key is in no log and in no file others may read, and gone
     with the volume. A secret that is not a credentials file is refused."""
-    import io
-    import tarfile
-
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import rsa
 
@@ -216,13 +227,7 @@ def test_gs_volume_with_a_service_account_key_in_its_secret(tmp_path: Path) -> N
     email = "csi-reader@proj.iam.gserviceaccount.com"
     gcs = Gcs(service_account=(email, key.public_key()))
     members = {f"cls/{i}.bin": os.urandom(2000 + i) for i in range(12)}
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    gcs.objects["b1/csi/train-0.tar"] = buf.getvalue()
+    gcs.objects["b1/csi/train-0.tar"] = tar_of(members)
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                             serialization.NoEncryption()).decode()
     with serve(gcs.route) as server, csi_node(tmp_path / "node") as (node, kubelet):
@@ -266,19 +271,11 @@ def test_inline_volume_with_secrets_and_fsgroup(tmp_path: Path) -> None:
     key, secret = "CSIKEY0000000001", "csi-secret-value-42"
     with SeaweedServer(tmp_path / "weed", {"r": (key, secret, ["Read", "List"])}) as weed, \
             csi_node(tmp_path / "node") as (node, kubelet):
-        import io
-        import tarfile
-
         weed.admin.create_bucket(Bucket="csi-data")
         members = {f"cls/{i}.bin": os.urandom(3000 + i) for i in range(20)}
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-            for name, data in members.items():
-                info = tarfile.TarInfo(name)
-                info.size = len(data)
-                info.mode = 0o600  # not readable by others in the tar: shardfs shows 0444
-                tar.addfile(info, io.BytesIO(data))
-        weed.admin.put_object(Bucket="csi-data", Key="train-0.tar", Body=buf.getvalue())
+        # Not readable by others in the tar: shardfs shows 0444.
+        weed.admin.put_object(Bucket="csi-data", Key="train-0.tar",
+                              Body=tar_of(members, mode=0o600))
         attrs = {"source": "s3://csi-data/train-0.tar", "s3_endpoint": weed.url,
                  "s3_region": "us-east-1", "s3_addressing": "path", "deadline": "5"}
         secrets = {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}
