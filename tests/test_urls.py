@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from shardfs.catalog.archives import shard_format
+from shardfs.catalog.codecs import codec_for
 from shardfs.catalog.recordio import idx_url_of, rec_url_of
 from shardfs.catalog.shardindex import INDEX_SUFFIX
 from shardfs.util.urls import beside, path_of, redact, replace_suffix
@@ -24,6 +26,11 @@ def test_files_beside_a_signed_shard_keep_its_query() -> None:
     assert beside("s3://b/odd?name.tar", ".idx") == "s3://b/odd?name.tar.idx"
     assert idx_url_of("file:///d/train.rec") == "file:///d/train.idx"
     assert idx_url_of("https://h/d/train.bin") == "https://h/d/train.bin.idx"
+    # A shard's kind and compression come from its name, never from the query.
+    assert codec_for(f"https://h/d/x.tar.zst{SAS}") == "zstd"
+    assert shard_format(f"https://h/d/x.zip{SAS}") == "zip"
+    assert shard_format("https://h/d/x.tar?name=a.zip") == "tar"
+    assert codec_for("s3://b/odd?name.tar.gz") == "gzip"  # a `?` in an object key
 
 
 def test_signatures_are_redacted_and_nothing_else() -> None:

@@ -18,6 +18,7 @@ from shardfs.catalog import recordio
 from shardfs.catalog import zip as zipfmt
 from shardfs.catalog.shardindex import ShardIndex
 from shardfs.sources import ShardInfo, Source, Sources
+from shardfs.util.urls import path_of
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ class ArchiveError(ValueError):
 
 def shard_format(url: str) -> str:
     """"zip", "recordio" or "tar" (plain or compressed), from the shard's name."""
-    path = url.split("?", 1)[0].lower()
+    path = path_of(url).lower()  # an http(s) query is not part of the name
     if path.endswith(".zip"):
         return "zip"
     if path.endswith(".rec"):

@@ -11,6 +11,8 @@ import zlib
 from collections.abc import Callable
 from typing import Protocol
 
+from shardfs.util.urls import path_of
+
 _SUFFIXES = ((".tar.gz", "gzip"), (".tgz", "gzip"), (".tar.zst", "zstd"),
              (".tar.zstd", "zstd"), (".tar.lz4", "lz4"))
 
@@ -21,7 +23,7 @@ class CodecError(ValueError):
 
 def codec_for(url: str) -> str | None:
     """The compression of a shard, from its name; None for a plain tar."""
-    path = url.split("?", 1)[0].lower()
+    path = path_of(url).lower()  # an http(s) query is not part of the name
     for suffix, codec in _SUFFIXES:
         if path.endswith(suffix):
             return codec

@@ -159,12 +159,16 @@ def check_mount_shim(snapshot: dict) -> Check:
                  f"{snapshot.get('worker_count', 0)} worker processes")
 
 
-def in_place_judge(in_place: str, cache_dir: Path) -> Callable[[str], bool]:
+def shard_storage(cache_dir: Path) -> ShardStorage:
+    """auto's judgement of shard files beside this cache dir (which may not exist yet)."""
+    return ShardStorage(str(nearest_existing(cache_dir)))
+
+
+def in_place_judge(in_place: str, storage: ShardStorage) -> Callable[[str], bool]:
     """Whether a mount with `in_place` (auto, on, off) reads the plain local shard at a path
     in place, as read/inplace.py decides (which also checks it against its index)."""
     if in_place in ("on", "off"):
         return lambda path: in_place == "on"
-    storage = ShardStorage(str(nearest_existing(cache_dir)))
 
     def reads_in_place(path: str) -> bool:
         try:
@@ -175,12 +179,12 @@ def in_place_judge(in_place: str, cache_dir: Path) -> Callable[[str], bool]:
     return reads_in_place
 
 
-def check_local_shards(paths: list[str], in_place: str, cache_dir: Path) -> Check | None:
+def check_local_shards(paths: list[str], in_place: str,
+                       storage: ShardStorage) -> Check | None:
     """Shards named by file:// URLs or paths: read in place, or copied (and should they?).
     `in_place`: the mount's setting, auto (the default), on or off."""
     if not paths:
         return None
-    storage = ShardStorage(str(nearest_existing(cache_dir)))
     devices = []
     for path in paths:
         with contextlib.suppress(OSError):  # the source checks say what cannot be read

@@ -31,6 +31,7 @@ from shardfs.cli.checks import (
     check_shim,
     disk_against_store,
     in_place_judge,
+    shard_storage,
 )
 from shardfs.cli.main import default_cache_size
 from shardfs.daemon.control import ControlError, read_stats
@@ -118,16 +119,17 @@ def diagnose(args: argparse.Namespace, config: dict) -> list[Check]:
         absolute = [s if "://" in s else os.path.abspath(s) for s in specs]
         in_place = snapshot.get("in_place") or config.get("in_place") or \
             OPTIONS["in_place"].default
+        storage = shard_storage(cache_dir)
         report = trio.run(check_sources, absolute,
                           _settings(args, snapshot.get("source_settings") or {}, config),
-                          cache_size, in_place_judge(in_place, cache_dir))
+                          cache_size, in_place_judge(in_place, storage))
         checks.extend(report.checks)
         store = next((c for c in report.checks if c.name == "store speed"), None)
         disk = next((c for c in checks if c.name == "cache disk"), None)
         if store is not None and store.value and disk is not None:
             disk_against_store(disk, store.value)
         fetched_bytes = fetched_bytes if fetched_bytes is not None else report.fetched_bytes
-        local = check_local_shards(report.local_paths, in_place, cache_dir)
+        local = check_local_shards(report.local_paths, in_place, storage)
         if local is not None:
             checks.append(local)
     checks.append(check_memory(fetched_bytes))
