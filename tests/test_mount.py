@@ -135,6 +135,35 @@ def test_signed_urls_find_their_indexes_and_keep_their_signature_out_of_logs(
         missing.stderr
 
 
+def test_a_new_token_finds_what_the_old_one_cached(dataset, nginx, mounter: Mounter,
+                                                   tmp_path: Path):
+    """A remount with a fresh signed-URL token (new expiry, new signature) reuses the shards
+    and indexes the old token's mount cached: one probe per shard, sent with the new token, and
+    no download. A parameter that may select content (`versionid`) is part of the identity: a
+    mount with one fetches the shards anew."""
+    publish(dataset, nginx.root)
+    cache = tmp_path / "shared-cache"
+    old = "?sv=2024-11-04&se=2026-11-29T00%3A00Z&sr=c&sp=rl&sig=OlDsIgNaTuRe%3D"
+    new = "?sv=2024-11-04&se=2026-12-06T00%3A00Z&sr=c&sp=rl&sig=NeWsIgNaTuRe%3D"
+    m1 = mounter.mount([brace(dataset, f"{nginx.url}/data") + old], None, cache)
+    assert_same_bytes(dataset, m1.mountpoint)
+    m1.unmount()
+    nginx.reset_log()
+    m2 = mounter.mount([brace(dataset, f"{nginx.url}/data") + new], None, cache)
+    assert_same_bytes(dataset, m2.mountpoint)
+    records = nginx.access_log()
+    assert len(records) == len(dataset.shards.shards), [(r.uri, r.range) for r in records]
+    assert all(r.range == "bytes=0-0" and r.uri.endswith(".tar" + new) for r in records)
+    m2.unmount()
+    nginx.reset_log()
+    versioned = new + "&versionid=2026-11-28"
+    m3 = mounter.mount([brace(dataset, f"{nginx.url}/data") + versioned], None, cache)
+    assert_same_bytes(dataset, m3.mountpoint)
+    fetched = [r for r in nginx.access_log() if r.range != "bytes=0-0"]
+    assert {r.uri for r in fetched} >= {f"/data/{name}{versioned}"
+                                         for name in shard_names(dataset)}
+
+
 def mounter_cmd() -> list[str]:
     from tests.conftest import SHARDFS
 

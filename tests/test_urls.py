@@ -6,7 +6,7 @@ from shardfs.catalog.archives import shard_format
 from shardfs.catalog.codecs import codec_for
 from shardfs.catalog.recordio import idx_url_of, rec_url_of
 from shardfs.catalog.shardindex import INDEX_SUFFIX
-from shardfs.util.urls import beside, path_of, redact, replace_suffix
+from shardfs.util.urls import beside, path_of, redact, replace_suffix, unsigned
 
 SAS = "?sv=2024-11-04&se=2026-12-01&sr=c&sp=rl&sig=AbC%2Fd%3D"
 
@@ -54,3 +54,25 @@ def test_signatures_are_redacted_and_nothing_else() -> None:
         "https://h/x?token=REDACTED&key=REDACTED&keyword=fine"
     plain = "cache 3 of 8 shards; prefix=train/ sig=12 (no URL query)"
     assert redact(plain) == plain
+
+
+def test_a_cache_identity_leaves_the_signature_out() -> None:
+    """`unsigned`: what names a shard's bytes in the cache. Every parameter of a SAS, a
+    presigned S3 or GCS URL and a CloudFront signature goes; what may select content stays."""
+    assert unsigned(f"https://acct.blob.core.windows.net/data/x.tar{SAS}") == \
+        "https://acct.blob.core.windows.net/data/x.tar"
+    presigned = ("https://b.s3.amazonaws.com/k.tar?versionId=3&X-Amz-Algorithm=AWS4-HMAC-SHA256"
+                 "&X-Amz-Credential=AKIAEXAMPLE%2F20261128&X-Amz-Date=20261128T000000Z"
+                 "&X-Amz-Expires=3600&X-Amz-SignedHeaders=host&X-Amz-Signature=0123abcd"
+                 "&X-Amz-Security-Token=FwoGZX")
+    assert unsigned(presigned) == "https://b.s3.amazonaws.com/k.tar?versionId=3"
+    gcs = ("https://storage.googleapis.com/b/o.tar?generation=17&X-Goog-Algorithm=GOOG4-RSA-SHA256"
+           "&X-Goog-Credential=sa%40p.iam&X-Goog-Date=20261128T000000Z&X-Goog-Expires=600"
+           "&X-Goog-SignedHeaders=host&X-Goog-Signature=feed")
+    assert unsigned(gcs) == "https://storage.googleapis.com/b/o.tar?generation=17"
+    assert unsigned("https://d.cloudfront.net/x.tar?Expires=1&Signature=abc~&Key-Pair-Id=K2") \
+        == "https://d.cloudfront.net/x.tar"
+    assert unsigned("https://h/x.tar?token=t0k&snapshot=2026-11-01&part=2") == \
+        "https://h/x.tar?snapshot=2026-11-01&part=2"
+    for same in ("https://h/x.tar", "s3://b/k.tar?sig=1", "file:///d/x.tar?se=1"):
+        assert unsigned(same) == same

@@ -2,7 +2,8 @@
 
 Layout under the cache dir:
     lock                 flock()ed by the one daemon using this cache dir
-    shards/KEY           a complete shard (KEY = hash of the shard's identity: URL+size+ETag)
+    shards/KEY           a complete shard (KEY = hash of the shard's identity: URL+size+ETag,
+                         a signed URL without its signature)
     shards/KEY.part      a shard being fetched; never taken for complete
     shards/KEY -> PATH   a shard read in place (`in_place`): a symbolic link to the shard's
                          own file, holding no bytes of the cache, with the file's mtime as

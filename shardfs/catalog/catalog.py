@@ -1,7 +1,8 @@
 """The index of every shard's members: found, built or reused before the mount appears.
 
 For each shard, in order of preference:
-  1. the cached index in the cache dir, keyed by the shard's identity (URL + size + ETag);
+  1. the cached index in the cache dir, keyed by the shard's identity (URL without a
+     signature + size + ETag; ShardInfo.identity);
   2. a published index file next to the shard (`<shard>.shardfs.idx`), used when it is valid
      for that shard (its size, its own checksum);
   3. a scan of the shard: local files are walked header to header with seeks; remote shards

@@ -6,6 +6,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from shardfs.util.urls import unsigned
+
 
 class SourceError(Exception):
     """A problem with a shard source, phrased for the user (the message names the URL)."""
@@ -59,8 +61,11 @@ class ShardInfo:
 
     @property
     def identity(self) -> str:
-        """Stable text naming this exact version of the shard (URL + size + validators)."""
-        return "\0".join((self.url, str(self.size), self.etag or "", self.last_modified or ""))
+        """Stable text naming this exact version of the shard (URL + size + validators). The
+        URL without a signature in its query (util/urls.py, `unsigned`): a new token names the
+        same bytes, so its cache entries and index stay."""
+        return "\0".join((unsigned(self.url), str(self.size), self.etag or "",
+                          self.last_modified or ""))
 
 
 @dataclass(slots=True)

@@ -9,23 +9,46 @@ token) rides in it.
   carry one (a SAS `sig`, `X-Amz-Signature`, `X-Amz-Credential`, `X-Amz-Security-Token`,
   `X-Goog-Signature`, CloudFront's `Signature`/`Policy`/`Key-Pair-Id`, any `token`,
   `key`...) in text bound for a log, an error message or the stats.
+- A signature does not say which bytes a URL names: `unsigned` drops the parameters that make
+  up a signature (the secret ones above, and their companions: a SAS's `sv`/`se`/`sp`...,
+  `X-Amz-Date`/`X-Amz-Expires`..., `Expires`) and keeps any other (`versionId`,
+  `generation`, `snapshot` select content). A shard's cache identity is built from it, so a
+  mount with a fresh token finds the shards and indexes a mount with the old one cached
+  (size and validators still have to match).
 """
 
 from __future__ import annotations
 
 import re
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 _QUERIED = ("http", "https")
 
 # A query parameter whose name says it carries a secret, and its value.
 # A value ends at the next parameter, a blank, a quote, or a colon that ends the URL in prose
 # ("URL: what went wrong").
+_SECRET_NAME = (r"(?:sig|policy|key|apikey|api_key|key-pair-id|auth|code"
+                r"|[\w.-]*(?:signature|token|credential|secret|password))")
 _SECRET_PARAM = re.compile(
-    r"(?P<name>[?&](?:sig|policy|key|apikey|api_key|key-pair-id|auth|code"
-    r"|[\w.-]*(?:signature|token|credential|secret|password))=)"
+    rf"(?P<name>[?&]{_SECRET_NAME}=)"
     r"(?P<value>(?:[^&#\s'\"<>:]|:(?!\s|$))+)",
     re.IGNORECASE)
+_SECRET_NAME_ONLY = re.compile(_SECRET_NAME, re.IGNORECASE)
+
+
+# Parameters that are part of a signature but carry no secret, by their lower-cased names:
+# an Azure SAS's (service, account and user delegation SAS: version, services, resource types,
+# permissions, start, expiry, IP, protocol, resource, policy id, directory depth, encryption
+# scope, the delegation key's fields, response header overrides), SigV4's and Google's V4
+# signing fields, and the expiry and key id of SigV2, Google's V2 and CloudFront signatures.
+_SIGNING_PARAMS = frozenset({
+    "sv", "ss", "srt", "sp", "st", "se", "sip", "spr", "sr", "si", "sdd", "ses",
+    "skoid", "sktid", "skt", "ske", "sks", "skv", "saoid", "suoid", "scid",
+    "rscc", "rscd", "rsce", "rscl", "rsct",
+    "x-amz-algorithm", "x-amz-date", "x-amz-expires", "x-amz-signedheaders",
+    "x-goog-algorithm", "x-goog-date", "x-goog-expires", "x-goog-signedheaders",
+    "awsaccesskeyid", "googleaccessid", "expires",
+})
 
 
 def _queried(url: str) -> bool:
@@ -62,3 +85,21 @@ def redact(text: str) -> str:
     if "=" not in text:
         return text
     return _SECRET_PARAM.sub(lambda m: m.group("name") + "REDACTED", text)
+
+
+def unsigned(url: str) -> str:
+    """`url` without the query parameters that make up a signature (see the module's
+    docstring); the others kept in their order. URLs without a query (and other schemes than
+    http(s)) come back unchanged."""
+    if not _queried(url):
+        return url
+    parts = urlsplit(url)
+    if not parts.query:
+        return url
+    kept = [p for p in parts.query.split("&") if not _signing(p)]
+    return urlunsplit(parts._replace(query="&".join(kept)))
+
+
+def _signing(param: str) -> bool:
+    name = unquote(param.partition("=")[0])
+    return name.lower() in _SIGNING_PARAMS or _SECRET_NAME_ONLY.fullmatch(name) is not None
