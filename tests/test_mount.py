@@ -127,6 +127,14 @@ def test_signed_urls_find_their_indexes_and_keep_their_signature_out_of_logs(
     log = m.log()
     assert "sig=REDACTED" in log and "sig=REDACTED" in json.dumps(stats["sources"])
     assert "SeCrEtSiGnAtUrE" not in log + json.dumps(stats)
+    # Nor in the files' xattrs (the shard's name, its directory's pages), which anyone who
+    # may read the mount reads.
+    some = sorted(dataset.files())[0]
+    shard = os.getxattr(m.mountpoint / some, "user.shardfs.shard").decode()
+    assert shard.endswith(".tar?sv=2024-11-04&sr=c&sp=rl&sig=REDACTED"), shard
+    pages = b"".join(os.getxattr(m.mountpoint / os.path.dirname(some), name)
+                     for name in os.listxattr(m.mountpoint / os.path.dirname(some)))
+    assert b"sig=REDACTED" in pages and b"SeCrEt" not in pages
     # An error naming the URL: a shard that is not there.
     missing = mounter.run(f"{nginx.url}/data/absent.tar{query}", str(mounter.paths()[0]),
                           "--cache-dir", str(mounter.paths()[1]))

@@ -441,7 +441,9 @@ def run(cfg: MountConfig, cache: ShardCache, on_ready: Callable[[str], None]) ->
     indexing_sources = Sources(cfg.settings)
     catalog = trio.run(_interruptible, _open_catalog, cfg, cache, indexing_sources,
                        record.shards if record is not None else None)
-    ops = ShardFS(catalog.tree, None, [s.url for s in catalog.shards], uid=cfg.uid,
+    # A shard's name in its files' xattrs: its URL with any signature redacted (anyone who
+    # may read the mount reads them; the samplers use them only to group files by shard).
+    ops = ShardFS(catalog.tree, None, [redact(s.url) for s in catalog.shards], uid=cfg.uid,
                   gid=cfg.gid)
     session = SessionState(keeper=keeper())  # who will keep it (stats may be asked at once)
     if record is not None:
