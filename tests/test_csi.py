@@ -265,6 +265,26 @@ def test_gs_volume_with_a_service_account_key_in_its_secret(tmp_path: Path) -> N
                        for p in node.paths.mounter_state.rglob("*") if p.is_file())
 
 
+def test_signed_url_token_in_a_volumes_secret(dataset: Dataset, nginx, tmp_path: Path) -> None:
+    """`SHARDFS_URL_QUERY` in a volume's secret (an Azure SAS, say): the PV's `source` stays
+    free of it, every request of the volume's daemon carries it, and no log shows it."""
+    serve_dataset(dataset, nginx.root)
+    token = "sv=2024-11-04&sr=c&sp=rl&sig=CsIsEcReTsIgNaTuRe%3D"
+    with csi_node(tmp_path) as (node, kubelet):
+        nginx.reset_log()
+        target = kubelet.publish("pod-s", "data", "signed",
+                                 {"source": brace(dataset, f"{nginx.url}/data")},
+                                 secrets={"SHARDFS_URL_QUERY": token})
+        assert read_as(target) == checksums(dataset)
+        records = nginx.access_log()
+        assert records and all(r.uri.endswith("?" + token) for r in records), \
+            [r.uri for r in records][:3]
+        daemon_logs = "".join(p.read_text(errors="replace")
+                              for p in node.paths.cache_root.rglob("shardfs.log"))
+        assert daemon_logs and "CsIsEcReT" not in node.logs() + daemon_logs
+        kubelet.unpublish("pod-s", "data", "signed")
+
+
 def test_inline_volume_with_secrets_and_fsgroup(tmp_path: Path) -> None:
     from tests.seaweed_fixture import SeaweedServer
 

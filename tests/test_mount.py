@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from shardfs.devtools.pagecache import drop_pages
-from tests.conftest import SHARDFS, Dataset, Mounter, brace, shard_names, stop_foreground
+from tests.conftest import SHARDFS, Dataset, Mount, Mounter, brace, shard_names, stop_foreground
 
 
 def publish(ds: Dataset, root: Path, sub: str = "data") -> Path:
@@ -170,6 +170,51 @@ def test_a_new_token_finds_what_the_old_one_cached(dataset, nginx, mounter: Moun
     fetched = [r for r in nginx.access_log() if r.range != "bytes=0-0"]
     assert {r.uri for r in fetched} >= {f"/data/{name}{versioned}"
                                          for name in shard_names(dataset)}
+
+
+def test_a_token_kept_out_of_the_source_urls(dataset, nginx, mounter: Mounter, tmp_path: Path,
+                                              monkeypatch):
+    """A signed URL's token given apart from the URLs, from $SHARDFS_URL_QUERY or the config's
+    `credentials: {url_query: {file: ...}}` (a Kubernetes secret, say): every request carries
+    it after the URL's own query, and it shows nowhere (log, stats, xattrs, errors)."""
+    publish(dataset, nginx.root)
+    token = "sv=2024-11-04&sr=c&sp=rl&sig=PrIvAtEsIgNaTuRe%3D"
+    monkeypatch.setenv("SHARDFS_URL_QUERY", token)
+    nginx.reset_log()
+    m = mounter.mount([brace(dataset, f"{nginx.url}/data")])
+    assert_same_bytes(dataset, m.mountpoint)
+    records = nginx.access_log()
+    assert records and all(r.uri.endswith("?" + token) for r in records), \
+        [r.uri for r in records if not r.uri.endswith("?" + token)]
+    assert any(r.uri.endswith(".tar?" + token) and r.range != "bytes=0-0" for r in records)
+    some = sorted(dataset.files())[0]
+    shown = m.log() + json.dumps(m.stats()) + os.getxattr(m.mountpoint / some,
+                                                          "user.shardfs.shard").decode()
+    assert "PrIvAtE" not in shown
+    m.unmount()
+    # From a file named by the config, after a query of the URL's own; the environment's is
+    # not used then.
+    monkeypatch.setenv("SHARDFS_URL_QUERY", "sig=NoTtHiSoNe")
+    secret = tmp_path / "sas"
+    secret.write_text("?" + token + "\n")
+    mnt, cache = mounter.paths()
+    config = tmp_path / "shardfs.yaml"
+    config.write_text(json.dumps({
+        "sources": [brace(dataset, f"{nginx.url}/data") + "?versionid=7"],
+        "mountpoint": str(mnt), "cache_dir": str(cache),
+        "credentials": {"url_query": {"file": str(secret)}}}))
+    nginx.reset_log()
+    result = mounter.run("--config", str(config))
+    assert result.returncode == 0, result.stderr
+    m = mounter.adopt(Mount.from_result(result, mnt, cache))
+    assert_same_bytes(dataset, m.mountpoint)
+    records = nginx.access_log()
+    assert records and all(r.uri.endswith("?versionid=7&" + token) for r in records)
+    # A token that cannot be part of a URL: a clear error that does not show it.
+    monkeypatch.setenv("SHARDFS_URL_QUERY", "sig=Two Words")
+    bad = mounter.run(brace(dataset, f"{nginx.url}/data"), str(mounter.paths()[0]))
+    assert bad.returncode != 0 and "SHARDFS_URL_QUERY" in bad.stderr
+    assert "Words" not in bad.stderr, bad.stderr
 
 
 def mounter_cmd() -> list[str]:

@@ -148,7 +148,8 @@ def _host_port(value: Any) -> str:
     return text
 
 
-_SECRET_KEYS = ("access_key_id", "secret_access_key", "session_token")
+# S3's keys, and the query every http(s) request carries (a signed URL's token: an Azure SAS).
+_SECRET_KEYS = ("access_key_id", "secret_access_key", "session_token", "url_query")
 
 
 def _credentials(value: Any) -> dict[str, dict[str, str]]:
@@ -293,6 +294,14 @@ def merge(*layers: Mapping[str, Any]) -> dict[str, Any]:
     for layer in layers:
         out.update({k: v for k, v in layer.items() if v is not None})
     return out
+
+
+def source_secrets(refs: Mapping[str, Mapping[str, str]] | None) -> dict[str, Any]:
+    """The config's `credentials` as SourceSettings fields: `s3_credentials` (S3's keys, or
+    None) and `url_query` (None: not given, the environment may give it)."""
+    secrets = resolve_credentials(refs)
+    url_query = secrets.pop("url_query", None)
+    return {"s3_credentials": secrets or None, "url_query": url_query}
 
 
 def resolve_credentials(refs: Mapping[str, Mapping[str, str]] | None) -> dict[str, str]:

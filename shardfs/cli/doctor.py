@@ -73,9 +73,10 @@ def _settings(args: argparse.Namespace, from_mount: dict, config: dict) -> Sourc
         if value is not None:
             setattr(settings, key, value)
     if config.get("credentials"):
-        from shardfs.cli.config import resolve_credentials
+        from shardfs.cli.config import source_secrets
 
-        settings.s3_credentials = resolve_credentials(config["credentials"])
+        for key, value in source_secrets(config["credentials"]).items():
+            setattr(settings, key, value)
     return settings
 
 

@@ -387,7 +387,7 @@ def mount_settings(args: argparse.Namespace) -> dict:
 
 
 def _mount_config(s: dict):
-    from shardfs.cli.config import resolve_credentials
+    from shardfs.cli.config import source_secrets
     from shardfs.daemon.lifecycle import MountConfig
     from shardfs.read.lookahead import LookaheadPolicy
     from shardfs.read.reader import ReadPolicy
@@ -405,7 +405,7 @@ def _mount_config(s: dict):
             s3_addressing=s["s3_addressing"], ais_endpoint=s["ais_endpoint"],
             hf_endpoint=s["hf_endpoint"], gs_endpoint=s["gs_endpoint"],
             request_rate=s["request_rate"], http_client=s["http_client"],
-            s3_credentials=resolve_credentials(s["credentials"]) or None),
+            **source_secrets(s["credentials"])),
         policy=ReadPolicy(max_fetches=s["max_fetches"],
                           max_member_fetches=s["max_member_fetches"], prefetch=s["prefetch"],
                           cold_start_s=s["cold_start"],

@@ -100,6 +100,9 @@ class SourceSettings:
     # Keys from the mount's config file (`credentials:`, given by reference there); they win
     # over the environment and the AWS files. Never logged.
     s3_credentials: dict[str, str] | None = field(default=None, repr=False)
+    # A query added to every http(s) request (a signed URL's token kept out of the source
+    # URLs: an Azure SAS); None: $SHARDFS_URL_QUERY, if set. Never logged (sources/http.py).
+    url_query: str | None = field(default=None, repr=False)
 
 
 @dataclass(slots=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import email.utils
 import functools
 import logging
+import os
 import random
 import re
 import time
@@ -39,6 +40,7 @@ GONE = frozenset({403, 404, 410})
 RETRYABLE = frozenset({408, 429})  # plus every 5xx
 THROTTLING = frozenset({429, 503})  # "slow down" (S3 SlowDown is a 503): cut the budget
 Response = httpx.Response | Answer  # what a GET returns (Answer: h1.get's, see HttpSource._head)
+URL_QUERY_ENV = "SHARDFS_URL_QUERY"
 URLS_PARSED = 4096  # shard URLs kept parsed (HttpSource._parsed, HttpSource._head)
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", re.IGNORECASE)
 _UNSATISFIED_RANGE = re.compile(r"bytes\s+\*/(\d+)\s*$", re.IGNORECASE)
@@ -241,6 +243,7 @@ class HttpSource:
         # and comes back as an h1.Answer: no httpx objects per GET (see _head).
         self._lean = self._h1 is not None and self._lean_requests()
         self._heads: LRUCache[str, RequestHead | None] = LRUCache(maxsize=URLS_PARSED)
+        self._url_query = url_query_of(s)
 
     def take_over(self, earlier: HttpSource) -> None:
         """Continue where `earlier` (closed, of an earlier event loop) stopped: servers that
@@ -503,14 +506,16 @@ class HttpSource:
     def _build_request(self, url: str, headers: dict[str, str]) -> httpx.Request:
         """The GET for `url`; built anew for every attempt. Subclasses map URLs to requests
         and sign them here (S3), so a retry carries a fresh signature."""
-        return self._client.build_request("GET", self._parsed(url), headers=headers)
+        return self._client.build_request("GET", self._parsed(url, self._url_query),
+                                          headers=headers)
 
-    def _parsed(self, url: str) -> httpx.URL:
-        """`url` parsed once: a GET built from a string parses it again (~60 of its ~65 µs
-        on 2 cores), and `Lookahead` makes a GET per file of the same few shard URLs."""
+    def _parsed(self, url: str, query: str = "") -> httpx.URL:
+        """`url` (with `query` added to its own) parsed once: a GET built from a string parses
+        it again (~60 of its ~65 µs on 2 cores), and `Lookahead` makes a GET per file of the
+        same few shard URLs."""
         parsed = self._urls.get(url)
         if parsed is None:
-            parsed = self._urls[url] = httpx.URL(url)
+            parsed = self._urls[url] = httpx.URL(with_query(url, query))
         return parsed
 
     async def _read_small(self, resp: Response, url: str) -> bytes:
@@ -597,6 +602,30 @@ class _Attempt:
             await self._resp.aclose()
         if isinstance(exc, httpx.TransportError):
             raise self._source._retry(_describe(exc)) from exc
+
+
+def url_query_of(settings: SourceSettings) -> str:
+    """The query every plain http(s) request of a mount carries besides its URL's own: the
+    settings' (the config's `credentials: {url_query: ...}`), else $SHARDFS_URL_QUERY; ""
+    for none. A leading `?` is dropped. SourceError (never showing the value) if it cannot be
+    part of a URL."""
+    query = settings.url_query
+    if query is None:
+        query = os.environ.get(URL_QUERY_ENV, "")
+    query = query.strip().removeprefix("?")
+    if any(c.isspace() or c == "#" for c in query):
+        raise SourceError(f"the URL query ({URL_QUERY_ENV} or credentials.url_query) contains "
+                          "a blank or a '#': expected the text after '?' in a signed URL, "
+                          "e.g. sv=...&sig=...")
+    return query
+
+
+def with_query(url: str, query: str) -> str:
+    """`url` with `query` added after its own query (if any); `url` itself for no query."""
+    if not query:
+        return url
+    base, hash_, fragment = url.partition("#")
+    return f"{base}{'&' if '?' in base else '?'}{query}{hash_}{fragment}"
 
 
 def _directory_hint(url: str) -> str:
