@@ -526,8 +526,9 @@ def main(argv: list[str]) -> int:
     """python -m shardfs.holder READY_FD MOUNTPOINT LOG_PATH DEADLINE mount SOURCE... ...
     (DEADLINE: the mount's --deadline in seconds, as shardfs/cli/config.py parsed it)"""
     ready_fd, mountpoint, log_path, deadline, *daemon_argv = argv
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from shardfs.cli.logsetup import setup_logging
+
+    setup_logging("info")  # stderr, as the daemon's; signed URLs' signatures redacted
     holder = Holder(daemon_argv, mountpoint, log_path, int(ready_fd), float(deadline))
     holder.install_signals()
     code = holder.first_daemon()

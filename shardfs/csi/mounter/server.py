@@ -139,11 +139,11 @@ def _close_all(fds: list[int]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from shardfs.cli.logsetup import setup_logging
     from shardfs.cli.main import default_cache_size
     from shardfs.util.sizes import parse_size
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level)  # the daemon's format, signed URLs' signatures redacted
     try:
         path = wire.socket_path(args.listen)
         cache_root = Path(args.cache_root).resolve()

@@ -104,8 +104,9 @@ def _handlers(plugin: Plugin) -> list[Any]:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from shardfs.cli.logsetup import setup_logging
+
+    setup_logging(args.log_level)  # the daemon's format, signed URLs' signatures redacted
     try:
         endpoint = wire.socket_path(args.endpoint)
         wire.socket_path(args.mounter)
