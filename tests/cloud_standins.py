@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import SplitResult, parse_qs, urlsplit
 
 Answer = tuple[int, dict[str, str], bytes]
 Route = Callable[["Request"], Answer]
@@ -229,19 +229,46 @@ def gate_route(vendor: Vendor, upstream: str, log: list[str]) -> Route:
             body = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{why}</Code>"
                     f"<Message>refused by the test gate</Message></Error>").encode()
             return status, {"Content-Type": "application/xml"}, body
-        conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
-        try:
-            conn.putrequest(req.method, req.path, skip_host=True, skip_accept_encoding=True)
-            for name, value in req.headers.items():
-                if name not in ("connection", "content-length"):
-                    conn.putheader(name, value)
-            conn.endheaders()
-            resp = conn.getresponse()
-            body = resp.read()
-            headers = {k: v for k, v in resp.getheaders()
-                       if k.lower() not in ("connection", "transfer-encoding", "content-length")}
-            return resp.status, headers, body
-        finally:
-            conn.close()
+        return _forward(req, target)
 
     return route
+
+
+def sas_gate_route(upstream: str, accepted: set[str],
+                   log: list[tuple[str, str, int]]) -> Route:
+    """Azure Blob's answer to a SAS whose `sig` is not (or no longer) valid: 403
+    AuthenticationFailed; requests with a signature in `accepted` (a set the test changes to
+    rotate tokens) are forwarded to `upstream`. `log` gets (path, sig, status) per request."""
+    target = urlsplit(upstream)
+
+    def route(req: Request) -> Answer:
+        sig = req.query.get("sig", "")
+        path = urlsplit(req.path).path
+        if sig not in accepted:
+            log.append((path, sig, 403))
+            body = (b"<?xml version='1.0' encoding='utf-8'?><Error><Code>AuthenticationFailed"
+                    b"</Code><Message>Signature not valid in the specified time frame"
+                    b"</Message></Error>")
+            return 403, {"Content-Type": "application/xml"}, body
+        answer = _forward(req, target)
+        log.append((path, sig, answer[0]))
+        return answer
+
+    return route
+
+
+def _forward(req: Request, target: SplitResult) -> Answer:
+    conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+    try:
+        conn.putrequest(req.method, req.path, skip_host=True, skip_accept_encoding=True)
+        for name, value in req.headers.items():
+            if name not in ("connection", "content-length"):
+                conn.putheader(name, value)
+        conn.endheaders()
+        resp = conn.getresponse()
+        body = resp.read()
+        headers = {k: v for k, v in resp.getheaders()
+                   if k.lower() not in ("connection", "transfer-encoding", "content-length")}
+        return resp.status, headers, body
+    finally:
+        conn.close()

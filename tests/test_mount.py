@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from shardfs.devtools.pagecache import drop_pages
-from tests.conftest import SHARDFS, Dataset, Mount, Mounter, brace, shard_names, stop_foreground
+from tests.conftest import SHARDFS, Dataset, Mounter, brace, shard_names, stop_foreground
 
 
 def publish(ds: Dataset, root: Path, sub: str = "data") -> Path:
@@ -101,120 +101,6 @@ def test_published_index_files_avoid_scanning(dataset, nginx, mounter: Mounter, 
     assert tar_bodies == [], "the mount must not stream shards that have an index"
     assert sum(r.uri.endswith(".shardfs.idx") for r in records) == len(dataset.shards.shards)
     assert_same_bytes(dataset, m.mountpoint)
-
-
-def test_signed_urls_find_their_indexes_and_keep_their_signature_out_of_logs(
-        dataset, nginx, mounter: Mounter):
-    """Shards named by signed URLs (a token in the query: an Azure SAS, say; nginx ignores
-    it): each published index is looked up beside its shard with the same query, so no shard
-    is streamed to be indexed; the signature is in no log line, no error and not in the
-    stats, where the URL shows with `sig=REDACTED`."""
-    dest = publish(dataset, nginx.root)
-    for name in shard_names(dataset):
-        shutil.copy(dataset.shard_dir / f"{name}.shardfs.idx", dest / f"{name}.shardfs.idx")
-    query = "?sv=2024-11-04&sr=c&sp=rl&sig=SeCrEtSiGnAtUrE%3D"
-    source = brace(dataset, f"{nginx.url}/data") + query
-    nginx.reset_log()
-    m = mounter.mount([source], None, None, "--no-warm")
-    records = nginx.access_log()
-    indexes = [r for r in records if ".shardfs.idx" in r.uri]
-    assert len(indexes) == len(dataset.shards.shards), [r.uri for r in records]
-    assert all(r.uri.endswith(".shardfs.idx" + query) and r.status == 200 for r in indexes)
-    assert [r for r in records if ".tar?" in r.uri and r.range != "bytes=0-0"] == [], \
-        "a shard with a published index was streamed"
-    assert_same_bytes(dataset, m.mountpoint)
-    stats = m.stats()
-    log = m.log()
-    assert "sig=REDACTED" in log and "sig=REDACTED" in json.dumps(stats["sources"])
-    assert "SeCrEtSiGnAtUrE" not in log + json.dumps(stats)
-    # Nor in the files' xattrs (the shard's name, its directory's pages), which anyone who
-    # may read the mount reads.
-    some = sorted(dataset.files())[0]
-    shard = os.getxattr(m.mountpoint / some, "user.shardfs.shard").decode()
-    assert shard.endswith(".tar?sv=2024-11-04&sr=c&sp=rl&sig=REDACTED"), shard
-    pages = b"".join(os.getxattr(m.mountpoint / os.path.dirname(some), name)
-                     for name in os.listxattr(m.mountpoint / os.path.dirname(some)))
-    assert b"sig=REDACTED" in pages and b"SeCrEt" not in pages
-    # An error naming the URL: a shard that is not there.
-    missing = mounter.run(f"{nginx.url}/data/absent.tar{query}", str(mounter.paths()[0]),
-                          "--cache-dir", str(mounter.paths()[1]))
-    assert missing.returncode != 0
-    assert "absent.tar" in missing.stderr and "SeCrEtSiGnAtUrE" not in missing.stderr, \
-        missing.stderr
-
-
-def test_a_new_token_finds_what_the_old_one_cached(dataset, nginx, mounter: Mounter,
-                                                   tmp_path: Path):
-    """A remount with a fresh signed-URL token (new expiry, new signature) reuses the shards
-    and indexes the old token's mount cached: one probe per shard, sent with the new token, and
-    no download. A parameter that may select content (`versionid`) is part of the identity: a
-    mount with one fetches the shards anew."""
-    publish(dataset, nginx.root)
-    cache = tmp_path / "shared-cache"
-    old = "?sv=2024-11-04&se=2026-11-29T00%3A00Z&sr=c&sp=rl&sig=OlDsIgNaTuRe%3D"
-    new = "?sv=2024-11-04&se=2026-12-06T00%3A00Z&sr=c&sp=rl&sig=NeWsIgNaTuRe%3D"
-    m1 = mounter.mount([brace(dataset, f"{nginx.url}/data") + old], None, cache)
-    assert_same_bytes(dataset, m1.mountpoint)
-    m1.unmount()
-    nginx.reset_log()
-    m2 = mounter.mount([brace(dataset, f"{nginx.url}/data") + new], None, cache)
-    assert_same_bytes(dataset, m2.mountpoint)
-    records = nginx.access_log()
-    assert len(records) == len(dataset.shards.shards), [(r.uri, r.range) for r in records]
-    assert all(r.range == "bytes=0-0" and r.uri.endswith(".tar" + new) for r in records)
-    m2.unmount()
-    nginx.reset_log()
-    versioned = new + "&versionid=2026-11-28"
-    m3 = mounter.mount([brace(dataset, f"{nginx.url}/data") + versioned], None, cache)
-    assert_same_bytes(dataset, m3.mountpoint)
-    fetched = [r for r in nginx.access_log() if r.range != "bytes=0-0"]
-    assert {r.uri for r in fetched} >= {f"/data/{name}{versioned}"
-                                         for name in shard_names(dataset)}
-
-
-def test_a_token_kept_out_of_the_source_urls(dataset, nginx, mounter: Mounter, tmp_path: Path,
-                                              monkeypatch):
-    """A signed URL's token given apart from the URLs, from $SHARDFS_URL_QUERY or the config's
-    `credentials: {url_query: {file: ...}}` (a Kubernetes secret, say): every request carries
-    it after the URL's own query, and it shows nowhere (log, stats, xattrs, errors)."""
-    publish(dataset, nginx.root)
-    token = "sv=2024-11-04&sr=c&sp=rl&sig=PrIvAtEsIgNaTuRe%3D"
-    monkeypatch.setenv("SHARDFS_URL_QUERY", token)
-    nginx.reset_log()
-    m = mounter.mount([brace(dataset, f"{nginx.url}/data")])
-    assert_same_bytes(dataset, m.mountpoint)
-    records = nginx.access_log()
-    assert records and all(r.uri.endswith("?" + token) for r in records), \
-        [r.uri for r in records if not r.uri.endswith("?" + token)]
-    assert any(r.uri.endswith(".tar?" + token) and r.range != "bytes=0-0" for r in records)
-    some = sorted(dataset.files())[0]
-    shown = m.log() + json.dumps(m.stats()) + os.getxattr(m.mountpoint / some,
-                                                          "user.shardfs.shard").decode()
-    assert "PrIvAtE" not in shown
-    m.unmount()
-    # From a file named by the config, after a query of the URL's own; the environment's is
-    # not used then.
-    monkeypatch.setenv("SHARDFS_URL_QUERY", "sig=NoTtHiSoNe")
-    secret = tmp_path / "sas"
-    secret.write_text("?" + token + "\n")
-    mnt, cache = mounter.paths()
-    config = tmp_path / "shardfs.yaml"
-    config.write_text(json.dumps({
-        "sources": [brace(dataset, f"{nginx.url}/data") + "?versionid=7"],
-        "mountpoint": str(mnt), "cache_dir": str(cache),
-        "credentials": {"url_query": {"file": str(secret)}}}))
-    nginx.reset_log()
-    result = mounter.run("--config", str(config))
-    assert result.returncode == 0, result.stderr
-    m = mounter.adopt(Mount.from_result(result, mnt, cache))
-    assert_same_bytes(dataset, m.mountpoint)
-    records = nginx.access_log()
-    assert records and all(r.uri.endswith("?versionid=7&" + token) for r in records)
-    # A token that cannot be part of a URL: a clear error that does not show it.
-    monkeypatch.setenv("SHARDFS_URL_QUERY", "sig=Two Words")
-    bad = mounter.run(brace(dataset, f"{nginx.url}/data"), str(mounter.paths()[0]))
-    assert bad.returncode != 0 and "SHARDFS_URL_QUERY" in bad.stderr
-    assert "Words" not in bad.stderr, bad.stderr
 
 
 def mounter_cmd() -> list[str]:

@@ -298,10 +298,13 @@ def merge(*layers: Mapping[str, Any]) -> dict[str, Any]:
 
 def source_secrets(refs: Mapping[str, Mapping[str, str]] | None) -> dict[str, Any]:
     """The config's `credentials` as SourceSettings fields: `s3_credentials` (S3's keys, or
-    None) and `url_query` (None: not given, the environment may give it)."""
+    None), `url_query` (None: not given, the environment may give it) and, where that came
+    from a file, `url_query_file` (read again when a request is refused)."""
     secrets = resolve_credentials(refs)
     url_query = secrets.pop("url_query", None)
-    return {"s3_credentials": secrets or None, "url_query": url_query}
+    ref = (refs or {}).get("url_query") or {}
+    return {"s3_credentials": secrets or None, "url_query": url_query,
+            "url_query_file": os.path.abspath(ref["file"]) if "file" in ref else None}
 
 
 def resolve_credentials(refs: Mapping[str, Mapping[str, str]] | None) -> dict[str, str]:

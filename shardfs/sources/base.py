@@ -103,6 +103,9 @@ class SourceSettings:
     # A query added to every http(s) request (a signed URL's token kept out of the source
     # URLs: an Azure SAS); None: $SHARDFS_URL_QUERY, if set. Never logged (sources/http.py).
     url_query: str | None = field(default=None, repr=False)
+    # The file url_query was read from (the config's `{file: PATH}`): read again when a
+    # request is refused (401/403), so that a new token written there is taken up.
+    url_query_file: str | None = None
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any, cast
 from urllib.parse import urlsplit
 
@@ -41,6 +42,7 @@ RETRYABLE = frozenset({408, 429})  # plus every 5xx
 THROTTLING = frozenset({429, 503})  # "slow down" (S3 SlowDown is a 503): cut the budget
 Response = httpx.Response | Answer  # what a GET returns (Answer: h1.get's, see HttpSource._head)
 URL_QUERY_ENV = "SHARDFS_URL_QUERY"
+REFUSED = (401, 403)  # statuses after which a URL query file is read again
 URLS_PARSED = 4096  # shard URLs kept parsed (HttpSource._parsed, HttpSource._head)
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", re.IGNORECASE)
 _UNSATISFIED_RANGE = re.compile(r"bytes\s+\*/(\d+)\s*$", re.IGNORECASE)
@@ -402,7 +404,8 @@ class HttpSource:
                 f"{url}: the server stopped honouring Range requests (HTTP 200 instead of 206)"
             )
         if status in GONE:
-            raise NotFound(f"{url}: no longer available (HTTP {status})")
+            raise NotFound(f"{url}: no longer available (HTTP {status})"
+                           f"{self._refusal_hint(status, url)}")
         raise self._status_error(resp, url)
 
     @staticmethod
@@ -503,6 +506,29 @@ class HttpSource:
         self.stats.httpx_requests += 1
         return await self._client.send(request, stream=True)
 
+    def _renewed_query(self, used: str) -> bool:
+        """After a refusal (401/403) of a request made with the URL query `used`: whether
+        it should be sent again with another one, because the query file (the config's
+        `credentials: {url_query: {file: ...}}`) now holds a new token, or another request
+        took it up meanwhile."""
+        path = self.settings.url_query_file
+        if path is None or not self._carries_query():
+            return False
+        try:
+            with open(path) as f:
+                query = url_query_of(replace(self.settings, url_query=f.read()))
+        except (OSError, SourceError) as exc:
+            log.warning("cannot read the URL query again from %s: %s", path,
+                        getattr(exc, "strerror", None) or exc)
+            return used != self._url_query
+        if query != self._url_query:
+            self._url_query = query
+            self._urls.clear()  # parsed and request heads carry the old one
+            self._heads.clear()
+            log.info("a request was refused: the URL query was read again from %s (a new "
+                     "token)", path)
+        return used != self._url_query
+
     def _build_request(self, url: str, headers: dict[str, str]) -> httpx.Request:
         """The GET for `url`; built anew for every attempt. Subclasses map URLs to requests
         and sign them here (S3), so a retry carries a fresh signature."""
@@ -541,8 +567,25 @@ class HttpSource:
             return self._retry(f"HTTP {status} {resp.reason_phrase}", retry_after)
         self.stats.errors += 1
         if status in GONE:
-            return NotFound(f"{url}: not found (HTTP {status}){_directory_hint(url)}")
-        return SourceError(f"{url}: unexpected HTTP {status} {resp.reason_phrase}")
+            return NotFound(f"{url}: not found (HTTP {status}){_directory_hint(url)}"
+                            f"{self._refusal_hint(status, url)}")
+        return SourceError(f"{url}: unexpected HTTP {status} {resp.reason_phrase}"
+                           f"{self._refusal_hint(status, url)}")
+
+    def _carries_query(self) -> bool:
+        """Whether requests carry the URL query: plain http(s) ones, not those a subclass
+        builds (S3, GCS, HF sign their own)."""
+        return type(self)._build_request is HttpSource._build_request
+
+    def _refusal_hint(self, status: int, url: str) -> str:
+        if status not in REFUSED or not self._carries_query() or \
+                not (self._url_query or "?" in url):
+            return ""
+        path = self.settings.url_query_file
+        if path is not None:
+            return (f" (an expired signed-URL token? write a new one to {path}: it is read "
+                    "again at the next refusal)")
+        return " (an expired or wrong signed-URL token? mount again with a new one)"
 
 
 class _Attempt:
@@ -565,6 +608,7 @@ class _Attempt:
         await src._before_attempt()
         src.stats.requests += 1
         origin = None
+        query = src._url_query  # what this request carries (see _renewed_query)
         try:
             head = None if self._headers is None else src._head(self._url)
             if head is not None:
@@ -594,6 +638,11 @@ class _Attempt:
             src.budget.throttled()
         elif status < 400:
             src.budget.succeeded()
+        elif status in REFUSED and src._renewed_query(query):
+            # __aexit__ does not run when __aenter__ raises: close the answer here.
+            resp, self._resp = self._resp, None
+            await resp.aclose()
+            raise src._retry(f"HTTP {status}: sent again with the renewed URL query")
         return self._resp
 
     async def __aexit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
