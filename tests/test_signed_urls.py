@@ -186,6 +186,12 @@ def test_a_new_token_written_to_the_query_file_is_taken_up(dataset, nginx, mount
         fetched = {path for path, _, _ in served}
         first_shard = by_shard_url_path(by_shard, first)
         assert first_shard not in fetched and len(fetched) == len(by_shard) - 1, fetched
+        # `shardfs doctor MOUNTPOINT` checks the store as the mount sees it: with the token
+        # from the file the mount's stats name (without it, every shard is refused).
+        from tests.test_doctor import doctor
+
+        checked = doctor(str(mnt))
+        assert f"{len(by_shard)} shards reachable" in checked.stdout, checked.stdout
 
 
 def by_shard_url_path(by_shard: dict[str, list[str]], files: list[str]) -> str:

@@ -72,6 +72,8 @@ def _settings(args: argparse.Namespace, from_mount: dict, config: dict) -> Sourc
         value = getattr(args, key) or from_mount.get(key) or config.get(key)
         if value is not None:
             setattr(settings, key, value)
+    # The file a mount's signed-URL token is read from (its stats name it, never the token).
+    settings.url_query_file = from_mount.get("url_query_file")
     if config.get("credentials"):
         from shardfs.cli.config import source_secrets
 

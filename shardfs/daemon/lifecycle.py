@@ -326,7 +326,8 @@ class Mounted:
             # Where the sources are (never credentials): what `shardfs doctor MOUNTPOINT` uses.
             "source_settings": {k: getattr(settings, k) for k in (
                 "timeout", "deadline", "s3_endpoint", "s3_region", "s3_profile",
-                "s3_addressing", "ais_endpoint", "hf_endpoint", "gs_endpoint")},
+                "s3_addressing", "ais_endpoint", "hf_endpoint", "gs_endpoint",
+                "url_query_file")},
         }
 
     def bytes_fetched(self) -> int:

@@ -655,10 +655,18 @@ class _Attempt:
 
 def url_query_of(settings: SourceSettings) -> str:
     """The query every plain http(s) request of a mount carries besides its URL's own: the
-    settings' (the config's `credentials: {url_query: ...}`), else $SHARDFS_URL_QUERY; ""
-    for none. A leading `?` is dropped. SourceError (never showing the value) if it cannot be
-    part of a URL."""
+    settings' (the config's `credentials: {url_query: ...}`), else what their
+    `url_query_file` holds (`doctor MOUNTPOINT`: the mount's stats name the file), else
+    $SHARDFS_URL_QUERY; "" for none. A leading `?` is dropped. SourceError (never showing the
+    value) if it cannot be read or be part of a URL."""
     query = settings.url_query
+    if query is None and settings.url_query_file is not None:
+        try:
+            with open(settings.url_query_file) as f:
+                query = f.read()
+        except OSError as exc:
+            raise SourceError(f"cannot read the URL query from {settings.url_query_file}: "
+                              f"{exc.strerror}") from None
     if query is None:
         query = os.environ.get(URL_QUERY_ENV, "")
     query = query.strip().removeprefix("?")
