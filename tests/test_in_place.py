@@ -265,6 +265,60 @@ def test_by_default_shards_on_a_spinning_disk_are_copied_to_a_cache_dir_on_a_fas
         linked.unmount()
 
 
+def fake_block_device(sys_root: Path, dev: int, name: str, rotational: bool,
+                      model: str | None) -> None:
+    """sysfs's entries for a whole disk: /sys/dev/block/MAJ:MIN -> its device dir, with
+    queue/rotational and (where given) device/model, as an NVMe namespace's controller or a
+    SCSI disk has it."""
+    disk = sys_root / "devices" / "pci0" / "block" / name
+    (disk / "queue").mkdir(parents=True)
+    (disk / "queue" / "rotational").write_text("1\n" if rotational else "0\n")
+    if model is not None:
+        (disk / "device").mkdir()
+        (disk / "device" / "model").write_text(model.ljust(40) + "\n")  # NVMe pads it
+    links = sys_root / "dev" / "block"
+    links.mkdir(parents=True, exist_ok=True)
+    (links / f"{os.major(dev)}:{os.minor(dev)}").symlink_to(f"../../devices/pci0/block/{name}")
+
+
+def test_shards_on_a_network_backed_volume_are_copied_to_a_local_disk(tmp_path: Path,
+                                                                      tmpfs: Path) -> None:
+    """A cloud's network-backed volume reports itself as a disk that does not spin (EBS on
+    Nitro is an NVMe device); its `device/model` tells it apart. Shards there, the cache dir on
+    the instance's own NVMe: copied (`in_place auto`), as from a spinning disk; both on such
+    volumes, or the shards on a local disk: read in place. (The two file systems are the
+    test's tmp dir and a tmpfs; the sysfs tree that describes their devices is the test's.)"""
+    from shardfs.util.fstypes import ShardStorage
+
+    shards_dev, cache_dev = os.stat(tmp_path).st_dev, os.stat(tmpfs).st_dev
+    assert shards_dev != cache_dev
+    cases = {  # (shards' disk model, cache dir's disk model): copied?
+        ("Amazon Elastic Block Store", "Amazon EC2 NVMe Instance Storage"): "nvme1n1: Amazon",
+        ("nvme_card-pd", "nvme_card"): "nvme1n1: nvme_card-pd",
+        ("PersistentDisk", "nvme_card"): "nvme1n1: PersistentDisk",
+        ("Amazon Elastic Block Store", "Amazon Elastic Block Store"): None,
+        ("Amazon EC2 NVMe Instance Storage", "Amazon EC2 NVMe Instance Storage"): None,
+        ("Samsung SSD 990 PRO 2TB", "Amazon Elastic Block Store"): None,
+    }
+    for i, ((shards_model, cache_model), copied) in enumerate(cases.items()):
+        sys_root = tmp_path / f"sys{i}"
+        fake_block_device(sys_root, shards_dev, "nvme1n1", False, shards_model)
+        fake_block_device(sys_root, cache_dev, "nvme2n1", False, cache_model)
+        why = ShardStorage(str(tmpfs), str(sys_root)).copied_because(shards_dev)
+        if copied is None:
+            assert why is None, (shards_model, cache_model, why)
+        else:
+            assert why is not None and "network-backed volume" in why and copied in why, why
+            assert why.endswith("the cache dir on nvme2n1, a local disk)"), why
+    # A disk without a model (virtio's, a loop device): as before, by rotational alone.
+    sys_root = tmp_path / "sys-plain"
+    fake_block_device(sys_root, shards_dev, "vdb", True, None)
+    fake_block_device(sys_root, cache_dev, "nvme0n1", False, None)
+    assert disk_of(shards_dev, str(sys_root)) == Disk("vdb", True, None)
+    assert "on a rotational disk (vdb" in (ShardStorage(str(tmpfs), str(sys_root))
+                                          .copied_because(shards_dev) or "")
+
+
 def test_a_partition_is_told_of_by_its_disk(tmp_path: Path) -> None:
     """sysfs's layout: /sys/dev/block/MAJ:MIN links to the device; a partition (a `partition`
     file, no queue of its own) is answered by its disk's queue/rotational. Device numbers no

@@ -3,7 +3,9 @@ from afar.
 
 File system types are read from /proc/self/mountinfo, whose third field is the device number
 (`st_dev`) that files of each mount report: one parse serves any number of files (`stat` each,
-look its device up). Whether a disk spins is the kernel's `queue/rotational` in sysfs.
+look its device up). Whether a disk spins is the kernel's `queue/rotational` in sysfs; whether
+it is a cloud's network-backed volume (which reports itself as not spinning: EBS on Nitro is
+an NVMe device), its `device/model`.
 """
 
 from __future__ import annotations
@@ -35,13 +37,28 @@ def device_types() -> dict[int, str]:
     return types
 
 
+# Models of block devices that are volumes served over the cloud's network, by the start of
+# their `device/model`: AWS EBS (NVMe on Nitro), Google Persistent Disk (SCSI, and NVMe as
+# `nvme_card-pd`; local SSDs are `nvme_card`), Azure's remote disks on NVMe. Reading their
+# data again costs the volume's provisioned throughput, as a spinning disk's costs seeks.
+NETWORK_VOLUME_MODELS = ("Amazon Elastic Block Store", "PersistentDisk", "nvme_card-pd",
+                         "MSFT NVMe Accelerator")
+
+
 @dataclass(frozen=True)
 class Disk:
-    """The block device behind a file system: its kernel name (sda, nvme0n1p2, dm-0) and
-    whether the kernel takes it for a spinning one."""
+    """The block device behind a file system: its kernel name (sda, nvme0n1p2, dm-0),
+    whether the kernel takes it for a spinning one, and the model of a network-backed volume
+    (NETWORK_VOLUME_MODELS; None for any other disk)."""
 
     name: str
     rotational: bool
+    network_model: str | None = None
+
+    @property
+    def slow(self) -> bool:
+        """Slower to read again than a local disk that does not spin."""
+        return self.rotational or self.network_model is not None
 
 
 def disk_of(dev: int, sys_root: str = "/sys") -> Disk | None:
@@ -50,23 +67,30 @@ def disk_of(dev: int, sys_root: str = "/sys") -> Disk | None:
     partition's answer is its disk's (only a whole disk has a queue)."""
     node = f"{sys_root}/dev/block/{os.major(dev)}:{os.minor(dev)}"
     # The kernel resolves the link before "..": a partition's ".." is its disk.
-    queue = f"{node}/../queue" if os.path.exists(f"{node}/partition") else f"{node}/queue"
+    disk = f"{node}/.." if os.path.exists(f"{node}/partition") else node
     try:
-        with open(f"{queue}/rotational") as f:
+        with open(f"{disk}/queue/rotational") as f:
             spins = f.read().strip() == "1"
-        return Disk(os.path.basename(os.path.realpath(node)), spins)
     except OSError:
         return None
+    try:  # an NVMe namespace's `device` is its controller, which has the model
+        with open(f"{disk}/device/model") as f:
+            model = f.read().strip()
+    except OSError:
+        model = ""
+    network = model if model.startswith(NETWORK_VOLUME_MODELS) else None
+    return Disk(os.path.basename(os.path.realpath(node)), spins, network)
 
 
 class ShardStorage:
     """`in_place auto`'s judgement of a shard file's storage: read in place, or copied.
 
     Copied: a shard on a file system served from afar (not in LOCAL_FILESYSTEMS), where the
-    copy turns reads into one sequential read per shard; and a shard on a spinning disk while
-    the cache dir lies on a disk that does not spin (an HDD array beside an NVMe drive: the
+    copy turns reads into one sequential read per shard; and a shard on a spinning disk or a
+    cloud's network-backed volume while the cache dir lies on a local disk that does not spin
+    (an HDD array beside an NVMe drive, an EBS volume beside the instance's NVMe store: the
     copy moves each shard once, sequentially, to the faster disk, and its members' reads go
-    there). A disk the kernel cannot tell about (tmpfs, btrfs, zfs) counts as not spinning."""
+    there). A disk the kernel cannot tell about (tmpfs, btrfs, zfs) counts as a fast one."""
 
     def __init__(self, cache_dir: str, sys_root: str = "/sys") -> None:
         self.types = device_types()
@@ -89,9 +113,12 @@ class ShardStorage:
         if kind not in LOCAL_FILESYSTEMS:
             return f"on {kind or 'an unknown file system'} (not a local disk)"
         cache = self.cache_disk
-        if cache is not None and not cache.rotational:
+        if cache is not None and not cache.slow:
             shard = self.disk(dev)
             if shard is not None and shard.rotational:
                 return (f"on a rotational disk ({shard.name}; the cache dir on "
                         f"{cache.name}, not rotational)")
+            if shard is not None and shard.network_model is not None:
+                return (f"on a network-backed volume ({shard.name}: {shard.network_model}; "
+                        f"the cache dir on {cache.name}, a local disk)")
         return None
