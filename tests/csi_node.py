@@ -234,7 +234,11 @@ class Kubelet:
     def publish(self, pod: str, volume: str, volume_id: str, attributes: dict[str, str],
                 *, secrets: dict[str, str] | None = None, ephemeral: bool = False,
                 fs_group: str = "", mode: str = "MULTI_NODE_READER_ONLY",
-                readonly: bool = True, timeout: float = 120) -> Path:
+                readonly: bool = True, timeout: float = 120, namespace: str = "default",
+                service_account: str = "default",
+                tokens: dict[str, str] | None = None) -> Path:
+        """`tokens`: audience -> the pod's service account token, as kubelet passes them
+        when the CSIDriver object has tokenRequests."""
         target = self.target(pod, volume)
         target.parent.mkdir(parents=True, exist_ok=True)
         (target.parent / "vol_data.json").write_text(json.dumps(
@@ -243,6 +247,12 @@ class Kubelet:
                                    secrets=secrets, ephemeral=ephemeral, fs_group=fs_group,
                                    mode="SINGLE_NODE_WRITER" if ephemeral else mode,
                                    readonly=readonly and not ephemeral)
+        req.volume_context.update({"csi.storage.k8s.io/pod.namespace": namespace,
+                                   "csi.storage.k8s.io/serviceAccount.name": service_account})
+        if tokens is not None:
+            expiry = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 3600))
+            req.volume_context["csi.storage.k8s.io/serviceAccount.tokens"] = json.dumps(
+                {aud: {"token": t, "expirationTimestamp": expiry} for aud, t in tokens.items()})
         self.call("Node", "NodePublishVolume", req, timeout=timeout)
         return target
 

@@ -331,3 +331,90 @@ def test_inline_volume_with_secrets_and_fsgroup(tmp_path: Path) -> None:
         # Released: its secrets are gone from the mounter's state too.
         assert not any(secret.encode() in p.read_bytes()
                        for p in node.paths.mounter_state.rglob("*") if p.is_file())
+
+
+def test_pod_level_aws_credentials_from_the_pods_service_account_token(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`authentication_source: pod`: the volume's daemon assumes `aws_role_arn` with the
+    pod's own service account token (kubelet's tokenRequests, STS stand-in), reads S3
+    (SeaweedFS behind a gate that refuses expired keys), and takes up the newer token of a
+    republish when its credentials expire. Pods of one service account share the volume, of
+    another get their own. The tokens show in no log and only in 0600 files; a volume without
+    a token, or without a role, is refused."""
+    from tests.cloud_standins import Vendor, gate_route, serve, sts_route
+    from tests.seaweed_fixture import SeaweedServer
+
+    keys = [(f"PODKEY{i:010d}", f"pod-secret-{i}") for i in range(4)]
+    vendor = Vendor(keys, lifetime=6.0)
+    seen_tokens: list[str] = []
+    gate_log: list[str] = []
+    members = [{f"s{s}/{i}.bin": os.urandom(2500 + i) for i in range(8)} for s in range(2)]
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)  # the mounter's (and so the daemon's) environment
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    identities = {f"u{i}": (k, s, ["Read", "List"]) for i, (k, s) in enumerate(keys)}
+    with SeaweedServer(tmp_path / "weed", identities) as weed, \
+            serve(sts_route(vendor, seen_tokens)) as sts, \
+            serve(gate_route(vendor, weed.url, gate_log)) as gate:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_STS", sts.url)
+        weed.admin.create_bucket(Bucket="pods")
+        for s, files in enumerate(members):
+            weed.admin.put_object(Bucket="pods", Key=f"train-{s}.tar", Body=tar_of(files))
+        with csi_node(tmp_path / "node") as (node, kubelet):
+            attrs = {"source": "s3://pods/train-{0..1}.tar", "s3_endpoint": gate.url,
+                     "s3_region": "us-east-1", "s3_addressing": "path", "deadline": "10",
+                     "authentication_source": "pod", "warm_while_indexing": "false",
+                     "aws_role_arn": "arn:aws:iam::123456789012:role/trainer"}
+            first, second = "eyJ.first-pod-token.sig", "eyJ.second-pod-token.sig"
+            for bad, why in (({}, "tokenRequests"),
+                             ({"sts.amazonaws.com": ""}, "tokenRequests")):
+                with pytest.raises(grpc.RpcError) as exc:
+                    kubelet.publish("pod-a", "data", "pods", attrs, namespace="ml",
+                                    service_account="trainer", tokens=bad)
+                assert code_of(exc) == grpc.StatusCode.INVALID_ARGUMENT
+                assert why in exc.value.details(), exc.value.details()
+            with pytest.raises(grpc.RpcError) as exc:
+                kubelet.publish("pod-a", "data", "pods",
+                                {k: v for k, v in attrs.items() if k != "aws_role_arn"},
+                                namespace="ml", service_account="trainer",
+                                tokens={"sts.amazonaws.com": first})
+            assert "aws_role_arn" in exc.value.details()
+            assert node_mount_count(node) == 0
+
+            target = kubelet.publish("pod-a", "data", "pods", attrs, namespace="ml",
+                                     service_account="trainer",
+                                     tokens={"sts.amazonaws.com": first})
+            want = {n: hashlib.sha256(d).hexdigest() for files in members
+                    for n, d in files.items()}
+            for name in members[0]:  # the first shard only
+                assert hashlib.sha256((target / name).read_bytes()).hexdigest() == want[name]
+            assert seen_tokens and set(seen_tokens) == {first}
+            # Kubelet republishes (requiresRepublish) with the pod's renewed token; once the
+            # role's credentials expire, the daemon assumes the role with the new one.
+            kubelet.publish("pod-a", "data", "pods", attrs, namespace="ml",
+                            service_account="trainer", tokens={"sts.amazonaws.com": second})
+            time.sleep(vendor.lifetime + 1)
+            assert read_as(target) == want  # the second shard: fetched after expiry
+            assert seen_tokens[-1] == second, seen_tokens
+            # Another pod of the same service account: the same volume; of another: its own.
+            kubelet.publish("pod-b", "data", "pods", attrs, namespace="ml",
+                            service_account="trainer", tokens={"sts.amazonaws.com": second})
+            assert node_mount_count(node) == 1
+            other = kubelet.publish("pod-c", "data", "pods", attrs, namespace="ml",
+                                    service_account="evaluator",
+                                    tokens={"sts.amazonaws.com": "eyJ.third-pod-token.sig"})
+            assert node_mount_count(node) == 2 and read_as(other) == want
+            logs = node.logs() + "".join(p.read_text(errors="replace")
+                                         for p in node.paths.cache_root.rglob("shardfs.log"))
+            for token in (first, second):
+                assert token not in logs
+                for root in (node.paths.mounter_state, node.paths.plugin_state):
+                    for path in root.rglob("*"):
+                        if path.is_file() and token.encode() in path.read_bytes():
+                            assert path.stat().st_mode & 0o077 == 0, path
+            for pod in ("pod-a", "pod-b", "pod-c"):
+                kubelet.unpublish(pod, "data", "pods")
+            assert node_mount_count(node) == 0
+            assert not list(node.paths.mounter_state.rglob("*.token"))

@@ -3,8 +3,10 @@
 Needs no privilege: it never mounts, it only runs `shardfs mount --fuse-fd N` on descriptors
 the plugin hands over its socket. Requests (one per connection, `wire` messages):
 
-- `serve` {key, spec, secrets, node_path} + fd -> {ok} once the daemon is ready, or
+- `serve` {key, spec, secrets, node_path, token} + fd -> {ok} once the daemon is ready, or
   {ok: false, error: "shardfs: error: ...", code}
+- `token` {key, token} -> {ok}: a pod's newer service account token for a volume with
+  pod-level credentials (kubelet's republish): written where the daemon reads it
 - `release` {key} -> {ok}: the plugin unmounted the volume; end its daemon, close the fd
 - `sync` {volumes, offered} + one {key} + fd message per offered descriptor -> one {key} + fd
   message per descriptor the plugin lacks, then {done, took_over, failed}; the connection then
@@ -77,6 +79,9 @@ class MounterServer:
             try:
                 if op == "serve":
                     self._serve(conn, message, fds)
+                elif op == "token":
+                    _close_all(fds)
+                    self._token(conn, message)
                 elif op == "release":
                     _close_all(fds)
                     self.volumes.release(str(message["key"]))
@@ -99,7 +104,17 @@ class MounterServer:
         try:
             self.volumes.serve(key, VolumeSpec.from_json(message["spec"]),
                                dict(message.get("secrets") or {}), str(message["node_path"]),
-                               fds[0])
+                               fds[0], token=message.get("token"))
+        except ServeError as exc:
+            log.warning("volume %s: %s", key, exc)
+            wire.send(conn, {"ok": False, "error": str(exc), "code": exc.code})
+            return
+        wire.send(conn, {"ok": True})
+
+    def _token(self, conn: socket.socket, message: dict[str, Any]) -> None:
+        key = str(message["key"])
+        try:
+            self.volumes.renew_token(key, str(message["token"]))
         except ServeError as exc:
             log.warning("volume %s: %s", key, exc)
             wire.send(conn, {"ok": False, "error": str(exc), "code": exc.code})

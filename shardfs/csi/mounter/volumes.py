@@ -6,6 +6,9 @@ STATE_DIR/volumes/KEY.json   spec, node path, secrets (0600, in a 0700 dir): wha
 STATE_DIR/volumes/KEY.yaml   the volume's settings, given to its daemon as --config
 STATE_DIR/volumes/KEY.google.json  the secret GOOGLE_CREDENTIALS_JSON, if given (0600): the
                              file GOOGLE_APPLICATION_CREDENTIALS names to the daemon
+STATE_DIR/volumes/KEY.token  a pod's service account token (authentication_source: pod;
+                             0600): the file AWS_WEB_IDENTITY_TOKEN_FILE names to the daemon,
+                             rewritten when kubelet republishes with a newer one
 CACHE_ROOT/KEY/              the volume's cache dir (shards, indexes, tree, shardfs.log)
 ```
 A daemon that dies while its volume is published is started again with `--takeover` (the
@@ -55,6 +58,7 @@ class Volume:
     secrets: dict[str, str]
     node_path: str
     fd: int | None = None
+    token: str | None = None  # the pod's service account token (spec.role_arn)
     daemon: Daemon | None = None
     spare: Daemon | None = None  # standing by to take over at once when the daemon dies
     released: bool = False
@@ -90,7 +94,8 @@ class Volumes:
             try:
                 data = json.loads(path.read_text())
                 volume = Volume(path.stem, VolumeSpec.from_json(data["spec"]),
-                                dict(data["secrets"]), data["node_path"])
+                                dict(data["secrets"]), data["node_path"],
+                                token=data.get("token"))
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.error("ignoring the unreadable record %s: %s", path, exc)
                 continue
@@ -101,7 +106,7 @@ class Volumes:
 
     def _write_record(self, volume: Volume) -> None:
         data = {"spec": volume.spec.to_json(), "secrets": volume.secrets,
-                "node_path": volume.node_path}
+                "node_path": volume.node_path, "token": volume.token}
         _write_private(self.records / f"{volume.key}.json", json.dumps(data))
         _write_private(self.records / f"{volume.key}.yaml",
                        yaml.safe_dump(volume.spec.options) if volume.spec.options else "{}\n")
@@ -116,16 +121,41 @@ class Volumes:
             path = self.records / f"{volume.key}.google.json"
             _write_private(path, google)
             secrets["GOOGLE_APPLICATION_CREDENTIALS"] = str(path)
+        spec = volume.spec
+        if spec.role_arn is not None:
+            # IRSA's variables: the credential chain (botocore's) assumes the role with the
+            # token, and reads the file again at each refresh.
+            path = self.records / f"{volume.key}.token"
+            _write_private(path, volume.token or "")
+            secrets["AWS_WEB_IDENTITY_TOKEN_FILE"] = str(path)
+            secrets["AWS_ROLE_ARN"] = spec.role_arn
+            secrets["AWS_ROLE_SESSION_NAME"] = _session_name(spec.service_account or "")
         return secrets
 
+    def renew_token(self, key: str, token: str) -> None:
+        """A pod's newer token for a volume with pod-level credentials: kept in the record
+        and in the file the daemon reads at its next STS call."""
+        with self.lock:
+            volume = self.volumes.get(key)
+        if volume is None or volume.spec.role_arn is None:
+            raise ServeError(f"no volume {key} with pod-level credentials here",
+                             "NOT_FOUND")
+        with volume.lock:
+            if token == volume.token:
+                return
+            volume.token = token
+            self._write_record(volume)
+            _write_private(self.records / f"{key}.token", token)
+        log.info("volume %s: a newer service account token from kubelet", key)
+
     def _drop_record(self, key: str) -> None:
-        for suffix in (".json", ".yaml", ".google.json"):
+        for suffix in (".json", ".yaml", ".google.json", ".token"):
             with contextlib.suppress(FileNotFoundError):
                 (self.records / f"{key}{suffix}").unlink()
 
     # -- serving -------------------------------------------------------------------------
     def serve(self, key: str, spec: VolumeSpec, secrets: dict[str, str], node_path: str,
-              fd: int) -> None:
+              fd: int, *, token: str | None = None) -> None:
         """A new mount from the plugin: start its daemon (it answers INIT) and wait until it
         is ready. The descriptor is ours from here on, also when this fails."""
         try:
@@ -141,7 +171,11 @@ class Volumes:
         if stale is not None:  # a mount the plugin replaced (its daemon gave up, or none)
             with stale.lock:
                 self._forget(stale)
-        volume = Volume(key, spec, dict(secrets), node_path, fd=fd)
+        if spec.role_arn is not None and not token:
+            os.close(fd)
+            raise ServeError("authentication_source: pod, but no service account token came "
+                             "with the volume", "INVALID_ARGUMENT")
+        volume = Volume(key, spec, dict(secrets), node_path, fd=fd, token=token)
         with self.lock:
             self.volumes[key] = volume
         with volume.lock:
@@ -364,6 +398,14 @@ class Volumes:
             for daemon in (volume.spare, volume.daemon):
                 if daemon is not None:
                     daemon.kill()
+
+
+def _session_name(service_account: str) -> str:
+    """An STS RoleSessionName (at most 64 of [\\w+=,.@-]) naming the pod's service account,
+    so that CloudTrail shows whose reads these were."""
+    name = "shardfs-" + "".join(c if c.isalnum() or c in "+=,.@-" else "." for c in
+                                service_account)
+    return name[:64]
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from shardfs.csi.plugin import kernel
 from shardfs.csi.plugin.link import Descriptors, MounterLink, MounterUnavailable
 from shardfs.csi.plugin.state import PluginState, Publish, Volume
-from shardfs.csi.volume import VolumeError, VolumeSpec, is_ephemeral, parse_volume
+from shardfs.csi.volume import VolumeError, VolumeSpec, is_ephemeral, parse_volume, pod_token
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +143,8 @@ class Node:
                             "absolute")
         try:
             spec = parse_volume(req.context, req.secrets, req.mount_group)
+            # The pod's own token (authentication_source: pod), never part of the key.
+            token = pod_token(req.context) if spec.role_arn else None
         except VolumeError as exc:
             raise NodeError("INVALID_ARGUMENT", str(exc)) from None
         key = spec.key(req.secrets, self.state.salt)
@@ -155,11 +157,17 @@ class Node:
                 if volume.key == key and publish.volume_id == wanted.volume_id and \
                         publish.readonly == wanted.readonly:
                     if kernel.mount_at(target) is not None:
-                        return  # already published just so: idempotent
+                        # Already published just so: idempotent. With requiresRepublish,
+                        # kubelet calls again with the pod's renewed token.
+                        if token is not None:
+                            self._renew_token(key, token)
+                        return
                 else:
                     raise NodeError("ALREADY_EXISTS", f"{target} is already published with "
                                     f"other arguments (volume {publish.volume_id})")
-            volume = self._ensure_mounted(key, spec, req.secrets)
+            volume, served = self._ensure_mounted(key, spec, req.secrets, token)
+            if token is not None and not served:  # another pod's volume: this pod's token
+                self._renew_token(key, token)
             try:
                 os.makedirs(target, exist_ok=True)
                 if kernel.mount_at(target) is None:
@@ -173,12 +181,13 @@ class Node:
                 self.state.save()
         log.info("published volume %s (%s) at %s", req.volume_id, key, target)
 
-    def _ensure_mounted(self, key: str, spec: VolumeSpec, secrets: dict[str, str]) -> Volume:
-        """The volume's node mount, made and served if it is not there yet."""
+    def _ensure_mounted(self, key: str, spec: VolumeSpec, secrets: dict[str, str],
+                        token: str | None) -> tuple[Volume, bool]:
+        """The volume's node mount, made and served if it is not there yet (then True)."""
         with self.state.lock:
             volume = self.state.volumes.get(key)
         if volume is not None and kernel.mount_at(volume.node_path) is not None:
-            return volume
+            return volume, False
         node_path = self.state.node_path(key)
         if volume is None:  # (else a given-up volume, mounted again with its publishes)
             volume = Volume(key, spec, node_path)
@@ -196,7 +205,7 @@ class Node:
             try:
                 reply = self.link.request(
                     {"op": "serve", "key": key, "spec": spec.to_json(), "secrets": secrets,
-                     "node_path": node_path}, (fd,), timeout=SERVE_TIMEOUT_S)
+                     "node_path": node_path, "token": token}, (fd,), timeout=SERVE_TIMEOUT_S)
             except MounterUnavailable as exc:
                 raise NodeError("UNAVAILABLE", str(exc)) from None
             if not reply.get("ok"):
@@ -208,7 +217,19 @@ class Node:
             self._forget(volume)
             raise
         log.info("volume %s mounted at %s", key, node_path)
-        return volume
+        return volume, True
+
+    def _renew_token(self, key: str, token: str) -> None:
+        """Hand a pod's newer service account token to the volume's daemon (through the
+        mounter, which rewrites the token file the daemon reads at its next STS call)."""
+        try:
+            reply = self.link.request({"op": "token", "key": key, "token": token},
+                                      timeout=30.0)
+        except MounterUnavailable as exc:
+            raise NodeError("UNAVAILABLE", str(exc)) from None
+        if not reply.get("ok"):
+            raise NodeError(reply.get("code") or "INTERNAL",
+                            reply.get("error") or "the mounter could not take the token")
 
     # -- unpublish -----------------------------------------------------------------------
     def unpublish(self, volume_id: str, target_path: str) -> None:

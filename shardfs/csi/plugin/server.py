@@ -20,6 +20,7 @@ from typing import Any
 from shardfs import __version__
 from shardfs.csi import proto, wire
 from shardfs.csi.plugin.node import Node, NodeError, PublishRequest
+from shardfs.csi.volume import SERVICE_ACCOUNT_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,12 @@ class Plugin:
             mount_group=cap.mount.volume_mount_group if has_cap else "",
             readonly=request.readonly, has_capability=has_cap,
             block=has_cap and cap.WhichOneof("access_type") == "block")
-        log.info("NodePublishVolume %s -> %s (attributes %s, secrets: %d key(s))",
-                 req.volume_id, req.target_path, req.context, len(req.secrets))
+        # A pod's service account token is a credential: named, never shown. With
+        # requiresRepublish kubelet repeats this call every minute or so: debug.
+        shown = {k: ("(a token)" if k == SERVICE_ACCOUNT_TOKENS else v)
+                 for k, v in req.context.items()}
+        log.debug("NodePublishVolume %s -> %s (attributes %s, secrets: %d key(s))",
+                  req.volume_id, req.target_path, shown, len(req.secrets))
         self._call(context, self.node.publish, req)
         return proto.NodePublishVolumeResponse()
 
