@@ -418,3 +418,61 @@ def test_pod_level_aws_credentials_from_the_pods_service_account_token(
                 kubelet.unpublish(pod, "data", "pods")
             assert node_mount_count(node) == 0
             assert not list(node.paths.mounter_state.rglob("*.token"))
+
+
+def test_pod_level_google_credentials_by_workload_identity_federation(tmp_path: Path) -> None:
+    """`authentication_source: pod` with `gcp_workload_identity_provider`: the volume's
+    daemon exchanges the pod's service account token at (a stand-in of) Google's STS for the
+    provider's audience, reads gs:// with the access token, and exchanges the newer token of
+    a republish once the old one is refused and its access token expires. No token in any
+    log; a volume with both a provider and a Google key in its secret is refused."""
+    from tests.cloud_standins import serve
+    from tests.test_hf_gs import Gcs
+
+    first, second = "eyJ.gke-pod-token-1.sig", "eyJ.gke-pod-token-2.sig"
+    gcs = Gcs(lifetime=4.0, subject_token=first)
+    members = [{f"g{s}/{i}.bin": os.urandom(2200 + i) for i in range(6)} for s in range(2)]
+    for s, files in enumerate(members):
+        gcs.objects[f"b1/pods/train-{s}.tar"] = tar_of(files)
+    provider = "projects/42/locations/global/workloadIdentityPools/cluster/providers/k8s"
+    audience = "//iam.googleapis.com/" + provider
+    with serve(gcs.route) as server, csi_node(tmp_path / "node") as (node, kubelet):
+        attrs = {"source": "gs://b1/pods/train-{0..1}.tar", "gs_endpoint": server.url,
+                 "deadline": "10", "warm_while_indexing": "false",
+                 "authentication_source": "pod", "gcp_workload_identity_provider": provider,
+                 "gcp_sts_url": server.url + "/sts"}
+        token_audience = "https:" + audience  # the provider's default allowed audience
+        with pytest.raises(grpc.RpcError) as exc:
+            kubelet.publish("pod-g", "data", "gpods", attrs, namespace="ml",
+                            service_account="trainer",
+                            secrets={"GOOGLE_CREDENTIALS_JSON": '{"type": "service_account"}'},
+                            tokens={token_audience: first})
+        assert code_of(exc) == grpc.StatusCode.INVALID_ARGUMENT
+        assert "use one or the other" in exc.value.details(), exc.value.details()
+        with pytest.raises(grpc.RpcError) as exc:
+            kubelet.publish("pod-g", "data", "gpods", attrs, namespace="ml",
+                            service_account="trainer", tokens={"sts.amazonaws.com": first})
+        assert token_audience in exc.value.details(), exc.value.details()
+
+        target = kubelet.publish("pod-g", "data", "gpods", attrs, namespace="ml",
+                                 service_account="trainer", tokens={token_audience: first})
+        want = {n: hashlib.sha256(d).hexdigest() for files in members for n, d in files.items()}
+        for name in members[0]:
+            assert hashlib.sha256((target / name).read_bytes()).hexdigest() == want[name]
+        assert gcs.exchanged and set(gcs.exchanged) == {(audience, first)}
+        # The pod's token is renewed (the old one no longer accepted); kubelet republishes.
+        gcs.subject_token = second
+        kubelet.publish("pod-g", "data", "gpods", attrs, namespace="ml",
+                        service_account="trainer", tokens={token_audience: second})
+        time.sleep(gcs.lifetime + 1)
+        assert read_as(target) == want  # the second shard, after the access token expired
+        assert gcs.exchanged[-1] == (audience, second), gcs.exchanged
+        logs = node.logs() + "".join(p.read_text(errors="replace")
+                                     for p in node.paths.cache_root.rglob("shardfs.log"))
+        assert first not in logs and second not in logs
+        config = next(node.paths.mounter_state.rglob("*.google.json"))
+        assert config.stat().st_mode & 0o077 == 0
+        assert json.loads(config.read_text())["audience"] == audience
+        kubelet.unpublish("pod-g", "data", "gpods")
+        assert node_mount_count(node) == 0
+        assert not list(node.paths.mounter_state.rglob("*.token"))

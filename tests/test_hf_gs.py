@@ -240,6 +240,7 @@ class Gcs:
         self.service_account = service_account
         self.subject_token = subject_token
         self.grants: list[str] = []  # grant types of the tokens issued at /token and /sts
+        self.exchanged: list[tuple[str, str]] = []  # (audience, subject token) at /sts
         self.tokens: dict[str, float] = {}  # token -> expiry
         self.objects = {f"b1/{k}": v for k, v in FILES.items()}
         self.refused = 0
@@ -260,6 +261,8 @@ class Gcs:
             return 200, {"Content-Type": "application/json"}, json.dumps(self.issue()).encode()
         if url.path in ("/token", "/sts") and req.method == "POST":
             form = {k: v[0] for k, v in parse_qs(req.body.decode()).items()}
+            if url.path == "/sts":
+                self.exchanged.append((form.get("audience", ""), form.get("subject_token", "")))
             granted = self._grant(url.path, form)
             if not granted:
                 return 400, {"Content-Type": "application/json"}, b'{"error":"invalid_grant"}'

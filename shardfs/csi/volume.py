@@ -6,12 +6,7 @@ Kubelet's own attributes (`csi.storage.k8s.io/...`: pod name, namespace, uid, se
 ephemeral) are not part of the volume: two pods naming the same shards with the same settings
 and credentials share one daemon and one cache (the volume's `key`).
 
-Pod-level AWS credentials (`authentication_source: pod`, with `aws_role_arn`): the volume's
-daemon assumes that role with the pod's own service account token (kubelet passes it when the
-CSIDriver object has `tokenRequests` for audience `sts.amazonaws.com`; `requiresRepublish`
-brings fresh ones), as IRSA does for a pod's own processes. The volume is then keyed by the
-pod's namespace and service account (not its token): pods of one service account share a
-daemon, pods of another get their own.
+Pod-level credentials (`authentication_source: pod`): csi/podidentity.py.
 """
 
 from __future__ import annotations
@@ -24,13 +19,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from shardfs.cli.config import ConfigError, validate
+from shardfs.csi.podidentity import ATTRIBUTES as POD_ATTRIBUTES
+from shardfs.csi.podidentity import (
+    KUBELET_PREFIX,
+    PodIdentity,
+    PodIdentityError,
+    parse_pod_identity,
+)
 
-KUBELET_PREFIX = "csi.storage.k8s.io/"
 EPHEMERAL = KUBELET_PREFIX + "ephemeral"
-POD_NAMESPACE = KUBELET_PREFIX + "pod.namespace"
-SERVICE_ACCOUNT = KUBELET_PREFIX + "serviceAccount.name"
-SERVICE_ACCOUNT_TOKENS = KUBELET_PREFIX + "serviceAccount.tokens"
-STS_AUDIENCE = "sts.amazonaws.com"  # the audience IRSA's tokens carry
 
 # Attributes that would let a pod reach into the node (paths, ports, secrets on disk) or
 # that the driver sets itself.
@@ -70,10 +67,7 @@ class VolumeSpec:
     sources: list[str]
     options: dict[str, Any] = field(default_factory=dict)  # validated config keys
     gid: int | None = None  # the pod's fsGroup (VOLUME_MOUNT_GROUP)
-    # Pod-level AWS credentials (authentication_source: pod): the role the daemon assumes
-    # with the pod's token, and whose pods these are ("NAMESPACE/SERVICE_ACCOUNT").
-    role_arn: str | None = None
-    service_account: str | None = None
+    pod: PodIdentity | None = None  # authentication_source: pod (csi/podidentity.py)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,8 +75,7 @@ class VolumeSpec:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> VolumeSpec:
         return cls(sources=list(data["sources"]), options=dict(data.get("options") or {}),
-                   gid=data.get("gid"), role_arn=data.get("role_arn"),
-                   service_account=data.get("service_account"))
+                   gid=data.get("gid"), pod=PodIdentity.from_json(data.get("pod")))
 
     def key(self, secrets: Mapping[str, str], salt: bytes) -> str:
         """The volume's identity on the node: the same shards, settings, group and secrets
@@ -108,11 +101,13 @@ def parse_volume(context: Mapping[str, str], secrets: Mapping[str, str],
             raise VolumeError(f"volumeAttributes: source {source!r}: expected a URL "
                               f"({', '.join(s + '://' for s in REMOTE_SCHEMES)}); local "
                               "paths are not served to pods")
-    role_arn, service_account = _pod_identity(context, secrets)
+    try:
+        pod = parse_pod_identity(context, secrets)
+    except PodIdentityError as exc:
+        raise VolumeError(str(exc)) from None
     raw: dict[str, Any] = {}
     for key, value in context.items():
-        if key in ("source", "authentication_source", "aws_role_arn") or \
-                key.startswith(KUBELET_PREFIX):
+        if key == "source" or key in POD_ATTRIBUTES or key.startswith(KUBELET_PREFIX):
             continue
         name = key.replace("-", "_")
         if name in _NOT_SETTABLE:
@@ -129,53 +124,7 @@ def parse_volume(context: Mapping[str, str], secrets: Mapping[str, str],
         if not mount_group.isdigit():
             raise VolumeError(f"volume_mount_group {mount_group!r}: expected a numeric gid")
         gid = int(mount_group)
-    return VolumeSpec(sources=sources, options=options, gid=gid, role_arn=role_arn,
-                      service_account=service_account)
-
-
-def _pod_identity(context: Mapping[str, str], secrets: Mapping[str, str]
-                  ) -> tuple[str | None, str | None]:
-    """(role ARN, "NAMESPACE/SERVICE_ACCOUNT") for `authentication_source: pod`; (None, None)
-    for the driver's own credentials (the default)."""
-    source = context.get("authentication_source", "driver")
-    if source not in ("driver", "pod"):
-        raise VolumeError(f"volumeAttributes: authentication_source {source!r}: expected "
-                          "'driver' (the mounter's credentials or the secret's) or 'pod' "
-                          "(the pod's service account token)")
-    role_arn = context.get("aws_role_arn")
-    if source == "driver":
-        if role_arn is not None:
-            raise VolumeError("volumeAttributes: aws_role_arn is used only with "
-                              "authentication_source: pod")
-        return None, None
-    if not role_arn or not role_arn.startswith("arn:") or ":role/" not in role_arn:
-        raise VolumeError("volumeAttributes: authentication_source: pod needs aws_role_arn, "
-                          "the IAM role the pod's service account may assume (e.g. "
-                          "arn:aws:iam::123456789012:role/trainer)")
-    namespace, account = context.get(POD_NAMESPACE), context.get(SERVICE_ACCOUNT)
-    if not namespace or not account:
-        raise VolumeError("authentication_source: pod needs the pod's namespace and service "
-                          "account: set podInfoOnMount: true in the CSIDriver object")
-    mixed = sorted(k for k in secrets if k.startswith("AWS_"))
-    if mixed:
-        raise VolumeError(f"authentication_source: pod and AWS keys in the secret "
-                          f"({', '.join(mixed)}): use one or the other")
-    return role_arn, f"{namespace}/{account}"
-
-
-def pod_token(context: Mapping[str, str]) -> str:
-    """The pod's service account token for STS, from kubelet's `serviceAccount.tokens`."""
-    text = context.get(SERVICE_ACCOUNT_TOKENS)
-    try:
-        token = json.loads(text)[STS_AUDIENCE]["token"] if text else None
-    except (ValueError, KeyError, TypeError):
-        token = None
-    if not isinstance(token, str) or not token:
-        raise VolumeError(f"authentication_source: pod, but kubelet passed no service "
-                          f"account token for audience {STS_AUDIENCE}: the CSIDriver object "
-                          f"needs tokenRequests: [{{audience: {STS_AUDIENCE}}}] (and "
-                          "requiresRepublish: true, so that tokens are renewed)")
-    return token
+    return VolumeSpec(sources=sources, options=options, gid=gid, pod=pod)
 
 
 def check_secrets(secrets: Mapping[str, str]) -> None:

@@ -24,6 +24,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,26 +101,13 @@ class MounterServer:
             _close_all(fds)
             wire.send(conn, {"ok": False, "error": "serve needs exactly one descriptor"})
             return
-        key = str(message["key"])
-        try:
-            self.volumes.serve(key, VolumeSpec.from_json(message["spec"]),
-                               dict(message.get("secrets") or {}), str(message["node_path"]),
-                               fds[0], token=message.get("token"))
-        except ServeError as exc:
-            log.warning("volume %s: %s", key, exc)
-            wire.send(conn, {"ok": False, "error": str(exc), "code": exc.code})
-            return
-        wire.send(conn, {"ok": True})
+        _answer(conn, str(message["key"]), lambda key: self.volumes.serve(
+            key, VolumeSpec.from_json(message["spec"]), dict(message.get("secrets") or {}),
+            str(message["node_path"]), fds[0], token=message.get("token")))
 
     def _token(self, conn: socket.socket, message: dict[str, Any]) -> None:
-        key = str(message["key"])
-        try:
-            self.volumes.renew_token(key, str(message["token"]))
-        except ServeError as exc:
-            log.warning("volume %s: %s", key, exc)
-            wire.send(conn, {"ok": False, "error": str(exc), "code": exc.code})
-            return
-        wire.send(conn, {"ok": True})
+        _answer(conn, str(message["key"]),
+                lambda key: self.volumes.renew_token(key, str(message["token"])))
 
     def _sync(self, conn: socket.socket, message: dict[str, Any]) -> None:
         known = dict(message.get("volumes") or {})
@@ -145,6 +133,17 @@ class MounterServer:
         finally:
             with self._watchers_lock:
                 self._watchers.discard(conn)
+
+
+def _answer(conn: socket.socket, key: str, do: Callable[[str], None]) -> None:
+    """Do a request for volume `key` and answer {ok}, or {ok: false, error, code}."""
+    try:
+        do(key)
+    except ServeError as exc:
+        log.warning("volume %s: %s", key, exc)
+        wire.send(conn, {"ok": False, "error": str(exc), "code": exc.code})
+        return
+    wire.send(conn, {"ok": True})
 
 
 def _close_all(fds: list[int]) -> None:

@@ -7,8 +7,9 @@ STATE_DIR/volumes/KEY.yaml   the volume's settings, given to its daemon as --con
 STATE_DIR/volumes/KEY.google.json  the secret GOOGLE_CREDENTIALS_JSON, if given (0600): the
                              file GOOGLE_APPLICATION_CREDENTIALS names to the daemon
 STATE_DIR/volumes/KEY.token  a pod's service account token (authentication_source: pod;
-                             0600): the file AWS_WEB_IDENTITY_TOKEN_FILE names to the daemon,
-                             rewritten when kubelet republishes with a newer one
+                             0600), rewritten when kubelet republishes with a newer one: the
+                             file AWS_WEB_IDENTITY_TOKEN_FILE names to the daemon, or the
+                             subject token of KEY.google.json (csi/podidentity.py)
 CACHE_ROOT/KEY/              the volume's cache dir (shards, indexes, tree, shardfs.log)
 ```
 A daemon that dies while its volume is published is started again with `--takeover` (the
@@ -58,7 +59,7 @@ class Volume:
     secrets: dict[str, str]
     node_path: str
     fd: int | None = None
-    token: str | None = None  # the pod's service account token (spec.role_arn)
+    token: str | None = None  # the pod's service account token (spec.pod)
     daemon: Daemon | None = None
     spare: Daemon | None = None  # standing by to take over at once when the daemon dies
     released: bool = False
@@ -121,15 +122,16 @@ class Volumes:
             path = self.records / f"{volume.key}.google.json"
             _write_private(path, google)
             secrets["GOOGLE_APPLICATION_CREDENTIALS"] = str(path)
-        spec = volume.spec
-        if spec.role_arn is not None:
-            # IRSA's variables: the credential chain (botocore's) assumes the role with the
-            # token, and reads the file again at each refresh.
-            path = self.records / f"{volume.key}.token"
-            _write_private(path, volume.token or "")
-            secrets["AWS_WEB_IDENTITY_TOKEN_FILE"] = str(path)
-            secrets["AWS_ROLE_ARN"] = spec.role_arn
-            secrets["AWS_ROLE_SESSION_NAME"] = _session_name(spec.service_account or "")
+        pod = volume.spec.pod
+        if pod is not None:
+            # The credential chains read the token file again at each exchange.
+            token_file = self.records / f"{volume.key}.token"
+            google_file = self.records / f"{volume.key}.google.json"
+            _write_private(token_file, volume.token or "")
+            config = pod.google_config(str(token_file))
+            if config is not None:
+                _write_private(google_file, config)
+            secrets.update(pod.daemon_env(str(token_file), str(google_file)))
         return secrets
 
     def renew_token(self, key: str, token: str) -> None:
@@ -137,7 +139,7 @@ class Volumes:
         and in the file the daemon reads at its next STS call."""
         with self.lock:
             volume = self.volumes.get(key)
-        if volume is None or volume.spec.role_arn is None:
+        if volume is None or volume.spec.pod is None:
             raise ServeError(f"no volume {key} with pod-level credentials here",
                              "NOT_FOUND")
         with volume.lock:
@@ -171,7 +173,7 @@ class Volumes:
         if stale is not None:  # a mount the plugin replaced (its daemon gave up, or none)
             with stale.lock:
                 self._forget(stale)
-        if spec.role_arn is not None and not token:
+        if spec.pod is not None and not token:
             os.close(fd)
             raise ServeError("authentication_source: pod, but no service account token came "
                              "with the volume", "INVALID_ARGUMENT")
@@ -398,14 +400,6 @@ class Volumes:
             for daemon in (volume.spare, volume.daemon):
                 if daemon is not None:
                     daemon.kill()
-
-
-def _session_name(service_account: str) -> str:
-    """An STS RoleSessionName (at most 64 of [\\w+=,.@-]) naming the pod's service account,
-    so that CloudTrail shows whose reads these were."""
-    name = "shardfs-" + "".join(c if c.isalnum() or c in "+=,.@-" else "." for c in
-                                service_account)
-    return name[:64]
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -22,7 +22,8 @@ from pathlib import Path
 from shardfs.csi.plugin import kernel
 from shardfs.csi.plugin.link import Descriptors, MounterLink, MounterUnavailable
 from shardfs.csi.plugin.state import PluginState, Publish, Volume
-from shardfs.csi.volume import VolumeError, VolumeSpec, is_ephemeral, parse_volume, pod_token
+from shardfs.csi.podidentity import PodIdentityError, pod_token
+from shardfs.csi.volume import VolumeError, VolumeSpec, is_ephemeral, parse_volume
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +145,8 @@ class Node:
         try:
             spec = parse_volume(req.context, req.secrets, req.mount_group)
             # The pod's own token (authentication_source: pod), never part of the key.
-            token = pod_token(req.context) if spec.role_arn else None
-        except VolumeError as exc:
+            token = pod_token(req.context, spec.pod) if spec.pod is not None else None
+        except (VolumeError, PodIdentityError) as exc:
             raise NodeError("INVALID_ARGUMENT", str(exc)) from None
         key = spec.key(req.secrets, self.state.salt)
         target = os.path.normpath(req.target_path)

@@ -20,7 +20,7 @@ from typing import Any
 from shardfs import __version__
 from shardfs.csi import proto, wire
 from shardfs.csi.plugin.node import Node, NodeError, PublishRequest
-from shardfs.csi.volume import SERVICE_ACCOUNT_TOKENS
+from shardfs.csi.podidentity import SERVICE_ACCOUNT_TOKENS
 
 log = logging.getLogger(__name__)
 
