@@ -199,3 +199,39 @@ def by_shard_url_path(by_shard: dict[str, list[str]], files: list[str]) -> str:
     from urllib.parse import urlsplit
 
     return next(urlsplit(url).path for url, held in by_shard.items() if held == files)
+
+
+def test_doctor_and_the_log_say_when_signatures_expire(dataset, nginx, mounter: Mounter,
+                                                       tmp_path: Path, monkeypatch):
+    """A SAS's `se` (nginx ignores it, so only shardfs can tell): `doctor` fails an expired
+    one, notes one that expires within a day, and shows when a later one does; the mount's
+    log says when, as a warning within a day (for a token from $SHARDFS_URL_QUERY too)."""
+    import time
+
+    from tests.test_doctor import doctor
+
+    publish(dataset, nginx.root)
+    source = brace(dataset, f"{nginx.url}/data")
+
+    def sas(hours: float) -> str:
+        until = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + hours * 3600))
+        return f"sv=2024-11-04&sr=c&sp=rl&se={until}&sig=ExPiRy"
+
+    def verdict(query: str) -> dict:
+        result = doctor(f"{source}?{query}", "--cache-dir", str(tmp_path / "c"), "--json")
+        return next(c for c in json.loads(result.stdout)["checks"]
+                    if c["name"] == "signed URLs")
+
+    expired = verdict(sas(-1))
+    assert expired["verdict"] == "fail" and "expired at" in expired["detail"], expired
+    soon = verdict(sas(2))
+    assert soon["verdict"] == "note" and "in 2.0 h" in soon["detail"], soon
+    later = verdict(sas(24 * 10))
+    assert later["verdict"] == "ok" and "(in 10 days)" in later["detail"], later
+
+    m = mounter.mount([f"{source}?{sas(24 * 10)}"])
+    assert "signed URLs are valid until" in m.log() and "(in 10 days)" in m.log()
+    monkeypatch.setenv("SHARDFS_URL_QUERY", sas(3))
+    m = mounter.mount([source])
+    line = next(x for x in m.log().splitlines() if "signed URLs expire at" in x)
+    assert " WARNING " in line and "in 3.0 h" in line and "mount again" in line, line

@@ -6,7 +6,7 @@ from shardfs.catalog.archives import shard_format
 from shardfs.catalog.codecs import codec_for
 from shardfs.catalog.recordio import idx_url_of, rec_url_of
 from shardfs.catalog.shardindex import INDEX_SUFFIX
-from shardfs.util.urls import beside, path_of, redact, replace_suffix, unsigned
+from shardfs.util.urls import beside, path_of, redact, replace_suffix, signed_until, unsigned
 
 SAS = "?sv=2024-11-04&se=2026-12-01&sr=c&sp=rl&sig=AbC%2Fd%3D"
 
@@ -76,3 +76,23 @@ def test_a_cache_identity_leaves_the_signature_out() -> None:
         "https://h/x.tar?snapshot=2026-11-01&part=2"
     for same in ("https://h/x.tar", "s3://b/k.tar?sig=1", "file:///d/x.tar?se=1"):
         assert unsigned(same) == same
+
+
+def test_when_a_signature_expires() -> None:
+    """`signed_until`: a SAS's `se` (a time or a date, UTC), SigV4's and Google's V4 date plus
+    expires, an `Expires` time stamp (SigV2, Google V2, CloudFront); the earliest of the URL's
+    and the added query's; nothing for URLs that say nothing or are not http(s)."""
+    day = 1796083200.0  # 2026-12-01T00:00:00Z
+    assert signed_until("https://h/x.tar?sv=1&se=2026-12-01T00%3A00%3A00Z&sig=a") == day
+    assert signed_until("https://h/x.tar?se=2026-12-01T00:00Z&sig=a") == day
+    assert signed_until("https://h/x.tar?se=2026-12-01&sig=a") == day
+    assert signed_until("https://b.s3.amazonaws.com/k.tar?X-Amz-Date=20261130T230000Z"
+                        "&X-Amz-Expires=3600&X-Amz-Signature=f") == day
+    assert signed_until("https://storage.googleapis.com/b/o?X-Goog-Date=20261130T000000Z"
+                        "&X-Goog-Expires=86400&X-Goog-Signature=f") == day
+    assert signed_until(f"https://d.cloudfront.net/x.tar?Expires={int(day)}&Signature=s") == day
+    assert signed_until("https://h/x.tar", "se=2026-12-01&sig=a") == day
+    assert signed_until("https://h/x.tar?se=2026-12-02", "se=2026-12-01") == day
+    for silent in ("https://h/x.tar", "https://h/x.tar?versionid=3", "https://h/x?se=soon",
+                   "s3://b/k.tar?se=2026-12-01"):
+        assert signed_until(silent) is None

@@ -22,7 +22,8 @@ from shardfs.cli.checks import Check
 from shardfs.sources import NotFound, ShardInfo, SourceError, Sources, SourceSettings, Unreachable
 from shardfs.sources.credentials import describe_method
 from shardfs.sources.file import file_path
-from shardfs.util.sizes import format_size
+from shardfs.sources.http import signatures_expire
+from shardfs.util.sizes import format_duration, format_size
 from shardfs.util.urls import beside
 
 SAMPLE_BYTES = 32 << 20
@@ -113,12 +114,33 @@ async def _check(specs: list[str], sources: Sources, cache_size: int | None,
         checks.append(Check("range requests", "slow", f"{len(no_range)} shards on a server that "
                             "ignores Range requests: every read waits for its shard's whole "
                             "download", "serve the shards from a server that honours Range"))
+    signed = _signed_urls(infos, sources.settings)
+    if signed is not None:
+        checks.append(signed)
     checks.append(await _speed(sources, infos[sizes.index(report.largest)]))
     read_in_place = {i for i, path in plain_local.items() if in_place(path)}
     fetched = [info for i, info in enumerate(infos) if i not in read_in_place]
     report.fetched_bytes = sum(info.size for info in fetched)
     checks.extend(_sizes(fetched, cache_size, len(read_in_place)))
     checks.append(await _indexes(sources, infos))
+
+
+def _signed_urls(infos: list[ShardInfo], settings: SourceSettings) -> Check | None:
+    """When the shards' signed URLs expire (the earliest), if they say."""
+    when = signatures_expire([info.url for info in infos], settings)
+    if when is None:
+        return None
+    left = when - time.time()
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(when))
+    renew = (f"write a new token to {settings.url_query_file} (read again at the next "
+             "refusal)" if settings.url_query_file else "mount again with a new token")
+    if left <= 0:
+        return Check("signed URLs", "fail", f"the signature expired at {stamp}: the store "
+                     "refuses every request", renew)
+    if left < 24 * 3600:
+        return Check("signed URLs", "note", f"the signature expires at {stamp}, in "
+                     f"{format_duration(left)}: reads fail from then on", renew + " before then")
+    return Check("signed URLs", "ok", f"valid until {stamp} (in {format_duration(left)})")
 
 
 async def _speed(sources: Sources, info: ShardInfo) -> Check:

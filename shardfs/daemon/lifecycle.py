@@ -53,9 +53,11 @@ from shardfs.read.lookahead import Lookahead, LookaheadPolicy
 from shardfs.read.reader import Reader, ReadPolicy
 from shardfs.read.states import ShardStates
 from shardfs.sources import ShardInfo, Sources, SourceSettings
+from shardfs.sources.http import signatures_expire
 from shardfs.util.gcfreeze import freeze_startup_objects
 from shardfs.util.proc import cpu_seconds
 from shardfs.util.progress import ProgressLine
+from shardfs.util.sizes import format_duration
 from shardfs.util.urls import redact
 
 log = logging.getLogger(__name__)
@@ -576,6 +578,26 @@ def _take_over(ops: ShardFS, cfg: MountConfig, record: SessionRecord) -> bool:
     return True
 
 
+def _say_when_signatures_expire(urls: list[str], settings: SourceSettings) -> None:
+    """Signed URLs expire: the log says when, and warns when it is less than a day away."""
+    when = signatures_expire(urls, settings)
+    if when is None:
+        return
+    left = when - time.time()
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(when))
+    renew = (f"write a new token to {settings.url_query_file} before then"
+             if settings.url_query_file else "mount again with a new token before then")
+    if left <= 0:
+        log.warning("the shards' signed URLs expired at %s: fetches will be refused (%s)",
+                    stamp, renew.removesuffix(" before then"))
+    elif left < 24 * 3600:
+        log.warning("the shards' signed URLs expire at %s, in %s: reads of shards not "
+                    "cached by then fail (%s)", stamp, format_duration(left), renew)
+    else:
+        log.info("the shards' signed URLs are valid until %s (in %s)", stamp,
+                 format_duration(left))
+
+
 async def _open_catalog(cfg: MountConfig, cache: ShardCache, sources: Sources,
                         infos: list[ShardInfo] | None = None) -> Catalog:
     try:
@@ -589,6 +611,7 @@ async def _open_catalog(cfg: MountConfig, cache: ShardCache, sources: Sources,
         progress.close()
     finally:
         await sources.aclose()
+    _say_when_signatures_expire([s.url for s in catalog.shards], cfg.settings)
     report = catalog.tree.report
     if report.shadowed:
         log.warning("%d paths appear in more than one shard; the later shard wins",

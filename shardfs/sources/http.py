@@ -36,6 +36,7 @@ from shardfs.sources.base import (
 from shardfs.sources.budget import RequestBudget
 from shardfs.sources.h1 import Answer, Http11Pool, NotForUs, RequestHead, proxy_in_environment
 from shardfs.util.fileio import pwrite_all
+from shardfs.util.urls import signed_until
 
 GONE = frozenset({403, 404, 410})
 RETRYABLE = frozenset({408, 429})  # plus every 5xx
@@ -675,6 +676,18 @@ def url_query_of(settings: SourceSettings) -> str:
                           "a blank or a '#': expected the text after '?' in a signed URL, "
                           "e.g. sv=...&sig=...")
     return query
+
+
+def signatures_expire(urls: list[str], settings: SourceSettings) -> float | None:
+    """The earliest time (Unix) at which a signature in the shards' URLs, or in the URL query
+    added to every http(s) request, expires; None when none says."""
+    try:
+        extra = url_query_of(settings)
+    except SourceError:
+        extra = ""
+    until = [t for t in (signed_until(url, extra if url.startswith(("http:", "https:"))
+                                      else "") for url in urls) if t is not None]
+    return min(until, default=None)
 
 
 def with_query(url: str, query: str) -> str:

@@ -15,12 +15,17 @@ token) rides in it.
   `generation`, `snapshot` select content). A shard's cache identity is built from it, so a
   mount with a fresh token finds the shards and indexes a mount with the old one cached
   (size and validators still have to match).
+- A signature expires: `signed_until` reads when from the query (a SAS's `se`, SigV4's and
+  Google's V4 `X-Amz-Date`/`X-Goog-Date` plus `...-Expires`, an `Expires` time stamp of SigV2,
+  Google's V2 and CloudFront), for `doctor` and the mount's log.
 """
 
 from __future__ import annotations
 
+import calendar
 import re
-from urllib.parse import unquote, urlsplit, urlunsplit
+import time
+from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 _QUERIED = ("http", "https")
 
@@ -103,3 +108,31 @@ def unsigned(url: str) -> str:
 def _signing(param: str) -> bool:
     name = unquote(param.partition("=")[0])
     return name.lower() in _SIGNING_PARAMS or _SECRET_NAME_ONLY.fullmatch(name) is not None
+
+
+def signed_until(url: str, extra_query: str = "") -> float | None:
+    """When the signature in `url`'s query (and in `extra_query`, one added to every request)
+    expires, as a Unix time; None when neither carries an expiry shardfs can read."""
+    query = urlsplit(url).query if _queried(url) else ""
+    params = {k.lower(): v for k, v in parse_qsl("&".join(q for q in (query, extra_query) if q))}
+    found = []
+    if "se" in params:  # an Azure SAS: ISO 8601, a date or a time in UTC
+        found.append(_iso_time(params["se"]))
+    for prefix in ("x-amz-", "x-goog-"):
+        date, expires = params.get(prefix + "date"), params.get(prefix + "expires")
+        if date and expires and expires.isdigit():
+            start = _iso_time(date)
+            found.append(None if start is None else start + int(expires))
+    if params.get("expires", "").isdigit():
+        found.append(float(params["expires"]))
+    times = [t for t in found if t is not None]
+    return min(times) if times else None
+
+
+def _iso_time(text: str) -> float | None:
+    for fmt in ("%Y-%m-%dT%H:%M:%SZ", "%Y-%m-%dT%H:%MZ", "%Y%m%dT%H%M%SZ", "%Y-%m-%d"):
+        try:
+            return float(calendar.timegm(time.strptime(text, fmt)))
+        except ValueError:
+            continue
+    return None
