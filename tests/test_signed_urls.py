@@ -143,7 +143,12 @@ def test_a_new_token_written_to_the_query_file_is_taken_up(dataset, nginx, mount
     accepted = {"FiRsT"}
     seen: list[tuple[str, str, int]] = []
     token = tmp_path / "sas"
-    token.write_text("sv=2024-11-04&sp=rl&sig=FiRsT\n")
+    import time
+
+    def until(hours: float) -> str:
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + hours * 3600))
+
+    token.write_text(f"sv=2024-11-04&sp=rl&se={until(1)}&sig=FiRsT\n")
     files = dataset.files()
     by_shard: dict[str, list[str]] = {}
     with serve(sas_gate_route(nginx.url, accepted, seen)) as gate:
@@ -174,10 +179,12 @@ def test_a_new_token_written_to_the_query_file_is_taken_up(dataset, nginx, mount
         assert f"write a new one to {token}" in m.log()
         assert [status for _, sig, status in seen if sig == "FiRsT"][-1] == 403
         # A new token in the file: taken up at the next refusal, no remount.
-        token.write_text("?sv=2024-11-04&sp=rl&sig=SeCoNd")
+        token.write_text(f"?sv=2024-11-04&sp=rl&se={until(48)}&sig=SeCoNd")
         seen.clear()
         assert_same_bytes(dataset, mnt)
         assert "the URL query was read again from" in m.log()
+        # The stats (and metrics) follow the token in effect: the new one's expiry.
+        assert abs(m.stats()["signed_until"] - (time.time() + 48 * 3600)) < 60
         refused = [entry for entry in seen if entry[2] == 403]
         assert len(refused) == 1 and refused[0][1] == "FiRsT", refused  # then renewed
         served = [entry for entry in seen if entry[2] != 403]
@@ -206,8 +213,11 @@ def test_doctor_and_the_log_say_when_signatures_expire(dataset, nginx, mounter: 
     """A SAS's `se` (nginx ignores it, so only shardfs can tell): `doctor` fails an expired
     one, notes one that expires within a day, and shows when a later one does; the mount's
     log says when, as a warning within a day (for a token from $SHARDFS_URL_QUERY too)."""
+    import importlib.util
     import time
 
+    from shardfs.devtools.nginx import free_port
+    from tests.conftest import scrape_metrics
     from tests.test_doctor import doctor
 
     publish(dataset, nginx.root)
@@ -229,9 +239,24 @@ def test_doctor_and_the_log_say_when_signatures_expire(dataset, nginx, mounter: 
     later = verdict(sas(24 * 10))
     assert later["verdict"] == "ok" and "(in 10 days)" in later["detail"], later
 
-    m = mounter.mount([f"{source}?{sas(24 * 10)}"])
+    port = free_port()
+    m = mounter.mount([f"{source}?{sas(24 * 10)}"], None, None,
+                      "--metrics-listen", f"127.0.0.1:{port}")
     assert "signed URLs are valid until" in m.log() and "(in 10 days)" in m.log()
+    until = m.stats()["signed_until"]
+    assert abs(until - (time.time() + 240 * 3600)) < 60, until
+    if importlib.util.find_spec("prometheus_client") is not None:
+        name = "shardfs_signed_urls_expiry_timestamp_seconds"
+        deadline = time.monotonic() + 10
+        while name not in (metrics := scrape_metrics(port)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert metrics[name] == until, metrics
     monkeypatch.setenv("SHARDFS_URL_QUERY", sas(3))
     m = mounter.mount([source])
     line = next(x for x in m.log().splitlines() if "signed URLs expire at" in x)
     assert " WARNING " in line and "in 3.0 h" in line and "mount again" in line, line
+    assert abs(m.stats()["signed_until"] - (time.time() + 3 * 3600)) < 60
+    # Without a signature that says when: no expiry anywhere.
+    monkeypatch.delenv("SHARDFS_URL_QUERY")
+    m = mounter.mount([source])
+    assert m.stats()["signed_until"] is None and "signed URLs" not in m.log()

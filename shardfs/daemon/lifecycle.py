@@ -58,7 +58,7 @@ from shardfs.util.gcfreeze import freeze_startup_objects
 from shardfs.util.proc import cpu_seconds
 from shardfs.util.progress import ProgressLine
 from shardfs.util.sizes import format_duration
-from shardfs.util.urls import redact
+from shardfs.util.urls import redact, signed_until
 
 log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal closed
@@ -195,6 +195,20 @@ class Mounted:
     session: SessionState = field(default_factory=lambda: SessionState())
 
     arena_reads: ArenaReads | None = None  # the Lookahead's members read in C here
+    # When the signatures in the shards' URLs expire (the earliest; None: none says)
+    urls_signed_until: float | None = None
+
+    def __post_init__(self) -> None:
+        self.urls_signed_until = min(
+            (t for t in map(signed_until, (s.url for s in self.catalog.shards))
+             if t is not None), default=None)
+
+    def signed_until(self) -> float | None:
+        """The earliest expiry of the shards' signed URLs and of the URL query in effect
+        (renewed from its file, see sources/http.py)."""
+        times = [t for t in (self.urls_signed_until, self.sources.url_query_until())
+                 if t is not None]
+        return min(times, default=None)
 
     def collect_fast_reads(self) -> bool:
         """Count the reads the shim answered in C in this process (bytes on disk, in the
@@ -279,6 +293,7 @@ class Mounted:
             "connection_kept_by": session.keeper,
             "holder_pid": holder_pid() if session.keeper == "holder" else None,
             "sources": [redact(spec) for spec in self.cfg.specs],  # no signed URL's token
+            "signed_until": self.signed_until(),  # Unix time: when reads would be refused
             "cache_dir": str(self.cfg.cache_dir),
             "control_socket": self.cfg.control_socket,
             "shards": len(catalog.shards),

@@ -96,6 +96,8 @@ _METRICS = (
     ("shardfs_lookahead_buffer_bytes", ("lookahead", "buffer_bytes"), "gauge",
      "Lookahead buffer size"),
     ("shardfs_shim", ("shim",), "gauge", "1 when the pyfuse3 shim is in effect"),
+    ("shardfs_signed_urls_expiry_timestamp_seconds", ("signed_until",), "gauge",
+     "When the signature of the shards' signed URLs expires (Unix time; absent without one)"),
 )
 
 

@@ -135,6 +135,12 @@ class Sources:
                                       **self.credential_providers()}
         return total
 
+    def url_query_until(self) -> float | None:
+        """When the signature in the URL query that http(s) requests carry expires (the
+        query in effect now: a renewed one's), if the http source is open and says."""
+        source = self._by_kind.get("http")
+        return source.url_query_until() if isinstance(source, HttpSource) else None
+
     def credential_providers(self) -> dict[str, str]:
         """Which credential provider each opened source signs with (names, never secrets)."""
         out = {}

@@ -573,6 +573,10 @@ class HttpSource:
         return SourceError(f"{url}: unexpected HTTP {status} {resp.reason_phrase}"
                            f"{self._refusal_hint(status, url)}")
 
+    def url_query_until(self) -> float | None:
+        """When the signature in the query these requests carry expires (None: none says)."""
+        return signed_until("", self._url_query) if self._carries_query() else None
+
     def _carries_query(self) -> bool:
         """Whether requests carry the URL query: plain http(s) ones, not those a subclass
         builds (S3, GCS, HF sign their own)."""
