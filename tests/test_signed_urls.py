@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
-from tests.conftest import Mount, Mounter, brace, shard_names
+from tests.conftest import SHARDFS, Mount, Mounter, brace, shard_names
 from tests.test_mount import assert_same_bytes, publish
 
 
@@ -256,6 +257,23 @@ def test_doctor_and_the_log_say_when_signatures_expire(dataset, nginx, mounter: 
     line = next(x for x in m.log().splitlines() if "signed URLs expire at" in x)
     assert " WARNING " in line and "in 3.0 h" in line and "mount again" in line, line
     assert abs(m.stats()["signed_until"] - (time.time() + 3 * 3600)) < 60
+    # `shardfs top` shows it: --json, and a line of its own on the screen.
+    top = subprocess.run([*SHARDFS, "top", "--json", "--count", "1", str(m.mountpoint)],
+                         capture_output=True, text=True, timeout=60)
+    record = json.loads(top.stdout.splitlines()[-1])["mounts"][0]
+    assert abs(record["signed_until"] - (time.time() + 3 * 3600)) < 60, record
+    if shutil.which("tmux"):
+        from tests.test_top import Tmux, _top_shell, _wait_for
+
+        screen = Tmux(tmp_path)
+        try:
+            screen.start(_top_shell(m.mountpoint, tmp_path / "top-status"))
+            line = _wait_for(lambda: next((x for x in screen.screen().splitlines()
+                                           if x.strip().startswith("signed")), None),
+                             30, "top's signed URLs line")
+            assert "valid until" in line and "(in 3.0 h)  SOON" in line, line
+        finally:
+            screen.kill()
     # Without a signature that says when: no expiry anywhere.
     monkeypatch.delenv("SHARDFS_URL_QUERY")
     m = mounter.mount([source])

@@ -118,6 +118,9 @@ def block(w: MountWatch, width: int) -> list[str]:
     note = w.page_cache_note()
     if note:
         lines.append(f"  note     {note}")
+    signed = w.signature_note()
+    if signed:
+        lines.append(f"  signed   {signed}")
     return lines
 
 

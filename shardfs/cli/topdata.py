@@ -18,6 +18,7 @@ from typing import Any
 from shardfs.cli.opens import OpenCounter
 from shardfs.daemon.control import STATS_XATTR
 from shardfs.daemon.mountpoint import FSTYPE, mounted_fstype
+from shardfs.util.sizes import format_duration
 
 HISTORY = 60  # refreshes kept for the sparklines
 MiB = float(1 << 20)
@@ -188,11 +189,24 @@ class MountWatch:
             out["pid"] = self.last.get("pid")
             for key in ("shards", "shards_cached", "shards_in_place"):
                 out[key] = self.last.get(key, 0)
+            out["signed_until"] = self.last.get("signed_until")
             out.update(self.rates)
         note = self.page_cache_note()
         if note:
             out["page_cache_note"] = note
         return out
+
+    def signature_note(self) -> str | None:
+        """When the mount's signed URLs expire, if they say (EXPIRED once past)."""
+        until = self.last.get("signed_until") if self.last is not None else None
+        if not isinstance(until, int | float):
+            return None
+        left = until - time.time()
+        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(until))
+        if left <= 0:
+            return f"EXPIRED at {stamp}: fetches are refused (a new token is needed)"
+        soon = "  SOON" if left < 24 * 3600 else ""
+        return f"URLs valid until {stamp} (in {format_duration(left)}){soon}"
 
     def page_cache_note(self) -> str | None:
         """Why the page-cache figures are missing or low, if they are."""
