@@ -126,7 +126,10 @@ def test_order_identical_and_reads_served_from_the_buffer(dataset, nginx, mounte
     if workers == "1" and where == "python":
         assert la["shared_hits"] == 0, la
     else:
-        assert la["shared_hits"] >= 0.5 * hits, la
+        # Most hits come from the arena; a read that arrives before its member's place is in
+        # the table is answered from the buffer instead (51-54 % of the hits went so in 2 of
+        # 23 runs of [1] on the 2-core VM). Broken paths give 0 (docs/testing.md).
+        assert la["shared_hits"] >= 0.25 * hits, la
         if where == "python":
             assert la["shared_hits_in_c"] == 0, la
         else:  # all of them, unless the table missed a landing (it does not, here)
