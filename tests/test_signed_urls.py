@@ -177,7 +177,7 @@ def test_a_new_token_written_to_the_query_file_is_taken_up(dataset, nginx, mount
                 assert exc.errno == 5  # EIO
             else:
                 raise AssertionError("a read with a refused token succeeded")
-        assert f"write a new one to {token}" in m.log()
+        assert f"write a new token to {token}" in m.log()
         assert [status for _, sig, status in seen if sig == "FiRsT"][-1] == 403
         # A new token in the file: taken up at the next refusal, no remount.
         token.write_text(f"?sv=2024-11-04&sp=rl&se={until(48)}&sig=SeCoNd")
@@ -278,3 +278,37 @@ def test_doctor_and_the_log_say_when_signatures_expire(dataset, nginx, mounter: 
     monkeypatch.delenv("SHARDFS_URL_QUERY")
     m = mounter.mount([source])
     assert m.stats()["signed_until"] is None and "signed URLs" not in m.log()
+
+
+def test_a_renewed_token_carries_over_to_the_serving_source(dataset, nginx, tmp_path: Path):
+    """The daemon indexes with one HttpSource and serves with the next (`take_over`): a token
+    renewed from its file while indexing is the one the serving source sends first, with no
+    refusal to find it again."""
+    import trio
+
+    from shardfs.sources import HttpSource, SourceSettings
+    from tests.cloud_standins import sas_gate_route, serve
+
+    publish(dataset, nginx.root)
+    token = tmp_path / "sas"
+    token.write_text("sp=rl&sig=OlD")
+    accepted = {"NeW"}
+    seen: list[tuple[str, str, int]] = []
+    with serve(sas_gate_route(nginx.url, accepted, seen)) as gate:
+        settings = SourceSettings(url_query="sp=rl&sig=OlD", url_query_file=str(token),
+                                  deadline=10, backoff_initial=0.01)
+        url = f"{gate.url}/data/{shard_names(dataset)[0]}"
+
+        async def main() -> None:
+            indexing = HttpSource(settings)
+            token.write_text("sp=rl&sig=NeW")  # renewed before the first refusal
+            await indexing.stat(url)
+            await indexing.aclose()
+            serving = HttpSource(settings)
+            serving.take_over(indexing)
+            seen.clear()
+            await serving.stat(url)
+            await serving.aclose()
+
+        trio.run(main)
+    assert seen == [(f"/data/{shard_names(dataset)[0]}", "NeW", 206)], seen

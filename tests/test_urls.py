@@ -6,7 +6,18 @@ from shardfs.catalog.archives import shard_format
 from shardfs.catalog.codecs import codec_for
 from shardfs.catalog.recordio import idx_url_of, rec_url_of
 from shardfs.catalog.shardindex import INDEX_SUFFIX
-from shardfs.util.urls import beside, path_of, redact, replace_suffix, signed_until, unsigned
+from shardfs.sources import SourceSettings
+from shardfs.sources.http import signatures_expire
+from shardfs.util.urls import (
+    beside,
+    earliest_signed_until,
+    path_of,
+    query_signed_until,
+    redact,
+    replace_suffix,
+    signed_until,
+    unsigned,
+)
 
 SAS = "?sv=2024-11-04&se=2026-12-01&sr=c&sp=rl&sig=AbC%2Fd%3D"
 
@@ -91,8 +102,15 @@ def test_when_a_signature_expires() -> None:
     assert signed_until("https://storage.googleapis.com/b/o?X-Goog-Date=20261130T000000Z"
                         "&X-Goog-Expires=86400&X-Goog-Signature=f") == day
     assert signed_until(f"https://d.cloudfront.net/x.tar?Expires={int(day)}&Signature=s") == day
-    assert signed_until("https://h/x.tar", "se=2026-12-01&sig=a") == day
-    assert signed_until("https://h/x.tar?se=2026-12-02", "se=2026-12-01") == day
+    assert query_signed_until("se=2026-12-01&sig=a") == day
+    assert earliest_signed_until(["https://h/x.tar?se=2026-12-01", "https://h/y.tar",
+                                  "https://h/z.tar?se=2026-12-02"]) == day
+    settings = SourceSettings(url_query="sv=1&se=2026-12-01&sig=a")
+    # The added query's expiry counts for http(s) shards, whichever comes first.
+    for urls in (["https://h/x.tar?se=2026-12-02"], ["https://h/x.tar"]):
+        assert signatures_expire(urls, settings) == day
+    assert signatures_expire(["https://h/x.tar?se=2026-11-30"], settings) == day - 86400
+    assert signatures_expire(["s3://b/x.tar"], settings) is None  # S3 does not carry it
     for silent in ("https://h/x.tar", "https://h/x.tar?versionid=3", "https://h/x?se=soon",
                    "s3://b/k.tar?se=2026-12-01"):
         assert signed_until(silent) is None

@@ -22,9 +22,9 @@ from shardfs.cli.checks import Check
 from shardfs.sources import NotFound, ShardInfo, SourceError, Sources, SourceSettings, Unreachable
 from shardfs.sources.credentials import describe_method
 from shardfs.sources.file import file_path
-from shardfs.sources.http import signatures_expire
-from shardfs.util.sizes import format_duration, format_size
-from shardfs.util.urls import beside
+from shardfs.sources.http import renewal_advice, signatures_expire
+from shardfs.util.sizes import format_duration, format_size, format_utc
+from shardfs.util.urls import EXPIRES_SOON_S, beside
 
 SAMPLE_BYTES = 32 << 20
 SAMPLE_SECONDS = 5.0
@@ -131,13 +131,11 @@ def _signed_urls(infos: list[ShardInfo], settings: SourceSettings) -> Check | No
     if when is None:
         return None
     left = when - time.time()
-    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(when))
-    renew = (f"write a new token to {settings.url_query_file} (read again at the next "
-             "refusal)" if settings.url_query_file else "mount again with a new token")
+    stamp, renew = format_utc(when), renewal_advice(settings)
     if left <= 0:
         return Check("signed URLs", "fail", f"the signature expired at {stamp}: the store "
                      "refuses every request", renew)
-    if left < 24 * 3600:
+    if left < EXPIRES_SOON_S:
         return Check("signed URLs", "note", f"the signature expires at {stamp}, in "
                      f"{format_duration(left)}: reads fail from then on", renew + " before then")
     return Check("signed URLs", "ok", f"valid until {stamp} (in {format_duration(left)})")

@@ -18,7 +18,8 @@ from typing import Any
 from shardfs.cli.opens import OpenCounter
 from shardfs.daemon.control import STATS_XATTR
 from shardfs.daemon.mountpoint import FSTYPE, mounted_fstype
-from shardfs.util.sizes import format_duration
+from shardfs.util.sizes import format_duration, format_utc
+from shardfs.util.urls import EXPIRES_SOON_S
 
 HISTORY = 60  # refreshes kept for the sparklines
 MiB = float(1 << 20)
@@ -202,11 +203,10 @@ class MountWatch:
         if not isinstance(until, int | float):
             return None
         left = until - time.time()
-        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(until))
         if left <= 0:
-            return f"EXPIRED at {stamp}: fetches are refused (a new token is needed)"
-        soon = "  SOON" if left < 24 * 3600 else ""
-        return f"URLs valid until {stamp} (in {format_duration(left)}){soon}"
+            return f"EXPIRED at {format_utc(until)}: fetches are refused (a new token is needed)"
+        soon = "  SOON" if left < EXPIRES_SOON_S else ""
+        return f"URLs valid until {format_utc(until)} (in {format_duration(left)}){soon}"
 
     def page_cache_note(self) -> str | None:
         """Why the page-cache figures are missing or low, if they are."""

@@ -53,12 +53,12 @@ from shardfs.read.lookahead import Lookahead, LookaheadPolicy
 from shardfs.read.reader import Reader, ReadPolicy
 from shardfs.read.states import ShardStates
 from shardfs.sources import ShardInfo, Sources, SourceSettings
-from shardfs.sources.http import signatures_expire
+from shardfs.sources.http import renewal_advice, signatures_expire
 from shardfs.util.gcfreeze import freeze_startup_objects
 from shardfs.util.proc import cpu_seconds
 from shardfs.util.progress import ProgressLine
-from shardfs.util.sizes import format_duration
-from shardfs.util.urls import redact, signed_until
+from shardfs.util.sizes import format_duration, format_utc
+from shardfs.util.urls import EXPIRES_SOON_S, earliest_signed_until, redact
 
 log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal closed
@@ -199,9 +199,7 @@ class Mounted:
     urls_signed_until: float | None = None
 
     def __post_init__(self) -> None:
-        self.urls_signed_until = min(
-            (t for t in map(signed_until, (s.url for s in self.catalog.shards))
-             if t is not None), default=None)
+        self.urls_signed_until = earliest_signed_until(s.url for s in self.catalog.shards)
 
     def signed_until(self) -> float | None:
         """The earliest expiry of the shards' signed URLs and of the URL query in effect
@@ -599,15 +597,14 @@ def _say_when_signatures_expire(urls: list[str], settings: SourceSettings) -> No
     if when is None:
         return
     left = when - time.time()
-    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(when))
-    renew = (f"write a new token to {settings.url_query_file} before then"
-             if settings.url_query_file else "mount again with a new token before then")
+    stamp, renew = format_utc(when), renewal_advice(settings)
     if left <= 0:
         log.warning("the shards' signed URLs expired at %s: fetches will be refused (%s)",
-                    stamp, renew.removesuffix(" before then"))
-    elif left < 24 * 3600:
+                    stamp, renew)
+    elif left < EXPIRES_SOON_S:
         log.warning("the shards' signed URLs expire at %s, in %s: reads of shards not "
-                    "cached by then fail (%s)", stamp, format_duration(left), renew)
+                    "cached by then fail (%s before then)", stamp, format_duration(left),
+                    renew)
     else:
         log.info("the shards' signed URLs are valid until %s (in %s)", stamp,
                  format_duration(left))

@@ -10,7 +10,7 @@ import random
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import aclosing
+from contextlib import aclosing, suppress
 from dataclasses import replace
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -36,7 +36,7 @@ from shardfs.sources.base import (
 from shardfs.sources.budget import RequestBudget
 from shardfs.sources.h1 import Answer, Http11Pool, NotForUs, RequestHead, proxy_in_environment
 from shardfs.util.fileio import pwrite_all
-from shardfs.util.urls import signed_until
+from shardfs.util.urls import earliest_signed_until, query_signed_until
 
 GONE = frozenset({403, 404, 410})
 RETRYABLE = frozenset({408, 429})  # plus every 5xx
@@ -250,8 +250,10 @@ class HttpSource:
 
     def take_over(self, earlier: HttpSource) -> None:
         """Continue where `earlier` (closed, of an earlier event loop) stopped: servers that
-        answered it are not first contacts here."""
+        answered it are not first contacts here, and a URL query it renewed from its file
+        is the one in effect."""
         self.answered |= earlier.answered
+        self._url_query = earlier._url_query
 
     async def aclose(self) -> None:
         if self._h1 is not None:
@@ -515,12 +517,10 @@ class HttpSource:
         path = self.settings.url_query_file
         if path is None or not self._carries_query():
             return False
-        try:
-            with open(path) as f:
-                query = url_query_of(replace(self.settings, url_query=f.read()))
-        except (OSError, SourceError) as exc:
-            log.warning("cannot read the URL query again from %s: %s", path,
-                        getattr(exc, "strerror", None) or exc)
+        try:  # the file, as at mount time (url_query_of reads it when no value is given)
+            query = url_query_of(replace(self.settings, url_query=None))
+        except SourceError as exc:
+            log.warning("%s", exc)
             return used != self._url_query
         if query != self._url_query:
             self._url_query = query
@@ -575,7 +575,7 @@ class HttpSource:
 
     def url_query_until(self) -> float | None:
         """When the signature in the query these requests carry expires (None: none says)."""
-        return signed_until("", self._url_query) if self._carries_query() else None
+        return query_signed_until(self._url_query) if self._carries_query() else None
 
     def _carries_query(self) -> bool:
         """Whether requests carry the URL query: plain http(s) ones, not those a subclass
@@ -586,11 +586,7 @@ class HttpSource:
         if status not in REFUSED or not self._carries_query() or \
                 not (self._url_query or "?" in url):
             return ""
-        path = self.settings.url_query_file
-        if path is not None:
-            return (f" (an expired signed-URL token? write a new one to {path}: it is read "
-                    "again at the next refusal)")
-        return " (an expired or wrong signed-URL token? mount again with a new one)"
+        return f" (an expired or wrong signed-URL token? {renewal_advice(self.settings)})"
 
 
 class _Attempt:
@@ -684,14 +680,19 @@ def url_query_of(settings: SourceSettings) -> str:
 
 def signatures_expire(urls: list[str], settings: SourceSettings) -> float | None:
     """The earliest time (Unix) at which a signature in the shards' URLs, or in the URL query
-    added to every http(s) request, expires; None when none says."""
-    try:
-        extra = url_query_of(settings)
-    except SourceError:
-        extra = ""
-    until = [t for t in (signed_until(url, extra if url.startswith(("http:", "https:"))
-                                      else "") for url in urls) if t is not None]
-    return min(until, default=None)
+    added to their http(s) requests, expires; None when none says."""
+    times = [earliest_signed_until(urls)]
+    if any(url.startswith(("http:", "https:")) for url in urls):
+        with suppress(SourceError):  # a query that cannot be read says nothing here
+            times.append(query_signed_until(url_query_of(settings)))
+    return min((t for t in times if t is not None), default=None)
+
+
+def renewal_advice(settings: SourceSettings) -> str:
+    """What to do about an expired or refused signed-URL token."""
+    path = settings.url_query_file
+    return (f"write a new token to {path} (read again at the next refusal)" if path
+            else "mount again with a new token")
 
 
 def with_query(url: str, query: str) -> str:

@@ -8,6 +8,7 @@ SI forms with a B (KB, MB, GB, ...) are decimal (powers of 1000). Units are case
 from __future__ import annotations
 
 import re
+import time
 
 _PREFIXES = "kmgtpe"
 _UNITS: dict[str, int] = {"": 1, "b": 1, "byte": 1, "bytes": 1}
@@ -66,3 +67,8 @@ def format_duration(seconds: float) -> str:
     if seconds < 48 * 3600:
         return f"{seconds / 3600:.1f} h"
     return f"{seconds / 86400:.0f} days"
+
+
+def format_utc(when: float) -> str:
+    """A Unix time for people, in UTC: `2026-12-01 00:00 UTC`."""
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(when))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import calendar
 import re
 import time
+from collections.abc import Iterable
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 _QUERIED = ("http", "https")
@@ -110,11 +111,25 @@ def _signing(param: str) -> bool:
     return name.lower() in _SIGNING_PARAMS or _SECRET_NAME_ONLY.fullmatch(name) is not None
 
 
-def signed_until(url: str, extra_query: str = "") -> float | None:
-    """When the signature in `url`'s query (and in `extra_query`, one added to every request)
-    expires, as a Unix time; None when neither carries an expiry shardfs can read."""
-    query = urlsplit(url).query if _queried(url) else ""
-    params = {k.lower(): v for k, v in parse_qsl("&".join(q for q in (query, extra_query) if q))}
+# A signature expiring sooner than this is worth a warning (doctor, the log, top).
+EXPIRES_SOON_S = 24 * 3600
+
+
+def signed_until(url: str) -> float | None:
+    """When the signature in `url`'s query expires, as a Unix time; None when it carries no
+    expiry shardfs can read (or is not an http(s) URL)."""
+    return query_signed_until(urlsplit(url).query) if _queried(url) else None
+
+
+def earliest_signed_until(urls: Iterable[str]) -> float | None:
+    """The earliest `signed_until` of `urls`; None when none says."""
+    return min((t for t in map(signed_until, urls) if t is not None), default=None)
+
+
+def query_signed_until(query: str) -> float | None:
+    """When the signature in a query (the text after `?`) expires; None when it does not
+    say."""
+    params = {k.lower(): v for k, v in parse_qsl(query)}
     found = []
     if "se" in params:  # an Azure SAS: ISO 8601, a date or a time in UTC
         found.append(_iso_time(params["se"]))

@@ -125,14 +125,19 @@ class Volumes:
         pod = volume.spec.pod
         if pod is not None:
             # The credential chains read the token file again at each exchange.
-            token_file = self.records / f"{volume.key}.token"
+            token_file = self._write_token(volume)
             google_file = self.records / f"{volume.key}.google.json"
-            _write_private(token_file, volume.token or "")
             config = pod.google_config(str(token_file))
             if config is not None:
                 _write_private(google_file, config)
             secrets.update(pod.daemon_env(str(token_file), str(google_file)))
         return secrets
+
+    def _write_token(self, volume: Volume) -> Path:
+        """The pod's token, where the volume's daemon reads it (KEY.token, 0600)."""
+        path = self.records / f"{volume.key}.token"
+        _write_private(path, volume.token or "")
+        return path
 
     def renew_token(self, key: str, token: str) -> None:
         """A pod's newer token for a volume with pod-level credentials: kept in the record
@@ -147,7 +152,7 @@ class Volumes:
                 return
             volume.token = token
             self._write_record(volume)
-            _write_private(self.records / f"{key}.token", token)
+            self._write_token(volume)
         log.info("volume %s: a newer service account token from kubelet", key)
 
     def _drop_record(self, key: str) -> None:
