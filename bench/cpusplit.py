@@ -407,7 +407,7 @@ def _cold_pass(sources: list[str], mnt: Path, cache: Path, names: list[str], arg
         if "py-spy" in args.profile:
             spy = PySpy(mount.pid, work / f"spy-{label}-{workers}.txt", args.spy_rate)
         before = Snapshot.take(pids)
-        rec = read_all(mnt, names, args.readers, seed=args.readers)
+        rec = read_all(mnt, names, args.readers, seed=args.readers, list_first=args.list)
         roles = {**_roles(mount), **roles}  # and the push's lookup process, started meanwhile
         after = Snapshot.take(list(roles))
         for profiler in (perf, spy):
@@ -459,7 +459,8 @@ def _print(rec: dict) -> None:
           f"{rec['files_per_s']:.0f} files/s; µs/file: all {rec['all_us_per_file']}, daemon "
           f"process {rec['daemon_process_us_per_file']}, serial (daemon main thread) "
           f"{rec['serial_us_per_file']} -> bound {rec['bound_files_per_s']} files/s; pushed / "
-          f"opened first {_pushed(rec)}; shim {(rec.get('stats') or {}).get('shim', '?')}",
+          f"opened first {_pushed(rec)}; shim {(rec.get('stats') or {}).get('shim', '?')}"
+          + (f"; listed first in {rec['list_s']} s" if "list_s" in rec else ""),
           flush=True)
     for role, proc in rec["split"].items():
         threads = ", ".join(f"{n} {t['user']}+{t['system']}"
@@ -521,7 +522,10 @@ def run(args: argparse.Namespace) -> dict:
 
 def _pushed(rec: dict) -> str:
     pushed = (rec.get("stats") or {}).get("pages_pushed")
-    return f"{pushed['files']:,} / {pushed['opened']:,}" if pushed else "–"
+    if not pushed:
+        return "–"
+    listed = f" ({pushed['listed']:,} listed)" if pushed.get("listed") else ""
+    return f"{pushed['files']:,}{listed} / {pushed['opened']:,}"
 
 
 def render(record: dict, command: str) -> str:

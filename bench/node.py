@@ -72,8 +72,11 @@ def _reader(root: str, names: list[str], ready_w: int, go_r: int, out_w: int) ->
     os.write(out_w, json.dumps({"s": time.monotonic() - t0, "bytes": total}).encode())
 
 
-def read_all(root: Path, names: list[str], procs: int, seed: int) -> dict:
-    """Files/s with `procs` processes each reading its share of one shuffled list."""
+def read_all(root: Path, names: list[str], procs: int, seed: int,
+             list_first: bool = False) -> dict:
+    """Files/s with `procs` processes each reading its share of one shuffled list.
+    `list_first`: the tree is listed first (os.walk, as ImageFolder builds its list), timed
+    apart (`list_s`): the readers start after it."""
     order = names[:]
     random.Random(seed).shuffle(order)
     shares = [order[i::procs] for i in range(procs)]
@@ -93,6 +96,11 @@ def read_all(root: Path, names: list[str], procs: int, seed: int) -> dict:
         pids.append(pid)
     for _ in pids:
         os.read(ready_r, 1)
+    listed = None
+    if list_first:
+        t0 = time.monotonic()
+        sum(len(files) for _, _, files in os.walk(root))
+        listed = round(time.monotonic() - t0, 3)
     t0 = time.monotonic()
     os.write(go_w, b"g" * procs)
     results = []
@@ -107,8 +115,11 @@ def read_all(root: Path, names: list[str], procs: int, seed: int) -> dict:
         os.waitpid(pid, 0)
     for fd in (ready_r, ready_w, go_r, go_w):
         os.close(fd)
-    return {"files_per_s": round(len(names) / wall, 1), "wall_s": round(wall, 3),
-            "bytes": sum(r["bytes"] for r in results)}
+    rec = {"files_per_s": round(len(names) / wall, 1), "wall_s": round(wall, 3),
+           "bytes": sum(r["bytes"] for r in results)}
+    if listed is not None:
+        rec["list_s"] = listed
+    return rec
 
 
 def _cpu_ticks(pids: list[int]) -> int:
@@ -170,9 +181,10 @@ def _machine_ticks() -> tuple[int, int, int]:
     return sum(fields[:8]), fields[3], fields[4]  # user..steal; guest is counted in user
 
 
-def _measured(mount: Mount, names: list[str], procs: int, seed: int) -> dict:
+def _measured(mount: Mount, names: list[str], procs: int, seed: int,
+              list_first: bool) -> dict:
     before, machine = mount.cpu_ticks(), _machine_ticks()
-    rec = read_all(mount.mountpoint, names, procs, seed)
+    rec = read_all(mount.mountpoint, names, procs, seed, list_first)
     used = (mount.cpu_ticks() - before) / CLK_TCK
     rec["daemon_cpu_us_per_file"] = round(1e6 * used / len(names), 1)
     # How busy the machine's cores were: a phase that keeps them all busy cannot gain from
@@ -219,25 +231,28 @@ def run(args: argparse.Namespace) -> dict:
                   + (f", daemon {rec['daemon_cpu_us_per_file']} us/file"
                      if "daemon_cpu_us_per_file" in rec else "")
                   + (f", cores {rec['machine_busy']:.0%} busy ({rec['machine_iowait']:.0%} "
-                     "iowait)" if "machine_busy" in rec else ""), flush=True)
+                     "iowait)" if "machine_busy" in rec else "")
+                  + (f", listed first in {rec['list_s']} s" if "list_s" in rec else ""),
+                  flush=True)
 
+        listed = args.list
         for procs in args.readers:
             seed = procs
             read_all(src, names, procs, seed)  # warm the page cache
             phase("ext4 warm", procs, read_all(src, names, procs, seed))
             drop_caches()
-            phase("ext4 dropped", procs, read_all(src, names, procs, seed))
+            phase("ext4 dropped", procs, read_all(src, names, procs, seed, args.list))
 
             cache = work / f"cache-file-{procs}"
             mount = Mount(file_sources, mnt, cache, args.workers, args.push_pages,
                           "--in-place", "off")  # copied: what a network file system gets
             try:
                 drop_caches()
-                phase("shardfs cold file://", procs, _measured(mount, names, procs, seed))
+                phase("shardfs cold file://", procs, _measured(mount, names, procs, seed, listed))
                 drop_caches()
-                phase("shardfs dropped", procs, _measured(mount, names, procs, seed))
-                _measured(mount, names, procs, seed)
-                phase("shardfs warm", procs, _measured(mount, names, procs, seed))
+                phase("shardfs dropped", procs, _measured(mount, names, procs, seed, listed))
+                _measured(mount, names, procs, seed, listed)
+                phase("shardfs warm", procs, _measured(mount, names, procs, seed, listed))
                 record.setdefault("stats", {})[f"P={procs}"] = mount.stats()
             finally:
                 mount.close()
@@ -249,7 +264,7 @@ def run(args: argparse.Namespace) -> dict:
             try:
                 drop_caches()
                 phase("shardfs cold file:// in place", procs,
-                      _measured(mount, names, procs, seed))
+                      _measured(mount, names, procs, seed, listed))
             finally:
                 mount.close()
             shutil.rmtree(cache, ignore_errors=True)
@@ -260,7 +275,7 @@ def run(args: argparse.Namespace) -> dict:
             mount = Mount(http_sources, mnt, cache, args.workers, args.push_pages)
             try:
                 drop_caches()
-                phase("shardfs cold http", procs, _measured(mount, names, procs, seed))
+                phase("shardfs cold http", procs, _measured(mount, names, procs, seed, listed))
             finally:
                 mount.close()
             shutil.rmtree(cache, ignore_errors=True)
@@ -447,6 +462,9 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--files", type=int, default=20000)
     p.add_argument("--kb", type=float, default=24.0, help="mean file size in KiB")
     p.add_argument("--shards", type=int, default=16)
+    p.add_argument("--list", action="store_true",
+                   help="cold passes list the tree first (os.walk, as ImageFolder builds its "
+                        "list), timed apart; the daemon's CPU includes the listing's")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -87,7 +87,7 @@ def _errors(mnt: Path) -> dict[str, int]:
 
 
 @needs_shim
-@pytest.mark.parametrize("listing", ["never", "adaptive", "always"])
+@pytest.mark.parametrize("listing", ["never", "adaptive", "always", "pushing"])
 def test_metadata_in_c_matches_the_python_handlers(shards: list[str], mounter: Mounter,
                                                    monkeypatch: pytest.MonkeyPatch,
                                                    listing: str):
@@ -96,7 +96,7 @@ def test_metadata_in_c_matches_the_python_handlers(shards: list[str], mounter: M
     monkeypatch.setenv("SHARDFS_READDIRPLUS", listing)
     in_c = mounter.mount(shards, None, None, "--no-warm", "--workers", "1")
     assert "metadata in C" in in_c.stderr + in_c.log()
-    assert (f"READDIRPLUS ({listing})" in in_c.stderr + in_c.log()) == (listing != "never")
+    assert (f"listings: {listing}" in in_c.stderr + in_c.log()) == (listing != "pushing")
     c_tree, c_errors = _snapshot(in_c.mountpoint), _errors(in_c.mountpoint)
 
     monkeypatch.setenv("SHARDFS_NO_SHIM", "1")  # the daemon inherits it

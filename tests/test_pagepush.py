@@ -38,21 +38,25 @@ def wait_for(predicate, what: str, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize(("push", "workers", "loop"), [("auto", "2", "c"), ("auto", "1", "c"),
-                                                     ("off", "2", "c"),
-                                                     ("auto", "1", "python"),
-                                                     ("auto", "1", "c-linger")])
+@pytest.mark.parametrize(("push", "workers", "loop", "listed"),
+                         [("auto", "2", "c", False), ("auto", "1", "c", False),
+                          ("off", "2", "c", False), ("auto", "1", "python", False),
+                          ("auto", "1", "c-linger", False), ("auto", "2", "c", True),
+                          ("auto", "1", "c", True), ("auto", "1", "python", True)])
 def test_files_of_an_arrived_shard_are_read_without_the_daemon(dataset: Dataset, nginx,
                                                                mounter: Mounter, push: str,
                                                                workers: str, loop: str,
-                                                               monkeypatch):
+                                                               listed: bool, monkeypatch):
     """With workers the daemon pushes while workers answer READs; with one process a thread
-    of the daemon pushes while its loop answers them. Nothing has looked the files up (as
-    with ImageFolder: listings are plain READDIR), so the pusher looks them up itself. The
-    pushing loop is the shim's (C), or the Python one it replaced where the shim does not
-    answer metadata (SHARDFS_PUSH_IN_PYTHON makes it the Python one). "c-linger": the shim
-    lingers for the next request (SHARDFS_LINGER_US, docs/pyfuse3.md) while the pusher's
-    LOOKUPs and the reads come."""
+    of the daemon pushes while its loop answers them. Not `listed`: nothing has looked the
+    files up, so the pusher looks them up itself. `listed`: the tree is listed first, as
+    ImageFolder does: while pages are pushed, listings give the kernel every file's inode
+    (SHARDFS_READDIRPLUS's "pushing"), and the pusher looks nothing up. Either way the file
+    read before its shard arrived is not pushed (with workers, its READ was a worker's: the
+    marks are shared). The pushing loop is the shim's (C), or the Python one it replaced
+    where the shim does not answer metadata (SHARDFS_PUSH_IN_PYTHON makes it the Python one).
+    "c-linger": the shim lingers for the next request (SHARDFS_LINGER_US, docs/pyfuse3.md)
+    while the pusher's LOOKUPs and the reads come."""
     if loop == "python":
         monkeypatch.setenv("SHARDFS_PUSH_IN_PYTHON", "1")
     elif os.environ.get("SHARDFS_NO_SHIM"):
@@ -66,6 +70,8 @@ def test_files_of_an_arrived_shard_are_read_without_the_daemon(dataset: Dataset,
     paths = [m.mountpoint / name for name in members(shard)]
     first, rest = paths[0], paths[1:]
     assert len(rest) >= 3
+    if listed:
+        assert sum(len(files) for _, _, files in os.walk(m.mountpoint)) == len(dataset.files())
 
     def source(path: Path) -> bytes:
         return (dataset.root / path.relative_to(m.mountpoint)).read_bytes()
@@ -77,7 +83,9 @@ def test_files_of_an_arrived_shard_are_read_without_the_daemon(dataset: Dataset,
         pushed = m.stats()["pages_pushed"]
         # `first` was opened (and read): not pushed again; every other file was.
         assert pushed["opened"] == 1 and pushed["unknown"] == pushed["errors"] == 0, pushed
-        assert pushed["files"] == pushed["looked_up"] == len(rest), pushed
+        assert pushed["files"] == len(rest), pushed
+        assert pushed["looked_up"] == (0 if listed else len(rest)), pushed
+        assert pushed["listed"] == (len(rest) if listed else 0), pushed
         assert pushed["bytes"] == sum(len(source(p)) for p in rest)
         assert pushed["in_c"] == (loop != "python"), pushed
     else:

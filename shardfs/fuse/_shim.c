@@ -99,6 +99,7 @@ static void read_with_inode(fuse_req_t req, fuse_ino_t ino, size_t size, off_t o
 {
     if (fi != NULL && fi->fh == 0)
         fi->fh = ino;
+    mark_read(ino);   /* the page push leaves this file alone from now on */
     int answered;
     if (serving) {   /* from drain_serving, which holds serve_mu */
         answered = fast_read(req, ino, size, off);

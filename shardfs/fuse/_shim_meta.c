@@ -9,6 +9,7 @@
  * Worker processes are forked after the session exists and inherit these pointers.
  */
 #include <stdint.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 
 /* Mirrors shim.py's MetaTree (ctypes.Structure): keep both in step. */
@@ -32,7 +33,15 @@ struct meta_tree {
     uint64_t sparse;
     uint32_t uid, gid;
     double timeout;             /* entry and attribute timeout, seconds */
-    int readdirplus;            /* 0: never (plain READDIR), 1: adaptive, 2: always */
+    int readdirplus;            /* READDIRPLUS_*, below */
+};
+
+/* How listings are answered (shim.py's READDIRPLUS_MODES: keep both in step). */
+enum {
+    READDIRPLUS_NEVER,      /* plain READDIR: names, inode numbers, types */
+    READDIRPLUS_ADAPTIVE,   /* READDIRPLUS for a directory's first reply (the kernel's choice) */
+    READDIRPLUS_ALWAYS,     /* READDIRPLUS, every entry with its attributes (an inode each) */
+    READDIRPLUS_PUSHING,    /* READDIRPLUS; attributes only while pages are pushed (below) */
 };
 
 #define KIND_FILE 'f'
@@ -44,6 +53,49 @@ typedef void (*lookup_fn_t)(fuse_req_t, fuse_ino_t, const char *);
 
 static struct meta_tree meta;
 static int meta_ready, meta_installed;
+
+/*
+ * What the page push (below) needs to know per file, in memory shared with the worker
+ * processes (an anonymous shared mapping made before any of them is forked):
+ * `read[i]` is set by the first READ of entry i that any process of the mount receives (its
+ * pages are then in the page cache, or on their way: pushing them again would copy for
+ * nothing); `listing_inodes`, set while pages are pushed, has listings give every entry its
+ * attributes (READDIRPLUS_PUSHING), so that the kernel makes the inodes the push stores into
+ * while a loader lists its directories (ImageFolder), where it would otherwise take one
+ * LOOKUP round trip per file, the pusher's or the reader's (docs/tuning.md).
+ */
+struct file_marks {
+    int32_t listing_inodes;
+    int32_t unused;
+    uint8_t read[];
+};
+static struct file_marks *marks;
+static size_t marks_size;
+
+static void mark_read(fuse_ino_t ino)
+{
+    if (marks != NULL && ino >= 1 && ino <= meta.entries
+        && !__atomic_load_n(&marks->read[ino - 1], __ATOMIC_RELAXED))
+        __atomic_store_n(&marks->read[ino - 1], 1, __ATOMIC_RELAXED);
+}
+
+static int was_read(uint64_t i)
+{
+    return marks != NULL && __atomic_load_n(&marks->read[i], __ATOMIC_RELAXED);
+}
+
+/* Python (shim.set_listing_inodes): the pusher has started (1) or stopped (0). */
+void shardfs_shim_set_listing_inodes(int on)
+{
+    if (marks != NULL)
+        __atomic_store_n(&marks->listing_inodes, on ? 1 : 0, __ATOMIC_RELAXED);
+}
+
+/* Python (shim.was_read): has entry i had a READ? */
+int shardfs_shim_was_read(uint64_t i)
+{
+    return i < meta.entries && was_read(i);
+}
 static init_fn_t real_meta_init;
 static lookup_fn_t real_lookup;
 
@@ -65,6 +117,12 @@ int shardfs_shim_serve_metadata(const struct meta_tree *tree, size_t size)
 {
     if (tree == NULL || size != sizeof(struct meta_tree))
         return -EINVAL;
+    if (marks != NULL)
+        munmap(marks, marks_size);
+    marks_size = sizeof(struct file_marks) + (size_t)tree->entries;
+    marks = mmap(NULL, marks_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (marks == MAP_FAILED)
+        marks = NULL;   /* pushes then go by inodes alone, as with plain READDIR */
     meta = *tree;
     meta_ready = 1;
     return 0;
@@ -254,6 +312,8 @@ static void meta_list(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, in
     }
     uint64_t p = ino - 1, first = meta.child_start[p], count = meta.child_count[p];
     size_t used = 0;
+    int with_inodes = meta.readdirplus != READDIRPLUS_PUSHING
+        || (marks != NULL && __atomic_load_n(&marks->listing_inodes, __ATOMIC_RELAXED));
     for (uint64_t pos = off < 0 ? 0 : (uint64_t)off; pos < count; pos++) {
         uint32_t c = meta.children[first + pos];
         size_t len;
@@ -271,6 +331,8 @@ static void meta_list(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, in
         if (plus) {
             struct fuse_entry_param e;
             meta_entry(c, &e);
+            if (!with_inodes)
+                e.ino = 0;   /* a name, no attributes: the kernel makes no inode for it */
             n = add_direntry_plus(req, buf + used, size - used, name, &e, (off_t)pos + 1);
         } else {
             struct stat st;
@@ -324,9 +386,10 @@ static void meta_forget_multi(fuse_req_t req, size_t count, struct fuse_forget_d
 static void meta_init(void *userdata, struct fuse_conn_info *conn)
 {
     real_meta_init(userdata, conn);   /* pyfuse3's: READDIRPLUS on, adaptive off */
-    if (meta.readdirplus == 0)
+    if (meta.readdirplus == READDIRPLUS_NEVER)
         conn->want &= ~FUSE_CAP_READDIRPLUS;
-    else if (meta.readdirplus == 1 && (conn->capable & FUSE_CAP_READDIRPLUS_AUTO))
+    else if (meta.readdirplus == READDIRPLUS_ADAPTIVE
+             && (conn->capable & FUSE_CAP_READDIRPLUS_AUTO))
         conn->want |= FUSE_CAP_READDIRPLUS_AUTO;
 }
 
@@ -578,8 +641,9 @@ static int readable_now(int fd)
  * Page push in C (shardfs/fuse/pagepush.py): one shard's files, from its cache file into the
  * kernel's page cache (FUSE_NOTIFY_STORE), in a thread that does not hold the GIL (ctypes
  * releases it around this call). The same steps as the Python loop it replaces, per file:
- * a zero-length store asks whether the kernel has its inode (ENOENT: nobody looked it up);
- * a file with an inode was opened, so read, already: not pushed; a file without one is
+ * a file some process of the mount had a READ of already (marks, above) is not pushed; a
+ * zero-length store asks whether the kernel has its inode (ENOENT: nobody looked it up or
+ * listed it with attributes); a file with one is pushed at once; a file without one is
  * looked up by a stat through the mount, made by the lookup process (shardfs/fuse/lookupproc.py:
  * never by this process, which may be the one to answer it), then its bytes are read from the
  * cache file and stored, in pieces of at most PUSH_PIECE bytes. The lookups go in batches of
@@ -598,6 +662,7 @@ static int readable_now(int fd)
 /* Mirrors pagepush.py's PushCounts (ctypes.Structure): keep both in step. */
 struct push_counts {
     uint64_t looked_up, files, bytes, opened, unknown, errors;
+    uint64_t listed;   /* of `files`: pushed without a lookup (the kernel had the inode) */
     int32_t off;       /* set when the kernel takes no pushed pages (ENOSYS) */
     int32_t error;     /* the errno that stopped the push (0: none) */
     int32_t stop;      /* set by Python (the mount is going away): stop after this file */
@@ -782,9 +847,23 @@ int shardfs_shim_push(int fd, int lookup, const uint32_t *entries, uint64_t n,
             uint64_t i = entries[k];
             if (meta.size[i] == 0)
                 continue;
-            int r = push_store(store, i + 1, 0, "", 0);
-            if (r == 0) {
+            if (was_read(i)) {
                 counts->opened++;
+                continue;
+            }
+            int r = push_store(store, i + 1, 0, "", 0);
+            if (r == 0 && marks == NULL) {
+                counts->opened++;   /* without marks, an inode means a reader looked it up */
+                continue;
+            }
+            if (r == 0) {   /* listed (or looked up, not read yet): no lookup needed */
+                uint64_t before = counts->files;
+                r = push_file(store, fd, i, &buf, &cap, counts);
+                counts->listed += counts->files - before;
+                if (r < 0)
+                    res = r;
+                if (r < 0 || counts->off || __atomic_load_n(&counts->stop, __ATOMIC_RELAXED))
+                    break;
                 continue;
             }
             if (r == -ENOSYS)

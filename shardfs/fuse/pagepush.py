@@ -116,7 +116,9 @@ class PushStats:
     looked_up: int = 0  # files the pusher looked up (the kernel had no inode for them)
     files: int = 0
     bytes: int = 0
-    opened: int = 0  # not pushed: the kernel had their inode (opened, so read, already)
+    listed: int = 0  # of files: pushed without a lookup (a listing gave the kernel its inode)
+    opened: int = 0  # not pushed: read already (a READ came; without the shim's marks: the
+    #                  kernel had their inode)
     unknown: int = 0  # not pushed: still no inode after the pusher's own lookup
     errors: int = 0
     in_c: bool = False  # pushed by the shim's loop (not the Python one)
@@ -152,9 +154,11 @@ class PagePusher:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
         task_status.started()
+        shim.set_listing_inodes(True)
         try:
             await self._push_as_they_come()
         finally:
+            shim.set_listing_inodes(False)
             self._lookups.close()
 
     async def _push_as_they_come(self) -> None:
@@ -214,6 +218,7 @@ class PagePusher:
         stats.looked_up += counts.looked_up
         stats.files += counts.files
         stats.bytes += counts.bytes
+        stats.listed += counts.listed
         stats.opened += counts.opened
         stats.unknown += counts.unknown
         stats.errors += counts.errors
@@ -234,10 +239,14 @@ class PagePusher:
                 ino, offset, size = pos + 1, tree.offset[pos], tree.size[pos]
                 if size == 0:
                     continue
-                if self._has_inode(ino):
+                if shim.was_read(ino):
                     stats.opened += 1
                     continue
-                if not self._look_up(lookups, ino):
+                listed = self._has_inode(ino)
+                if listed and not shim.metadata_in_c():
+                    stats.opened += 1  # no marks: an inode means a reader looked it up
+                    continue
+                if not listed and not self._look_up(lookups, ino):
                     stats.unknown += 1
                     continue
                 at = 0
@@ -254,6 +263,7 @@ class PagePusher:
                     at += n
                 else:
                     stats.files += 1
+                    stats.listed += listed
                     stats.bytes += size
                 if self._off:
                     return

@@ -104,13 +104,19 @@ class MetaTree(ctypes.Structure):
 
 # What the C side points into: kept referenced for the life of the process.
 _meta_keep: list[Any] = []
-# Listings as plain READDIR (names, inodes, types), never READDIRPLUS: measured at 300k
-# files after drop_caches, os.walk takes 0.46 s this way and 1.0-1.2 s with READDIRPLUS even
-# answered in C (the kernel builds an inode and a dentry for every entry), against 0.4-0.7 s
-# on ext4. A file's attributes then come with its first LOOKUP (answered in C as well).
-# The other modes stay for measuring again (docs/tuning.md), chosen by SHARDFS_READDIRPLUS:
-# "adaptive" is READDIRPLUS for a directory's first reply (FUSE_CAP_READDIRPLUS_AUTO).
-READDIRPLUS_MODES = {"never": 0, "adaptive": 1, "always": 2}
+# How listings are answered (the READDIRPLUS_* of _shim_meta.c: keep both in step). With
+# every entry's attributes (READDIRPLUS) the kernel builds an inode and a dentry per entry:
+# measured at 300k files after drop_caches, os.walk took 1.0-1.2 s that way, 0.46 s as plain
+# READDIR (names, inodes, types), against 0.4-0.7 s on ext4 (docs/tuning.md). Those inodes
+# are what a file's first LOOKUP makes anyway, one round trip each, before it is read or its
+# pages pushed. "pushing" (the default) lists names only, as plain READDIR does, except
+# while the mount pushes pages (shardfs/fuse/pagepush.py): then every listed file gets its
+# inode from the listing, and no file costs a LOOKUP round trip of its own (the pusher's or
+# its reader's). The others stay for measuring again, chosen by SHARDFS_READDIRPLUS: "never"
+# (plain READDIR, the default before), "adaptive" (READDIRPLUS for a directory's first
+# reply, FUSE_CAP_READDIRPLUS_AUTO), "always".
+READDIRPLUS_MODES = {"never": 0, "adaptive": 1, "always": 2, "pushing": 3}
+DEFAULT_READDIRPLUS = "pushing"
 _TYPECODES = {"name_end": "Q", "size": "Q", "mtime": "q", "mode": "H", "children": "I",
               "child_start": "I", "child_count": "I", "shard": "I", "offset": "Q"}
 
@@ -126,14 +132,14 @@ def _address(buf: Any) -> int:
 
 
 def readdirplus_mode() -> int:
-    """The listing mode from SHARDFS_READDIRPLUS (default "never": plain READDIR)."""
-    name = os.environ.get("SHARDFS_READDIRPLUS", "never")
+    """The listing mode from SHARDFS_READDIRPLUS (default DEFAULT_READDIRPLUS)."""
+    name = os.environ.get("SHARDFS_READDIRPLUS", DEFAULT_READDIRPLUS)
     if name not in READDIRPLUS_MODES:
-        log.warning("SHARDFS_READDIRPLUS=%s is none of %s: plain READDIR", name,
-                    ", ".join(READDIRPLUS_MODES))
-        return READDIRPLUS_MODES["never"]
-    if name != "never":
-        log.info("listings with READDIRPLUS (%s), from SHARDFS_READDIRPLUS", name)
+        log.warning("SHARDFS_READDIRPLUS=%s is none of %s: %s", name,
+                    ", ".join(READDIRPLUS_MODES), DEFAULT_READDIRPLUS)
+        name = DEFAULT_READDIRPLUS
+    if name != DEFAULT_READDIRPLUS:
+        log.info("listings: %s, from SHARDFS_READDIRPLUS", name)
     return READDIRPLUS_MODES[name]
 
 
@@ -282,12 +288,26 @@ class PushCounts(ctypes.Structure):
     _fields_ = [
         ("looked_up", ctypes.c_uint64), ("files", ctypes.c_uint64), ("bytes", ctypes.c_uint64),
         ("opened", ctypes.c_uint64), ("unknown", ctypes.c_uint64), ("errors", ctypes.c_uint64),
-        ("off", ctypes.c_int32), ("error", ctypes.c_int32), ("stop", ctypes.c_int32),
-        ("unused", ctypes.c_int32),
+        ("listed", ctypes.c_uint64), ("off", ctypes.c_int32), ("error", ctypes.c_int32),
+        ("stop", ctypes.c_int32), ("unused", ctypes.c_int32),
     ]
 
 
 _push_fn: Any = None
+
+
+def set_listing_inodes(on: bool) -> None:
+    """While pages are pushed, listings give every entry its attributes (an inode in the
+    kernel, for the push to store into): the "pushing" listing mode (READDIRPLUS_MODES)."""
+    if _lib is not None and metadata_in_c():
+        _lib.shardfs_shim_set_listing_inodes(ctypes.c_int(1 if on else 0))
+
+
+def was_read(ino: int) -> bool:
+    """Has any process of the mount had a READ of inode `ino` (its pages are in the page
+    cache, or on their way)? False where the shim does not answer metadata."""
+    return (_lib is not None and metadata_in_c()
+            and bool(_lib.shardfs_shim_was_read(ctypes.c_uint64(ino - 1))))
 
 
 def can_push() -> bool:
