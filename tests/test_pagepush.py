@@ -38,25 +38,30 @@ def wait_for(predicate, what: str, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize(("push", "workers", "loop", "listed"),
-                         [("auto", "2", "c", False), ("auto", "1", "c", False),
-                          ("off", "2", "c", False), ("auto", "1", "python", False),
-                          ("auto", "1", "c-linger", False), ("auto", "2", "c", True),
-                          ("auto", "1", "c", True), ("auto", "1", "python", True)])
+@pytest.mark.parametrize(("push", "workers", "loop", "listing"),
+                         [("auto", "2", "c", "pusher"), ("auto", "1", "c", "pusher"),
+                          ("off", "2", "c", "pusher"), ("auto", "1", "python", "pusher"),
+                          ("auto", "1", "c-linger", "never"), ("auto", "2", "c", "loader"),
+                          ("auto", "1", "c", "loader"), ("auto", "1", "python", "loader"),
+                          ("auto", "2", "c", "never"), ("auto", "1", "python", "never")])
 def test_files_of_an_arrived_shard_are_read_without_the_daemon(dataset: Dataset, nginx,
                                                                mounter: Mounter, push: str,
                                                                workers: str, loop: str,
-                                                               listed: bool, monkeypatch):
+                                                               listing: str, monkeypatch):
     """With workers the daemon pushes while workers answer READs; with one process a thread
-    of the daemon pushes while its loop answers them. Not `listed`: nothing has looked the
-    files up, so the pusher looks them up itself. `listed`: the tree is listed first, as
-    ImageFolder does: while pages are pushed, listings give the kernel every file's inode
-    (SHARDFS_READDIRPLUS's "pushing"), and the pusher looks nothing up. Either way the file
-    read before its shard arrived is not pushed (with workers, its READ was a worker's: the
-    marks are shared). The pushing loop is the shim's (C), or the Python one it replaced
-    where the shim does not answer metadata (SHARDFS_PUSH_IN_PYTHON makes it the Python one).
-    "c-linger": the shim lingers for the next request (SHARDFS_LINGER_US, docs/pyfuse3.md)
-    while the pusher's LOOKUPs and the reads come."""
+    of the daemon pushes while its loop answers them. A file needs a kernel inode to be
+    pushed into. `listing` "loader": the tree is listed first, as ImageFolder does, and while
+    pages are pushed listings give the kernel every file's inode (SHARDFS_READDIRPLUS's
+    "pushing"): the pusher looks nothing up. "pusher": nothing has listed or looked the files
+    up, so the pusher has their directory listed (by its lookup process), once. "never"
+    (SHARDFS_READDIRPLUS=never): listings give no inodes, and the pusher looks each file up.
+    Each way, the file read before its shard arrived is not pushed (with workers, its READ
+    was a worker's: the marks are shared). The pushing loop is the shim's (C), or the Python
+    one it replaced where the shim does not answer metadata (SHARDFS_PUSH_IN_PYTHON makes it
+    the Python one). "c-linger": the shim lingers for the next request (SHARDFS_LINGER_US,
+    docs/pyfuse3.md) while the pusher's LOOKUPs and the reads come."""
+    if listing == "never":
+        monkeypatch.setenv("SHARDFS_READDIRPLUS", "never")
     if loop == "python":
         monkeypatch.setenv("SHARDFS_PUSH_IN_PYTHON", "1")
     elif os.environ.get("SHARDFS_NO_SHIM"):
@@ -70,7 +75,7 @@ def test_files_of_an_arrived_shard_are_read_without_the_daemon(dataset: Dataset,
     paths = [m.mountpoint / name for name in members(shard)]
     first, rest = paths[0], paths[1:]
     assert len(rest) >= 3
-    if listed:
+    if listing == "loader":
         assert sum(len(files) for _, _, files in os.walk(m.mountpoint)) == len(dataset.files())
 
     def source(path: Path) -> bytes:
@@ -84,8 +89,9 @@ def test_files_of_an_arrived_shard_are_read_without_the_daemon(dataset: Dataset,
         # `first` was opened (and read): not pushed again; every other file was.
         assert pushed["opened"] == 1 and pushed["unknown"] == pushed["errors"] == 0, pushed
         assert pushed["files"] == len(rest), pushed
-        assert pushed["looked_up"] == (0 if listed else len(rest)), pushed
-        assert pushed["listed"] == (len(rest) if listed else 0), pushed
+        assert pushed["looked_up"] == (len(rest) if listing == "never" else 0), pushed
+        assert pushed["listed"] == (0 if listing == "never" else len(rest)), pushed
+        assert (pushed["dirs_listed"] > 0) == (listing == "pusher"), pushed
         assert pushed["bytes"] == sum(len(source(p)) for p in rest)
         assert pushed["in_c"] == (loop != "python"), pushed
     else:
@@ -294,7 +300,11 @@ def test_a_daemon_serving_alone_killed_mid_push_ends(nginx, mounter: Mounter, tm
     the cause is watched for directly first: while thousands of lookups go on, no thread of
     the daemon ever waits for an answer from a FUSE mount (its kernel stacks, sampled), while
     the lookup process is seen doing so (the sampling sees such waits). Then it is killed
-    mid-push, three times."""
+    mid-push, three times. Listings give no inodes here (SHARDFS_READDIRPLUS=never), so the
+    pusher looks up each of the 9,000 files: the long window this needs (where listings give
+    inodes, the pusher's directory listings are the lookup process's requests too, one per
+    directory)."""
+    monkeypatch.setenv("SHARDFS_READDIRPLUS", "never")
     if loop == "python":
         monkeypatch.setenv("SHARDFS_PUSH_IN_PYTHON", "1")
     elif os.environ.get("SHARDFS_NO_SHIM"):
@@ -349,11 +359,13 @@ def test_a_daemon_serving_alone_killed_mid_push_ends(nginx, mounter: Mounter, tm
 
 
 def test_a_daemon_killed_mid_push_under_the_holder_is_taken_over(tmp_path: Path,
-                                                                  mounter: Mounter):
+                                                                  mounter: Mounter,
+                                                                  monkeypatch):
     """The same kill with the holder keeping the connection (the default): the killed daemon
     ends at once (none of its threads waits on the mount), the next daemon takes over and
     answers what the lookup process was waiting for, and that process ends; every file reads
-    right afterwards."""
+    right afterwards. One lookup per file, as above (SHARDFS_READDIRPLUS=never)."""
+    monkeypatch.setenv("SHARDFS_READDIRPLUS", "never")
     if os.environ.get("SHARDFS_NO_SHIM"):
         pytest.skip("takeovers and page push need the shim")
     shards, per_shard = 3, 3000

@@ -91,6 +91,13 @@ void shardfs_shim_set_listing_inodes(int on)
         __atomic_store_n(&marks->listing_inodes, on ? 1 : 0, __ATOMIC_RELAXED);
 }
 
+/* Python (shim.listings_give_inodes). */
+static int listings_give_inodes(void);
+int shardfs_shim_listings_give_inodes(void)
+{
+    return listings_give_inodes();
+}
+
 /* Python (shim.was_read): has entry i had a READ? */
 int shardfs_shim_was_read(uint64_t i)
 {
@@ -651,6 +658,7 @@ static int readable_now(int fd)
  * No Python object per file: in Python this loop held the GIL for ~6-8 us per file, beside
  * the loop thread that answers FUSE requests (bench cpusplit).
  */
+#include <dirent.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -663,6 +671,7 @@ static int readable_now(int fd)
 struct push_counts {
     uint64_t looked_up, files, bytes, opened, unknown, errors;
     uint64_t listed;   /* of `files`: pushed without a lookup (the kernel had the inode) */
+    uint64_t dirs_listed;   /* directories the lookup process listed for the push */
     int32_t off;       /* set when the kernel takes no pushed pages (ENOSYS) */
     int32_t error;     /* the errno that stopped the push (0: none) */
     int32_t stop;      /* set by Python (the mount is going away): stop after this file */
@@ -703,8 +712,30 @@ static const char *push_path(const uint32_t *parent, uint64_t i, const char *mou
     return path + at;
 }
 
+/* Directory entry d's path through the mount with a '/' at its end (a listing, in the lookup
+ * process's protocol below), or NULL if it does not fit. */
+static const char *push_dir_path(const uint32_t *parent, uint64_t d, const char *mountpoint,
+                                 char *path, size_t cap)
+{
+    const char *where = push_path(parent, d, mountpoint, path, cap - 1);
+    if (where != NULL) {
+        path[cap - 2] = '/';
+        path[cap - 1] = 0;
+    }
+    return where;
+}
+
+/* Do listings give the kernel inodes now (READDIRPLUS entries with attributes)? */
+static int listings_give_inodes(void)
+{
+    return meta.readdirplus == READDIRPLUS_ALWAYS
+        || (meta.readdirplus == READDIRPLUS_PUSHING && marks != NULL
+            && __atomic_load_n(&marks->listing_inodes, __ATOMIC_RELAXED));
+}
+
 /* The lookup process's protocol (lookupproc.py): paths out, each ended by a NUL; one byte
- * per path back, 'y' or 'n'. */
+ * per path back, 'y' or 'n'. A path ending in '/' is a directory to list (every entry read:
+ * while pages are pushed, a listing gives the kernel every listed file's inode). */
 static int lookup_send(int sock, const char *data, size_t n)
 {
     while (n > 0) {
@@ -735,6 +766,24 @@ static int lookup_await(int sock, char *answers, size_t *have, size_t want)
     return 0;
 }
 
+/* One path of the protocol: a stat, or (a path ending in '/') a whole listing. 0 or -1. */
+static int lookup_one(const char *path, size_t len)
+{
+    if (len == 0 || path[len - 1] != '/') {
+        struct stat st;
+        return stat(path, &st);
+    }
+    DIR *dir = opendir(path);
+    if (dir == NULL)
+        return -1;
+    errno = 0;
+    while (readdir(dir) != NULL)
+        ;
+    int failed = errno != 0;
+    closedir(dir);
+    return failed ? -1 : 0;
+}
+
 /* The lookup process's side (lookupproc.py calls it; it runs in that process, not in one that
  * serves the mount): stat each path read from `sock`, answer 'y' or 'n' per path in order,
  * until end of file. 0, or -errno. */
@@ -760,8 +809,7 @@ int shardfs_shim_lookup_serve(int sock)
         size_t at = 0, n = 0;
         for (char *end; (end = memchr(buf + at, 0, have - at)) != NULL;
              at = (size_t)(end - buf) + 1) {
-            struct stat st;
-            answers[n++] = stat(buf + at, &st) == 0 ? 'y' : 'n';
+            answers[n++] = lookup_one(buf + at, (size_t)(end - buf) - at) == 0 ? 'y' : 'n';
         }
         if (n > 0 && (res = lookup_send(sock, answers, n)) != 0)
             break;
@@ -776,6 +824,25 @@ out:
     free(buf);
     free(answers);
     return res;
+}
+
+/* Have the lookup process list directory entry d (the kernel makes the inodes the listing
+ * gives). 0, also when the listing failed or the path does not fit (the files are then
+ * looked up one by one), or -errno when the process is gone. */
+static int list_dir(int lookup, const uint32_t *parent, uint64_t d, const char *mountpoint,
+                    char *path, size_t cap, struct push_counts *counts)
+{
+    const char *where = push_dir_path(parent, d, mountpoint, path, cap);
+    if (where == NULL)
+        return 0;
+    int r = lookup_send(lookup, where, strlen(where) + 1);
+    char answer;
+    size_t have = 0;
+    if (r == 0)
+        r = lookup_await(lookup, &answer, &have, 1);
+    if (r == 0 && answer == 'y')
+        counts->dirs_listed++;
+    return r;
 }
 
 /* Store file i's `size` bytes from `fd` (its cache file), piece by piece through `buf`. 0 when
@@ -831,6 +898,9 @@ int shardfs_shim_push(int fd, int lookup, const uint32_t *entries, uint64_t n,
         store = (notify_store_fn)real("fuse_lowlevel_notify_store");
     if (store == NULL)
         return -ENOSYS;
+    static uint8_t *dir_asked;   /* directories listed for the push (this thread's only) */
+    if (dir_asked == NULL)
+        dir_asked = calloc(meta.entries, 1);   /* NULL: files are looked up one by one */
     char path[8192];
     char *paths = malloc(PUSH_PATHS), *buf = NULL;
     if (paths == NULL)
@@ -855,6 +925,18 @@ int shardfs_shim_push(int fd, int lookup, const uint32_t *entries, uint64_t n,
             if (r == 0 && marks == NULL) {
                 counts->opened++;   /* without marks, an inode means a reader looked it up */
                 continue;
+            }
+            if (r == -ENOENT && dir_asked != NULL && !dir_asked[parent[i]]
+                && listings_give_inodes()) {
+                /* Its directory listed once, by the lookup process: one request per reply
+                 * of ~300 entries gives their inodes, instead of a stat per file. */
+                dir_asked[parent[i]] = 1;
+                if ((r = list_dir(lookup, parent, parent[i], mountpoint, path, sizeof(path),
+                                  counts)) != 0) {
+                    res = r;
+                    break;
+                }
+                r = push_store(store, i + 1, 0, "", 0);
             }
             if (r == 0) {   /* listed (or looked up, not read yet): no lookup needed */
                 uint64_t before = counts->files;

@@ -6,7 +6,9 @@ would keep a copy-on-write copy of the daemon's memory for as long as it lives).
 lookups need a process of their own: pagepush.py's docstring.
 
 The protocol, on the stream socket: paths, each ended by a NUL, in; one byte per path out, in
-order: b"y" (the stat succeeded: the kernel has the file's inode now) or b"n". End of file on
+order: b"y" (the stat succeeded: the kernel has the file's inode now) or b"n". A path that
+ends in "/" is a directory to list whole (b"y": listed; while pages are pushed, a listing
+gives the kernel every listed file's inode: pagepush.py). End of file on
 the socket (the daemon closed it, or died) ends the process. The loop is the shim's
 (`shardfs_shim_lookup_serve`, loaded with ctypes: no Python per path; a Python loop cost the
 pushes ~4 µs of CPU per file and fell behind, docs/benchmarks-notes.md), so this file imports

@@ -18,16 +18,17 @@ Pushed pages are the pages a full pass over the files leaves in the page cache a
 
 How: one shard at a time, in the order they complete, in a worker thread: `notify_store`
 waits while the kernel holds a page locked for a READ that this process may be the one to
-answer. Only files nobody has opened yet are pushed. Listings are plain READDIR
-(docs/tuning.md), so the kernel has an inode only for a file something looked up — with
-ImageFolder-style loaders, one that a reader opened, whose pages that read put in the page
-cache already (pushing those cost 5-12 % in `bench node` with 2 workers, where the readers
-keep up with the fetches). A zero-length `notify_store` asks which (ENOENT: no inode). A file
-without one is looked up (a `stat` through the mount, answered in C like any LOOKUP) and
-pushed: the LOOKUP the reader's `open` would have sent anyway, made earlier and off the
-reader's path (its `open` then finds the cached entry). A loader that stats every file before
-reading it (or `SHARDFS_READDIRPLUS`) thus gets no pushes: its reads go to the daemon as
-without them.
+answer. Only files nobody has read yet are pushed: every READ that reaches the mount, in any
+of its processes, marks its file (the shim's marks), and a READ's pages are in the page cache
+already (pushing those cost 5-12 % in `bench node` with 2 workers, where the readers keep up
+with the fetches). A file is pushed into its kernel inode. While pushing, listings give
+every listed file one (READDIRPLUS entries with attributes; `shim.set_listing_inodes`,
+docs/tuning.md "Listings that give inodes"): a loader that lists its directories first
+(ImageFolder) costs no LOOKUP per file, the pusher's or its readers'. A zero-length
+`notify_store` asks whether the kernel has the inode (ENOENT: no). A file without one is
+looked up (a `stat` through the mount, answered in C like any LOOKUP) and pushed: the LOOKUP
+the reader's `open` would have sent anyway, made earlier and off the reader's path (its
+`open` then finds the cached entry).
 
 Who looks files up: the lookup process (lookups.py, lookupproc.py), started at the first
 push, never a thread of this process: this process may be the one that answers the LOOKUP
@@ -117,6 +118,7 @@ class PushStats:
     files: int = 0
     bytes: int = 0
     listed: int = 0  # of files: pushed without a lookup (a listing gave the kernel its inode)
+    dirs_listed: int = 0  # directories the lookup process listed (for their files' inodes)
     opened: int = 0  # not pushed: read already (a READ came; without the shim's marks: the
     #                  kernel had their inode)
     unknown: int = 0  # not pushed: still no inode after the pusher's own lookup
@@ -141,6 +143,7 @@ class PagePusher:
                      and not os.environ.get("SHARDFS_PUSH_IN_PYTHON"))
         self.stats = PushStats(in_c=self.in_c)
         self._lookups = LookupProcess()
+        self._dirs_asked: set[int] = set()  # listed by the lookup process (_list_parent)
 
     def shard_complete(self, shard: int) -> None:
         """Reader.on_complete: queue a shard that has just arrived whole."""
@@ -219,6 +222,7 @@ class PagePusher:
         stats.files += counts.files
         stats.bytes += counts.bytes
         stats.listed += counts.listed
+        stats.dirs_listed += counts.dirs_listed
         stats.opened += counts.opened
         stats.unknown += counts.unknown
         stats.errors += counts.errors
@@ -246,6 +250,8 @@ class PagePusher:
                 if listed and not shim.metadata_in_c():
                     stats.opened += 1  # no marks: an inode means a reader looked it up
                     continue
+                if not listed and self._list_parent(lookups, ino):
+                    listed = self._has_inode(ino)
                 if not listed and not self._look_up(lookups, ino):
                     stats.unknown += 1
                     continue
@@ -282,6 +288,19 @@ class PagePusher:
         """Does the kernel have this inode (was the file looked up)? A zero-length store
         copies nothing and fails with ENOENT when it has not."""
         return self._store(ino, 0, b"")
+
+    def _list_parent(self, lookups: socket.socket, ino: int) -> bool:
+        """Where listings give inodes, have the file's directory listed by the lookup process,
+        once: its files' inodes for one request per ~300 entries, not a stat per file (the
+        shim's loop does the same). Whether it was listed now."""
+        parent = self._tree.parent[ino - 1] + 1
+        if parent in self._dirs_asked or not shim.listings_give_inodes():
+            return False
+        self._dirs_asked.add(parent)
+        path = self._tree.path(parent)
+        if look_up(lookups, self._mountpoint + b"/" + path + (b"/" if path else b"")):
+            self.stats.dirs_listed += 1
+        return True
 
     def _look_up(self, lookups: socket.socket, ino: int) -> bool:
         """The LOOKUP that gives the kernel an inode for the file: a stat through the mount,

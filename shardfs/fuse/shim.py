@@ -288,7 +288,8 @@ class PushCounts(ctypes.Structure):
     _fields_ = [
         ("looked_up", ctypes.c_uint64), ("files", ctypes.c_uint64), ("bytes", ctypes.c_uint64),
         ("opened", ctypes.c_uint64), ("unknown", ctypes.c_uint64), ("errors", ctypes.c_uint64),
-        ("listed", ctypes.c_uint64), ("off", ctypes.c_int32), ("error", ctypes.c_int32),
+        ("listed", ctypes.c_uint64), ("dirs_listed", ctypes.c_uint64),
+        ("off", ctypes.c_int32), ("error", ctypes.c_int32),
         ("stop", ctypes.c_int32), ("unused", ctypes.c_int32),
     ]
 
@@ -301,6 +302,12 @@ def set_listing_inodes(on: bool) -> None:
     kernel, for the push to store into): the "pushing" listing mode (READDIRPLUS_MODES)."""
     if _lib is not None and metadata_in_c():
         _lib.shardfs_shim_set_listing_inodes(ctypes.c_int(1 if on else 0))
+
+
+def listings_give_inodes() -> bool:
+    """Do listings give the kernel every listed file's inode now (READDIRPLUS_MODES)?"""
+    return (_lib is not None and metadata_in_c()
+            and bool(_lib.shardfs_shim_listings_give_inodes()))
 
 
 def was_read(ino: int) -> bool:
