@@ -322,9 +322,9 @@ def run_meta(args: argparse.Namespace) -> dict:
         sources = sorted(f"file://{p}" for p in (work / "shards").glob("meta-*.tar"))
         mnt, cache = work / "mnt", work / "cache"
         mnt.mkdir()
-        Mount(sources, mnt, cache, args.workers).close()  # index once
+        Mount(sources, mnt, cache, args.workers, args.push_pages).close()  # index once
         t0 = time.monotonic()
-        mount = Mount(sources, mnt, cache, args.workers)
+        mount = Mount(sources, mnt, cache, args.workers, args.push_pages)
         remount = round(time.monotonic() - t0, 3)
         runs: list[dict] = []
         try:
