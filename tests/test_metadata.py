@@ -163,8 +163,10 @@ def test_reader_thread_answers_in_c_and_hands_over_the_rest(
     reader thread (docs/pyfuse3.md): what C answers (here the LOOKUPs and GETATTRs after the
     dentries are dropped) never reaches pyfuse3's loop; what C cannot answer (STATFS,
     getxattr) is handed to it and answered there. SHARDFS_FUSE_THREAD=0: no such thread,
-    the same answers."""
+    the same answers. Listings without inodes (SHARDFS_READDIRPLUS=never: where pages are
+    pushed, as here, they would give every file's inode, and no LOOKUP would come)."""
     monkeypatch.delenv("SHARDFS_FUSE_THREAD", raising=False)
+    monkeypatch.setenv("SHARDFS_READDIRPLUS", "never")
     m = mounter.mount(shards, None, None, "--no-warm", "--workers", workers)
     stats = m.stats()
     serving = stats["workers"] or [stats["pid"]]
