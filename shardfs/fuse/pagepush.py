@@ -25,7 +25,10 @@ with the fetches). A file is pushed into its kernel inode. While pushing, listin
 every listed file one (READDIRPLUS entries with attributes; `shim.set_listing_inodes`,
 docs/tuning.md "Listings that give inodes"): a loader that lists its directories first
 (ImageFolder) costs no LOOKUP per file, the pusher's or its readers'. A zero-length
-`notify_store` asks whether the kernel has the inode (ENOENT: no). A file without one is
+`notify_store` asks whether the kernel has the inode (ENOENT: no). For a file without one,
+where listings give inodes, its directory is listed by the lookup process, once (the inodes
+of all its files for one request per ~300 of them); where they do not, or the listing gave
+none (a directory listed before pushing began: the kernel's cached listing), the file is
 looked up (a `stat` through the mount, answered in C like any LOOKUP) and pushed: the LOOKUP
 the reader's `open` would have sent anyway, made earlier and off the reader's path (its
 `open` then finds the cached entry).
