@@ -383,7 +383,11 @@ def render(record: dict, command: str) -> str:
     lines = [MARK_BEGIN, "", f"### Node scenario (workers={workers})", "",
              f"`{command}` — {ds['files']} files in {ds['shards']} shards "
              f"({ds['bytes'] / 1e6:.0f} MB), P reader processes each opening, reading and "
-             "closing its share of one shuffled list; files/s, ratio to ext4 in brackets "
+             "closing its share of one shuffled list"
+             + (" after one `os.walk` of the tree, as ImageFolder lists (`--list`: the dropped "
+                "and cold passes; the walk's time apart, its daemon CPU counted)"
+                if record["params"].get("list") else "")
+             + "; files/s, ratio to ext4 in brackets "
              "(warm vs ext4 warm; dropped and cold vs ext4 dropped); daemon CPU per file.", "",
              "| P | ext4 warm | ext4 dropped | shardfs warm | shardfs dropped | cold file:// "
              "copied | cold file:// in place | cold HTTP | daemon µs/file (warm / dropped / "
