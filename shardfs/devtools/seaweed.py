@@ -100,7 +100,8 @@ class WeedServer:
         master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = ports
         self.port = s3
         args = [
-            weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            # -logtostderr: its log into log_path only, not files of its own in /tmp
+            weed, "-logtostderr", "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-master.port={master}", f"-master.port.grpc={master_grpc}",
             "-master.telemetry=false", f"-master.volumeSizeLimitMB={self.volume_size_mb}",
             "-volume.max=64",
