@@ -182,7 +182,7 @@ def _machine_ticks() -> tuple[int, int, int]:
 
 
 def _measured(mount: Mount, names: list[str], procs: int, seed: int,
-              list_first: bool) -> dict:
+              list_first: bool = False) -> dict:
     before, machine = mount.cpu_ticks(), _machine_ticks()
     rec = read_all(mount.mountpoint, names, procs, seed, list_first)
     used = (mount.cpu_ticks() - before) / CLK_TCK
@@ -235,7 +235,6 @@ def run(args: argparse.Namespace) -> dict:
                   + (f", listed first in {rec['list_s']} s" if "list_s" in rec else ""),
                   flush=True)
 
-        listed = args.list
         for procs in args.readers:
             seed = procs
             read_all(src, names, procs, seed)  # warm the page cache
@@ -248,11 +247,12 @@ def run(args: argparse.Namespace) -> dict:
                           "--in-place", "off")  # copied: what a network file system gets
             try:
                 drop_caches()
-                phase("shardfs cold file://", procs, _measured(mount, names, procs, seed, listed))
+                phase("shardfs cold file://", procs,
+                      _measured(mount, names, procs, seed, args.list))
                 drop_caches()
-                phase("shardfs dropped", procs, _measured(mount, names, procs, seed, listed))
-                _measured(mount, names, procs, seed, listed)
-                phase("shardfs warm", procs, _measured(mount, names, procs, seed, listed))
+                phase("shardfs dropped", procs, _measured(mount, names, procs, seed, args.list))
+                _measured(mount, names, procs, seed)
+                phase("shardfs warm", procs, _measured(mount, names, procs, seed))
                 record.setdefault("stats", {})[f"P={procs}"] = mount.stats()
             finally:
                 mount.close()
@@ -264,7 +264,7 @@ def run(args: argparse.Namespace) -> dict:
             try:
                 drop_caches()
                 phase("shardfs cold file:// in place", procs,
-                      _measured(mount, names, procs, seed, listed))
+                      _measured(mount, names, procs, seed, args.list))
             finally:
                 mount.close()
             shutil.rmtree(cache, ignore_errors=True)
@@ -275,7 +275,8 @@ def run(args: argparse.Namespace) -> dict:
             mount = Mount(http_sources, mnt, cache, args.workers, args.push_pages)
             try:
                 drop_caches()
-                phase("shardfs cold http", procs, _measured(mount, names, procs, seed, listed))
+                phase("shardfs cold http", procs,
+                      _measured(mount, names, procs, seed, args.list))
             finally:
                 mount.close()
             shutil.rmtree(cache, ignore_errors=True)

@@ -71,6 +71,9 @@ struct file_marks {
 };
 static struct file_marks *marks;
 static size_t marks_size;
+/* Directories the page push had listed already (this process's own: only its push thread
+ * uses it); NULL: files are looked up one by one. */
+static uint8_t *dirs_asked;
 
 static void mark_read(fuse_ino_t ino)
 {
@@ -89,13 +92,6 @@ void shardfs_shim_set_listing_inodes(int on)
 {
     if (marks != NULL)
         __atomic_store_n(&marks->listing_inodes, on ? 1 : 0, __ATOMIC_RELAXED);
-}
-
-/* Python (shim.listings_give_inodes). */
-static int listings_give_inodes(void);
-int shardfs_shim_listings_give_inodes(void)
-{
-    return listings_give_inodes();
 }
 
 /* Python (shim.was_read): has entry i had a READ? */
@@ -130,6 +126,8 @@ int shardfs_shim_serve_metadata(const struct meta_tree *tree, size_t size)
     marks = mmap(NULL, marks_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     if (marks == MAP_FAILED)
         marks = NULL;   /* pushes then go by inodes alone, as with plain READDIR */
+    free(dirs_asked);
+    dirs_asked = calloc(tree->entries, 1);
     meta = *tree;
     meta_ready = 1;
     return 0;
@@ -733,6 +731,12 @@ static int listings_give_inodes(void)
             && __atomic_load_n(&marks->listing_inodes, __ATOMIC_RELAXED));
 }
 
+/* Python (shim.listings_give_inodes). */
+int shardfs_shim_listings_give_inodes(void)
+{
+    return listings_give_inodes();
+}
+
 /* The lookup process's protocol (lookupproc.py): paths out, each ended by a NUL; one byte
  * per path back, 'y' or 'n'. A path ending in '/' is a directory to list (every entry read:
  * while pages are pushed, a listing gives the kernel every listed file's inode). */
@@ -898,9 +902,6 @@ int shardfs_shim_push(int fd, int lookup, const uint32_t *entries, uint64_t n,
         store = (notify_store_fn)real("fuse_lowlevel_notify_store");
     if (store == NULL)
         return -ENOSYS;
-    static uint8_t *dir_asked;   /* directories listed for the push (this thread's only) */
-    if (dir_asked == NULL)
-        dir_asked = calloc(meta.entries, 1);   /* NULL: files are looked up one by one */
     char path[8192];
     char *paths = malloc(PUSH_PATHS), *buf = NULL;
     if (paths == NULL)
@@ -926,11 +927,11 @@ int shardfs_shim_push(int fd, int lookup, const uint32_t *entries, uint64_t n,
                 counts->opened++;   /* without marks, an inode means a reader looked it up */
                 continue;
             }
-            if (r == -ENOENT && dir_asked != NULL && !dir_asked[parent[i]]
+            if (r == -ENOENT && dirs_asked != NULL && !dirs_asked[parent[i]]
                 && listings_give_inodes()) {
                 /* Its directory listed once, by the lookup process: one request per reply
                  * of ~300 entries gives their inodes, instead of a stat per file. */
-                dir_asked[parent[i]] = 1;
+                dirs_asked[parent[i]] = 1;
                 if ((r = list_dir(lookup, parent, parent[i], mountpoint, path, sizeof(path),
                                   counts)) != 0) {
                     res = r;

@@ -159,9 +159,9 @@ class PagePusher:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
-        task_status.started()
-        shim.set_listing_inodes(True)
         try:
+            shim.set_listing_inodes(True)  # before the mount is ready: for its first listings
+            task_status.started()
             await self._push_as_they_come()
         finally:
             shim.set_listing_inodes(False)
