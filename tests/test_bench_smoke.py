@@ -354,3 +354,16 @@ def test_cpusplit_refuses_a_variant_without_its_shim(tmp_path: Path, capsys) -> 
     assert main(["--variant", f"old={tmp_path}", "--sources", "file"]) == 2
     err = capsys.readouterr().err
     assert "variant old" in err and "build_ext --inplace" in err and str(tmp_path) in err
+
+
+def test_node_readers_list_the_tree_first_when_asked(tmp_path: Path):
+    """`bench node --list` / `cpusplit --list`: the tree is walked once before the readers
+    start (as ImageFolder builds its list), timed apart; every byte is still read."""
+    from bench.node import make_files, read_all
+
+    names = make_files(tmp_path / "files", 40, 2.0)
+    size = sum((tmp_path / "files" / n).stat().st_size for n in names)
+    plain = read_all(tmp_path / "files", names, 2, seed=1)
+    listed = read_all(tmp_path / "files", names, 2, seed=1, list_first=True)
+    assert "list_s" not in plain and listed["list_s"] >= 0
+    assert plain["bytes"] == listed["bytes"] == size
