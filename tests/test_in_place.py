@@ -3,6 +3,7 @@ from their own files, linked into the cache, nothing copied (shardfs/read/inplac
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gzip
 import importlib.util
@@ -19,11 +20,13 @@ import trio
 from shardfs.cache.shardcache import ShardCache
 from shardfs.catalog.catalog import open_catalog
 from shardfs.devtools.nginx import free_port
+from shardfs.devtools.pagecache import drop_pages
 from shardfs.pack import pack
 from shardfs.read.inplace import link_in_place
 from shardfs.sources import Sources
 from shardfs.util.fstypes import Disk, disk_of
 from tests.conftest import SHARDFS, Dataset, Mounter, brace, scrape_metrics
+from tests.reliability import wait_until
 
 
 def read_tree(root: Path) -> dict[str, bytes]:
@@ -229,6 +232,49 @@ def test_by_default_shards_on_a_local_disk_are_read_in_place_and_a_network_ones_
     assert remote.stats()["bytes_fetched"] > 0
     assert f"{len(dataset.shards.shards)} shards on fuse.shardfs (not a local disk) copied " \
         "into the cache" in remote.log()
+
+
+def _read_twice_with_no_thread_per_read(m, dataset: Dataset) -> None:
+    """Reads every file, drops the mount's pages, reads every file again (now from shard
+    files on disk); the mount's disk reads were answered at once (in C, or inline in Python
+    without the shim), none in a thread."""
+    assert read_tree(m.mountpoint) == dataset.files()
+    for path in m.mountpoint.rglob("*"):
+        if path.is_file():
+            drop_pages(path)
+    before = m.stats()["reader"]["reads"]
+    assert read_tree(m.mountpoint) == dataset.files()
+    assert m.stats()["reader"]["reads"] > before  # the second pass reached the daemon
+    answered = "inline" if os.environ.get("SHARDFS_NO_SHIM") else "in_c"
+    with contextlib.suppress(AssertionError):  # the counts reach the stats every 10-40 ms
+        wait_until(lambda: m.stats()["disk_reads"][answered] > 0, "reads counted", 5)
+    reads = m.stats()["disk_reads"]
+    assert reads[answered] > 0 and reads["threaded"] == 0, reads
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_shards_on_a_tmpfs_read_in_place_take_no_thread_per_read(
+        dataset: Dataset, mounter: Mounter, tmpfs: Path, workers: str) -> None:
+    """tmpfs takes no RWF_NOWAIT (EOPNOTSUPP), with which a read asks whether its bytes are
+    in memory: a tmpfs file's always are, so its reads are plain preads, in C with the shim
+    (inline in Python without), never a thread per read (300 µs a file on 2 cores, 10x in
+    place on ext4: docs/benchmarks-notes.md)."""
+    for shard in dataset.shards.shards:
+        shutil.copy(shard.path, tmpfs)
+    m = mounter.mount([brace(dataset, tmpfs.as_uri())], None, None, "--in-place", "on",
+                      "--workers", workers)
+    assert m.stats()["shards_in_place"] == len(dataset.shards.shards)
+    _read_twice_with_no_thread_per_read(m, dataset)
+
+
+def test_a_cache_dir_on_a_tmpfs_takes_no_thread_per_read(dataset: Dataset, mounter: Mounter,
+                                                         tmpfs: Path) -> None:
+    """The same for shards copied into a cache dir on a tmpfs (/dev/shm on a node with the
+    memory for it); pages not pushed, so that reads reach the daemon."""
+    m = mounter.mount([s.path.as_uri() for s in dataset.shards.shards], None, tmpfs / "cache",
+                      "--push-pages", "off")
+    _read_twice_with_no_thread_per_read(m, dataset)
+    assert m.stats()["bytes_fetched"] > 0
 
 
 def test_by_default_shards_on_a_spinning_disk_are_copied_to_a_cache_dir_on_a_faster_one(

@@ -437,7 +437,8 @@ static void meta_install(struct fuse_lowlevel_ops *ops, size_t op_size)
  * process that serves requests). A READ is answered here when the shared shard states say
  * its bytes are on disk (the shard is complete, avail == -2, or a fetch's frontier has passed
  * them, avail >= end), this process holds a descriptor of the shard's cache file opened at
- * the current generation, and the bytes are in the page cache (preadv2 RWF_NOWAIT). Anything
+ * the current generation, and the bytes are in the page cache (preadv2 RWF_NOWAIT; a plain
+ * pread of a file held in memory, tmpfs, which takes no RWF_NOWAIT). Anything
  * else (bytes not fetched yet, a sparse file, bytes on disk but not in memory) goes to
  * Python's read, which applies the policy. Reads answered here are counted per shard; Python
  * collects the counts for the LRU order, the working set and the stats. Reads of members
@@ -456,6 +457,8 @@ struct fast_arrays {
     uint32_t *complete;     /* reads answered here from complete shards, since collected */
     uint32_t *frontier;     /* ... from below a fetch's frontier */
     uint64_t *bytes;        /* bytes answered here, since collected */
+    const uint8_t *plain;   /* 1: the descriptor's file is held in memory (tmpfs), which
+                               takes no RWF_NOWAIT and never waits for a disk: plain pread */
     uint64_t shards;
 };
 
@@ -533,7 +536,7 @@ static ssize_t fast_prepare(fuse_ino_t ino, size_t size, off_t off, uint32_t *sh
             /* (else our descriptor names a file that has gone since) */
             struct iovec iov = {fast_buf, n};
             if (n == 0 || preadv2(fast_fds[s], &iov, 1, (off_t)meta.offset[i] + off,
-                                  RWF_NOWAIT) == (ssize_t)n) {
+                                  fast.plain[s] ? 0 : RWF_NOWAIT) == (ssize_t)n) {
                 *from = complete ? FROM_COMPLETE : FROM_FRONTIER;
                 return (ssize_t)n;
             }

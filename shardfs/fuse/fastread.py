@@ -11,7 +11,9 @@ shard's current generation, and the bytes are in the page cache; the rest comes 
   it was opened. Opened on the first Python read of a shard with bytes on disk (`offer`),
   closed when the generation moves on (`close_stale`: the files went away; the disk space
   goes with the last descriptor). The C side reads only while the generations match, so a
-  descriptor of a gone file is never read at another file's frontier.
+  descriptor of a gone file is never read at another file's frontier. `plain[shard]`: 1 when
+  that file is held in memory (tmpfs: a cache dir in /dev/shm, or shards there read in place),
+  which takes no RWF_NOWAIT: C reads it with a plain pread (util/fstypes.py).
 - `complete[shard]`, `frontier[shard]`, `nbytes`: reads and bytes answered in C since the last
   `collect`, which hands them to whoever keeps the stats (the daemon's Reader, or a worker's
   notes to it).
@@ -31,6 +33,7 @@ from pathlib import Path
 from shardfs.cache.shardcache import open_shard_file
 from shardfs.fuse import shim
 from shardfs.read.states import NONE, ShardStates
+from shardfs.util.fstypes import memory_backed
 
 
 def open_cache_file(shards_dir: Path, key: str, complete: bool) -> int | None:
@@ -77,13 +80,14 @@ class FastReads:
         self.complete = array("I", [0]) * n
         self.frontier = array("I", [0]) * n
         self.nbytes = array("Q", [0])
+        self.plain = array("B", [0]) * n
         self._open: set[int] = set()  # shards with a descriptor
         self._carried = Collected([], 0, 0, 0)  # counts of shards closed since collected
         avail, gen = states.addresses()
         with shim.paused():
             self.active = shim.serve_reads(avail, gen, fds=self.fds, fd_gen=self.fd_gen,
                                            complete=self.complete, frontier=self.frontier,
-                                           nbytes=self.nbytes)
+                                           nbytes=self.nbytes, plain=self.plain)
 
     def offer(self, shard: int) -> None:
         """Open the shard's cache file for C reads if bytes of it are on disk."""
@@ -96,8 +100,10 @@ class FastReads:
         if self.states.gen[shard] != gen:  # went away while we opened it
             os.close(fd)
             return
+        plain = memory_backed(fd)
         with shim.paused():
             self.fd_gen[shard] = gen
+            self.plain[shard] = plain
             self.fds[shard] = fd
         self._open.add(shard)
 

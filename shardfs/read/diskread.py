@@ -21,27 +21,27 @@ import os
 import trio
 
 from shardfs.read.errors import ReadError
+from shardfs.util.fstypes import memory_backed
 
 # Threads doing blocking disk reads at once: enough to keep an NVMe queue busy.
 DISK_THREADS = 32
 # Bytes read around a read that missed the page cache (aligned to this size).
 READ_AROUND = 8 << 20
-_nowait_supported = hasattr(os, "RWF_NOWAIT")
 
 
 def read_if_cached(fd: int, size: int, offset: int) -> bytes | bytearray | None:
-    """The bytes if the page cache holds all of them, else None (never blocks on the disk)."""
-    global _nowait_supported
-    if not _nowait_supported:
-        return None
+    """The bytes if the page cache holds all of them, else None (never blocks on the disk).
+    A file system without RWF_NOWAIT: plain `pread` where its files are held in memory
+    (tmpfs: nothing to wait for), else None (a thread reads it: NFS and the like)."""
     buf = bytearray(size)
     try:
         n = os.preadv(fd, [buf], offset, os.RWF_NOWAIT)
     except BlockingIOError:
         return None
-    except OSError:  # EOPNOTSUPP on a filesystem without RWF_NOWAIT: threads from now on
-        _nowait_supported = False
-        return None
+    except OSError:  # EOPNOTSUPP: a file system without RWF_NOWAIT
+        if not memory_backed(fd):
+            return None
+        n = os.preadv(fd, [buf], offset)
     return buf if n == size else None  # partly cached (or short): a thread reads it whole
 
 

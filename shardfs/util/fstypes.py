@@ -37,6 +37,26 @@ def device_types() -> dict[int, str]:
     return types
 
 
+# File systems whose files keep every page in memory: a read of them never waits for a disk
+# (only for swap), and they do not take RWF_NOWAIT (tmpfs answers EOPNOTSUPP). Reads of cached
+# bytes on them are plain preads (read/diskread.py, the shim's C reads).
+MEMORY_FILESYSTEMS = frozenset(("tmpfs", "ramfs"))
+_memory_devices: dict[int, bool] = {}
+
+
+def memory_backed(fd: int) -> bool:
+    """Whether `fd`'s file lies on a file system held in memory (MEMORY_FILESYSTEMS). One
+    `fstat`; the mount table is read once per device number seen."""
+    try:
+        dev = os.fstat(fd).st_dev
+    except OSError:
+        return False
+    known = _memory_devices.get(dev)
+    if known is None:
+        known = _memory_devices[dev] = device_types().get(dev) in MEMORY_FILESYSTEMS
+    return known
+
+
 # Models of block devices that are volumes served over the cloud's network, by the start of
 # their `device/model`: AWS EBS (NVMe on Nitro), Google Persistent Disk (SCSI, and NVMe as
 # `nvme_card-pd`; local SSDs are `nvme_card`), Azure's remote disks on NVMe. Reading their
