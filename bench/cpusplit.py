@@ -528,6 +528,13 @@ def _pushed(rec: dict) -> str:
     return f"{pushed['files']:,}{listed} / {pushed['opened']:,}"
 
 
+def _bound(rec: dict) -> str:
+    """The serial bound, or "–" where the main thread's CPU rounded to 0 (a pass so short
+    that no clock tick of it fell on the main thread)."""
+    bound = rec["bound_files_per_s"]
+    return f"{bound:,}" if bound is not None else "–"
+
+
 def render(record: dict, command: str) -> str:
     ds = record["dataset"]
     lines = [MARK_BEGIN, "", f"`{command}` — {ds['files']} files in {ds['shards']} shards "
@@ -552,7 +559,7 @@ def render(record: dict, command: str) -> str:
             f"{rec['files_per_s']:,.0f} | "
             f"{rec['all_us_per_file']} | {daemon['user']}+{daemon['system']} | "
             f"{main['user']}+{main['system']} | {other_txt} | {worker_txt} | {lookup_txt} | "
-            f"{rec['bound_files_per_s']:,} | {_pushed(rec)} |")
+            f"{_bound(rec)} | {_pushed(rec)} |")
     lines += ["", "Files pushed: their pages were put in the page cache when their shard "
               "arrived (no READ reaches the mount); opened first: read through FUSE READs "
               "while their shard was still coming. The mix changes the CPU per file from "

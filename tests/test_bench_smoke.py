@@ -367,3 +367,20 @@ def test_node_readers_list_the_tree_first_when_asked(tmp_path: Path):
     listed = read_all(tmp_path / "files", names, 2, seed=1, list_first=True)
     assert "list_s" not in plain and listed["list_s"] >= 0
     assert plain["bytes"] == listed["bytes"] == size
+
+
+def test_cpusplit_renders_a_pass_whose_main_thread_got_no_clock_tick() -> None:
+    """A pass so short that the daemon's main thread shows 0 µs has no serial bound: its row
+    says "–" (it raised a TypeError, losing the run's table, on the 16-core machine's first
+    small run)."""
+    from bench.cpusplit import render
+
+    def pass_(bound: int | None) -> dict:
+        return {"variant": "this", "source": "http", "workers": 1, "files_per_s": 9000.0,
+                "all_us_per_file": 40.0, "bound_files_per_s": bound,
+                "split": {"daemon": {"user": 1.0, "system": 2.0, "threads": {}}}}
+
+    table = render({"dataset": {"files": 1500, "shards": 16, "bytes": 36e6},
+                    "passes": [pass_(None), pass_(52083)]}, "python -m bench cpusplit")
+    rows = [line for line in table.splitlines() if line.startswith("| this")]
+    assert rows[0].split(" | ")[10] == "–" and rows[1].split(" | ")[10] == "52,083", rows
