@@ -220,6 +220,25 @@ def tmpfs(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
+@pytest.fixture
+def overlay(tmp_path: Path) -> Iterator[Path]:
+    """An overlayfs of the test's own (what a container's own file system is), its lower and
+    upper layers in the test's tmp dir: files written to it land in the upper layer."""
+    where, layers = tmp_path / "overlay", tmp_path / "layers"
+    for d in (where, layers / "lower", layers / "upper", layers / "work"):
+        d.mkdir(parents=True)
+    made = subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
+                           f"lowerdir={layers / 'lower'},upperdir={layers / 'upper'},"
+                           f"workdir={layers / 'work'}", str(where)],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount an overlayfs here: {made.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
 @dataclass
 class LoopDisk:
     """An ext4 file system on a loop device of the test's own (`loop_disks`)."""

@@ -437,14 +437,17 @@ static void meta_install(struct fuse_lowlevel_ops *ops, size_t op_size)
  * process that serves requests). A READ is answered here when the shared shard states say
  * its bytes are on disk (the shard is complete, avail == -2, or a fetch's frontier has passed
  * them, avail >= end), this process holds a descriptor of the shard's cache file opened at
- * the current generation, and the bytes are in the page cache (preadv2 RWF_NOWAIT; a plain
- * pread of a file held in memory, tmpfs, which takes no RWF_NOWAIT). Anything
+ * the current generation, and the bytes are in the page cache (preadv2 RWF_NOWAIT; on a file
+ * system that refuses RWF_NOWAIT, a plain pread where its files are held in memory, tmpfs,
+ * and where not, overlayfs, one after mincore over a mapping of the file says the bytes are
+ * there: fastread.py's read modes). Anything
  * else (bytes not fetched yet, a sparse file, bytes on disk but not in memory) goes to
  * Python's read, which applies the policy. Reads answered here are counted per shard; Python
  * collects the counts for the LRU order, the working set and the stats. Reads of members
  * the lookahead holds in its shared arena are answered here too (_shim_arena.c).
  */
 #include <sys/uio.h>
+#include <unistd.h>
 
 #define SHARD_COMPLETE (-2)
 
@@ -457,13 +460,43 @@ struct fast_arrays {
     uint32_t *complete;     /* reads answered here from complete shards, since collected */
     uint32_t *frontier;     /* ... from below a fetch's frontier */
     uint64_t *bytes;        /* bytes answered here, since collected */
-    const uint8_t *plain;   /* 1: the descriptor's file is held in memory (tmpfs), which
-                               takes no RWF_NOWAIT and never waits for a disk: plain pread */
+    const uint8_t *mode;    /* how a read of the descriptor's file finds whether its bytes
+                               are in memory: READ_NOWAIT, READ_PLAIN or READ_MINCORE */
+    const uint64_t *maps;   /* READ_MINCORE: where the file is mapped (PROT_READ; only
+                               mincore looks at it, nothing is read from it), or 0 */
+    const uint64_t *map_len; /* and the mapping's length */
     uint64_t shards;
 };
 
 static struct fast_arrays fast;
 static int32_t *fast_fds;   /* non-NULL once reads are answered here */
+
+/* Mirrors fastread.py's READ_* modes. */
+enum { READ_NOWAIT, READ_PLAIN, READ_MINCORE };
+
+/* Whether the mapped file's page cache holds bytes [at, at + n): mincore over the mapping
+ * (which asks the page cache and never faults a page in, so a file cut short since it was
+ * mapped answers "not there", never SIGBUS). Reads longer than 1 MiB are not asked about. */
+static int resident(uint32_t s, uint64_t at, size_t n)
+{
+    static long page;
+    unsigned char vec[260];
+    if (page == 0)
+        page = sysconf(_SC_PAGESIZE);
+    uint64_t base = fast.maps[s];
+    if (base == 0 || at + n > fast.map_len[s])
+        return 0;
+    uint64_t first = at / (uint64_t)page, last = (at + n + (uint64_t)page - 1) / (uint64_t)page;
+    if (last - first > sizeof vec)
+        return 0;
+    if (mincore((void *)(uintptr_t)(base + first * (uint64_t)page),
+                (size_t)((last - first) * (uint64_t)page), vec) != 0)
+        return 0;
+    for (uint64_t k = 0; k < last - first; k++)
+        if (!(vec[k] & 1))
+            return 0;
+    return 1;
+}
 
 int shardfs_shim_serve_reads(const struct fast_arrays *arrays, size_t size)
 {
@@ -535,8 +568,11 @@ static ssize_t fast_prepare(fuse_ino_t ino, size_t size, off_t off, uint32_t *sh
             && __atomic_load_n(&fast.gen[s], __ATOMIC_ACQUIRE) == fast.fd_gen[s]) {
             /* (else our descriptor names a file that has gone since) */
             struct iovec iov = {fast_buf, n};
-            if (n == 0 || preadv2(fast_fds[s], &iov, 1, (off_t)meta.offset[i] + off,
-                                  fast.plain[s] ? 0 : RWF_NOWAIT) == (ssize_t)n) {
+            uint64_t at = meta.offset[i] + (uint64_t)off;
+            int mode = fast.mode[s];
+            if (n == 0 || ((mode != READ_MINCORE || resident(s, at, n))
+                           && preadv2(fast_fds[s], &iov, 1, (off_t)at,
+                                      mode == READ_NOWAIT ? RWF_NOWAIT : 0) == (ssize_t)n)) {
                 *from = complete ? FROM_COMPLETE : FROM_FRONTIER;
                 return (ssize_t)n;
             }

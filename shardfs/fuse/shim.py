@@ -210,17 +210,18 @@ class FastReadArrays(ctypes.Structure):
     _fields_ = [
         ("avail", ctypes.c_void_p), ("gen", ctypes.c_void_p), ("fds", ctypes.c_void_p),
         ("fd_gen", ctypes.c_void_p), ("complete", ctypes.c_void_p),
-        ("frontier", ctypes.c_void_p), ("bytes", ctypes.c_void_p), ("plain", ctypes.c_void_p),
-        ("shards", ctypes.c_uint64),
+        ("frontier", ctypes.c_void_p), ("bytes", ctypes.c_void_p), ("mode", ctypes.c_void_p),
+        ("maps", ctypes.c_void_p), ("map_len", ctypes.c_void_p), ("shards", ctypes.c_uint64),
     ]
 
 
 _ARRAY_TYPES = {"fds": "i", "fd_gen": "q", "complete": "I", "frontier": "I", "nbytes": "Q",
-                "plain": "B"}
+                "mode": "B", "maps": "Q", "map_len": "Q"}
 
 
 def serve_reads(avail_address: int, gen_address: int, *, fds: array, fd_gen: array,
-                complete: array, frontier: array, nbytes: array, plain: array) -> bool:
+                complete: array, frontier: array, nbytes: array, mode: array, maps: array,
+                map_len: array) -> bool:
     """Let the shim answer reads of cached shard bytes in this process (see
     shardfs/fuse/fastread.py, which owns the arrays; they must stay alive and unresized).
     Needs metadata in C. `avail_address`, `gen_address`: where the shared shard states'
@@ -228,14 +229,15 @@ def serve_reads(avail_address: int, gen_address: int, *, fds: array, fd_gen: arr
     if _lib is None or not metadata_in_c():
         return False
     given = {"fds": fds, "fd_gen": fd_gen, "complete": complete, "frontier": frontier,
-             "nbytes": nbytes, "plain": plain}
+             "nbytes": nbytes, "mode": mode, "maps": maps, "map_len": map_len}
     if any(given[name].typecode != code for name, code in _ARRAY_TYPES.items()) \
             or fds.itemsize != 4 or complete.itemsize != 4:
         return False
     arrays = FastReadArrays(avail=avail_address, gen=gen_address, fds=_address(fds),
                             fd_gen=_address(fd_gen), complete=_address(complete),
                             frontier=_address(frontier), bytes=_address(nbytes),
-                            plain=_address(plain), shards=len(fds))
+                            mode=_address(mode), maps=_address(maps),
+                            map_len=_address(map_len), shards=len(fds))
     return _lib.shardfs_shim_serve_reads(ctypes.byref(arrays), ctypes.sizeof(arrays)) == 0
 
 
