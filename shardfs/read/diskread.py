@@ -16,6 +16,7 @@ member too, and their reads are answered inline instead of one random disk read 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 
 import trio
@@ -38,8 +39,8 @@ def read_if_cached(fd: int, size: int, offset: int) -> bytes | bytearray | None:
         n = os.preadv(fd, [buf], offset, os.RWF_NOWAIT)
     except BlockingIOError:
         return None
-    except OSError:  # EOPNOTSUPP: a file system without RWF_NOWAIT
-        if not memory_backed(fd):
+    except OSError as exc:  # EOPNOTSUPP: a file system without RWF_NOWAIT
+        if exc.errno != errno.EOPNOTSUPP or not memory_backed(fd):
             return None
         n = os.preadv(fd, [buf], offset)
     return buf if n == size else None  # partly cached (or short): a thread reads it whole

@@ -46,7 +46,8 @@ _memory_devices: dict[int, bool] = {}
 
 def memory_backed(fd: int) -> bool:
     """Whether `fd`'s file lies on a file system held in memory (MEMORY_FILESYSTEMS). One
-    `fstat`; the mount table is read once per device number seen."""
+    `fstat`; the mount table is read once per device number seen (a device number reused by
+    a later mount keeps the first answer: at worst a plain read that waits for a disk)."""
     try:
         dev = os.fstat(fd).st_dev
     except OSError:
