@@ -205,19 +205,27 @@ def brace(ds: Dataset, base: str) -> str:
     return f"{base}/train-{{000000..{n - 1:06d}}}.tar"
 
 
+@contextlib.contextmanager
+def _test_file_system(kind: str, options: str, where: Path) -> Iterator[Path]:
+    """A file system of type `kind` mounted at `where` for the test (skipped where it cannot
+    be), lazily unmounted after it, also on failure."""
+    made = subprocess.run(["mount", "-t", kind, "-o", options, kind, str(where)],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a {kind} here: {made.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
 @pytest.fixture
 def tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A tmpfs of the test's own: a file system known to be local (util/fstypes.py)."""
     where = tmp_path / "tmpfs"
     where.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(where)],
-                          capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
-    try:
+    with _test_file_system("tmpfs", "size=64m", where):
         yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
 @pytest.fixture
@@ -227,16 +235,9 @@ def overlay(tmp_path: Path) -> Iterator[Path]:
     where, layers = tmp_path / "overlay", tmp_path / "layers"
     for d in (where, layers / "lower", layers / "upper", layers / "work"):
         d.mkdir(parents=True)
-    made = subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
-                           f"lowerdir={layers / 'lower'},upperdir={layers / 'upper'},"
-                           f"workdir={layers / 'work'}", str(where)],
-                          capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount an overlayfs here: {made.stderr.strip()}")
-    try:
+    with _test_file_system("overlay", f"lowerdir={layers / 'lower'},upperdir={layers / 'upper'},"
+                             f"workdir={layers / 'work'}", where):
         yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
 @dataclass
