@@ -17,8 +17,10 @@ shard's current generation, and the bytes are in the page cache; the rest comes 
   and holds its files in memory (tmpfs: a cache dir in /dev/shm, shards there read in place);
   and where it refuses RWF_NOWAIT and does not (overlayfs: a container's own file system),
   mincore over `maps[shard]`, a read-only mapping of the file (`map_len[shard]` bytes) that
-  only mincore looks at, then a plain pread. Until session 31 both sent every read of such a
-  file to a thread: ~300-340 µs of CPU per cold file in place, 10x ext4's.
+  only mincore looks at, then a plain pread (a page reclaimed between the two makes that one
+  read wait for the disk in the serving thread: rare, and never a wrong byte). Until session
+  31 both sent every read of such a file to a thread: ~300-370 µs of CPU per cold file in
+  place, 10x ext4's.
 - `complete[shard]`, `frontier[shard]`, `nbytes`: reads and bytes answered in C since the last
   `collect`, which hands them to whoever keeps the stats (the daemon's Reader, or a worker's
   notes to it).
