@@ -188,14 +188,19 @@ def test_small_cache_evicts_and_stays_within_budget(dataset, nginx, mounter: Mou
     order = sorted(files, key=lambda rel: (os.getxattr(m.mountpoint / rel, "user.shardfs.shard"),
                                            int(os.getxattr(m.mountpoint / rel,
                                                            "user.shardfs.offset"))))
-    for _ in range(2):
+    # Two passes, up to four: on a loaded machine the reads' windows span more shards than fit
+    # more often and more shards come as members (a CI run: 5 whole shards in two passes; this
+    # test's count under a busy core, before and after session 31: 9-20 of 20).
+    for passes in range(1, 5):
         for rel in order:
             assert (m.mountpoint / rel).read_bytes() == files[rel], rel
-        for rel in order:  # the second pass must reach the daemon, not the page cache
+        for rel in order:  # the next pass must reach the daemon, not the page cache
             drop_pages(m.mountpoint / rel)
-    deadline = time.monotonic() + 30
-    while m.stats()["shards_fetching"] and time.monotonic() < deadline:
-        time.sleep(0.05)  # a read returns once its bytes are in; its fetch ends a bit later
+        deadline = time.monotonic() + 30
+        while m.stats()["shards_fetching"] and time.monotonic() < deadline:
+            time.sleep(0.05)  # a read returns once its bytes are in; its fetch ends a bit later
+        if passes >= 2 and m.stats()["reader"]["shard_fetches_done"] > 5:
+            break
     stats = m.stats()
     # More whole shards than fit went through the cache, and each one past the room for 5 made
     # room by evicting one. Not every shard need come whole: when the streams' windows
