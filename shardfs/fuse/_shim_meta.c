@@ -440,7 +440,7 @@ static void meta_install(struct fuse_lowlevel_ops *ops, size_t op_size)
  * the current generation, and the bytes are in the page cache (preadv2 RWF_NOWAIT; on a file
  * system that refuses RWF_NOWAIT, a plain pread where its files are held in memory, tmpfs,
  * and where not, overlayfs, one after mincore over a mapping of the file says the bytes are
- * there: fastread.py's read modes). Anything
+ * there: read/diskread.py's read modes). Anything
  * else (bytes not fetched yet, a sparse file, bytes on disk but not in memory) goes to
  * Python's read, which applies the policy. Reads answered here are counted per shard; Python
  * collects the counts for the LRU order, the working set and the stats. Reads of members
@@ -471,7 +471,7 @@ struct fast_arrays {
 static struct fast_arrays fast;
 static int32_t *fast_fds;   /* non-NULL once reads are answered here */
 
-/* Mirrors fastread.py's READ_* modes. */
+/* Mirrors read/diskread.py's READ_* modes. */
 enum { READ_NOWAIT, READ_PLAIN, READ_MINCORE };
 
 /* Whether the mapped file's page cache holds bytes [at, at + n): mincore over the mapping

@@ -33,7 +33,6 @@ C answers hold.
 from __future__ import annotations
 
 import ctypes
-import errno
 import mmap
 import os
 from array import array
@@ -42,8 +41,8 @@ from pathlib import Path
 
 from shardfs.cache.shardcache import open_shard_file
 from shardfs.fuse import shim
+from shardfs.read.diskread import READ_MINCORE, READ_NOWAIT, read_mode
 from shardfs.read.states import NONE, ShardStates
-from shardfs.util.fstypes import memory_backed
 
 
 def open_cache_file(shards_dir: Path, key: str, complete: bool) -> int | None:
@@ -71,8 +70,6 @@ def next_interval(interval: float, busy: bool) -> float:
     return COLLECT_INTERVAL if busy else min(2 * interval, IDLE_INTERVAL)
 
 
-# How C finds whether a read's bytes are in memory (struct fast_arrays' mode in _shim_meta.c).
-READ_NOWAIT, READ_PLAIN, READ_MINCORE = 0, 1, 2
 # Caps on one process's mappings for mincore: address space (x86-64 gives a process 128 TiB)
 # and the kernel's vm.max_map_count (65,530 by default, shared with everything else).
 MAX_MAPPED_BYTES = 16 << 40
@@ -83,19 +80,6 @@ _libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
                        ctypes.c_int, ctypes.c_long)
 _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def read_mode(fd: int) -> int:
-    """READ_NOWAIT where `fd`'s file system takes RWF_NOWAIT; else READ_PLAIN where it holds
-    its files in memory (tmpfs), READ_MINCORE where not (overlayfs)."""
-    try:
-        os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
-    except BlockingIOError:
-        return READ_NOWAIT
-    except OSError as exc:
-        if exc.errno == errno.EOPNOTSUPP:
-            return READ_PLAIN if memory_backed(fd) else READ_MINCORE
-    return READ_NOWAIT
 
 
 @dataclass(slots=True)

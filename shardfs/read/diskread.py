@@ -29,11 +29,32 @@ DISK_THREADS = 32
 # Bytes read around a read that missed the page cache (aligned to this size).
 READ_AROUND = 8 << 20
 
+# How a read of a file learns, without waiting, whether its bytes are in memory, by the file
+# system under it (`read_mode`; the shim's C reads go by it: struct fast_arrays' mode in
+# _shim_meta.c): RWF_NOWAIT; a plain pread where the file system refuses RWF_NOWAIT and
+# holds its files in memory (tmpfs); mincore over a mapping of the file, then a plain
+# pread, where it refuses RWF_NOWAIT and does not (overlayfs).
+READ_NOWAIT, READ_PLAIN, READ_MINCORE = 0, 1, 2
+
+
+def read_mode(fd: int) -> int:
+    """READ_NOWAIT where `fd`'s file system takes RWF_NOWAIT; else READ_PLAIN where it holds
+    its files in memory (tmpfs), READ_MINCORE where not (overlayfs)."""
+    try:
+        os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
+    except BlockingIOError:
+        return READ_NOWAIT
+    except OSError as exc:
+        if exc.errno == errno.EOPNOTSUPP:
+            return READ_PLAIN if memory_backed(fd) else READ_MINCORE
+    return READ_NOWAIT
+
 
 def read_if_cached(fd: int, size: int, offset: int) -> bytes | bytearray | None:
     """The bytes if the page cache holds all of them, else None (never blocks on the disk).
     A file system without RWF_NOWAIT: plain `pread` where its files are held in memory
-    (tmpfs: nothing to wait for), else None (a thread reads it: NFS and the like)."""
+    (tmpfs: nothing to wait for), else None (a thread reads it: overlayfs and the like, whose
+    reads the shim's C asks mincore about instead, `READ_MINCORE`)."""
     buf = bytearray(size)
     try:
         n = os.preadv(fd, [buf], offset, os.RWF_NOWAIT)
