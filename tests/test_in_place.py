@@ -403,3 +403,33 @@ def test_a_partition_is_told_of_by_its_disk(tmp_path: Path) -> None:
     root = disk_of(os.stat("/").st_dev)
     if root is not None:
         assert Path("/sys/class/block", root.name).exists()
+
+
+@needs_shim
+def test_evicted_shards_on_an_overlayfs_are_unmapped(dataset: Dataset, mounter: Mounter,
+                                                     overlay: Path) -> None:
+    """The mapping that mincore looks at goes with its shard's descriptor when the shard is
+    evicted (fastread.py, `close_stale`): a removed cache file still mapped would keep its
+    disk space, as a descriptor would. A cache dir on an overlayfs, room for 5 of 10 shards,
+    read shard by shard."""
+    shard_size = max(s.size for s in dataset.shards.shards)
+    m = mounter.mount([s.path.as_uri() for s in dataset.shards.shards], None,
+                      overlay / "cache", "--cache-size", str(5 * shard_size + 1),
+                      "--push-pages", "off", "--workers", "1")
+    files = dataset.files()
+    order = sorted(files, key=lambda rel: (os.getxattr(m.mountpoint / rel, "user.shardfs.shard"),
+                                           int(os.getxattr(m.mountpoint / rel,
+                                                           "user.shardfs.offset"))))
+    for rel in order:
+        assert (m.mountpoint / rel).read_bytes() == files[rel], rel
+    assert m.stats()["evictions"] > 0, m.stats()
+
+    def shard_maps() -> list[str]:  # the daemon's mappings of shard files (the live ones too)
+        with open(f"/proc/{m.pid}/maps") as f:
+            return [line for line in f if "/shards/" in line]
+
+    with contextlib.suppress(AssertionError):  # descriptors are closed every 10-40 ms
+        wait_until(lambda: not any("(deleted)" in line for line in shard_maps()),
+                   "evicted shards unmapped", 5)
+    maps = shard_maps()
+    assert maps and not any("(deleted)" in line for line in maps), maps
