@@ -2,9 +2,10 @@
 # The node scenario on a many-core machine (issue 26): `bench node` at P=8 and P=16 readers
 # with --workers 1, 4 and 8 (the readers' tree listed first, as ImageFolder does), then
 # `bench cpusplit` (where a cold file's CPU goes, per process and thread) at P=16 with 1 and
-# 4 workers on the machine's disk, and with source and cache held in memory (/dev/shm: the
-# CPU, not the disk, sets the pace), for HTTP, copied file:// and shards read in place.
-# About 6 minutes on 16 cores.
+# 4 workers on the machine's disk, and with 1 and 8 workers, two rounds, with source and
+# cache held in memory (/dev/shm: the CPU, not the disk, sets the pace), for HTTP, copied
+# file:// and shards read in place. About 6 minutes on 16 cores, from its parts' times in
+# session 31 (not run whole there: the parts ran as separate calls).
 #
 #   bench/device_node.sh OUTDIR
 #
