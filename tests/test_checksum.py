@@ -6,7 +6,9 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import itertools
 import os
+import random
 import tarfile
 from pathlib import Path
 
@@ -24,7 +26,9 @@ from shardfs.util import checksum
 from shardfs.util.checksum import (
     Crc32c,
     ShardSums,
+    crc32c_combine,
     crc32c_of_blocks,
+    crc32c_of_runs,
     digest_of_file,
     shard_check,
 )
@@ -219,6 +223,25 @@ def test_the_crc32c_of_blocks_from_their_own_crcs() -> None:
     tail = Crc32c(crc32c_of_blocks(crcs[:3], block))  # goes on from three blocks
     tail.update(data[3 * block:])
     assert tail.hexdigest() == crc_hex(data)
+
+
+def test_the_crc32c_of_pieces_that_came_out_of_order() -> None:
+    """crc32c_combine and crc32c_of_runs (a fill's GETs, read/fillwrites.py) against the
+    package's CRC of the bytes whole; runs that leave a gap or overlap give None."""
+    data = os.urandom(3 * 65536 + 777)
+    rng = random.Random(5)
+    for cut in [0, 1, 511, 512, 65536, len(data) - 1, len(data)] + \
+            [rng.randrange(len(data)) for _ in range(20)]:
+        assert crc32c_combine(crc32c.crc32c(data[:cut]), crc32c.crc32c(data[cut:]),
+                              len(data) - cut) == crc32c.crc32c(data)
+    cuts = [0, *sorted(rng.sample(range(1, len(data)), 40)), len(data)]
+    runs = [(a, b, crc32c.crc32c(data[a:b])) for a, b in itertools.pairwise(cuts)]
+    rng.shuffle(runs)
+    assert crc32c_of_runs(runs, len(data)) == crc32c.crc32c(data)
+    assert crc32c_of_runs(runs[1:], len(data)) is None  # a gap
+    a, b, _ = runs[0]
+    assert crc32c_of_runs([*runs, (a, b, crc32c.crc32c(data[a:b]))], len(data)) is None
+    assert crc32c_of_runs([], 0) == 0 and crc32c_of_runs([], 1) is None
 
 
 def test_a_fetchs_block_crcs_give_the_whole_shards_crc32c() -> None:

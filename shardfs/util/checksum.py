@@ -164,6 +164,45 @@ def crc32c_of_blocks(crcs: Iterable[int], block: int) -> int:
     return crc
 
 
+# The maps for 2**k zero bytes, k = 0, 1, ...: shifting a CRC by any length is one map-times-
+# vector product per set bit of the length (~30 µs), with no map built per length.
+_POWER_MAPS: list[list[int]] = []
+
+
+def _shifted(crc: int, nbytes: int) -> int:
+    """`crc` run through `nbytes` zero bytes (the Z of crc32c_combine)."""
+    maps = _POWER_MAPS
+    if not maps:
+        maps.append(_zeros_map(1))
+    k = 0
+    while nbytes:
+        while k >= len(maps):
+            maps.append(_after(maps[-1], maps[-1]))
+        if nbytes & 1:
+            crc = _times(maps[k], crc)
+        nbytes >>= 1
+        k += 1
+    return crc
+
+
+def crc32c_combine(first: int, second: int, second_len: int) -> int:
+    """The CRC-32C of A + B from A's (`first`), B's (`second`) and B's length: pieces of a
+    shard that came out of order are checked with no second pass over their bytes."""
+    return _shifted(first, second_len) ^ second
+
+
+def crc32c_of_runs(runs: Iterable[tuple[int, int, int]], size: int) -> int | None:
+    """The CRC-32C of bytes [0, size) from (start, end, crc) of runs that tile them exactly
+    (any order); None when they do not (a gap, an overlap)."""
+    crc, pos = 0, 0
+    for start, end, part in sorted(runs):
+        if start != pos or end < start:
+            return None
+        crc = crc32c_combine(crc, part, end - start) if pos else part
+        pos = end
+    return crc if pos == size else None
+
+
 class ShardSums:
     """Both digests an indexer records of a whole shard (sha256, CRC-32C)."""
 
