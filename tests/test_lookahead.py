@@ -7,6 +7,7 @@ nginx sends is caused by the reads under test).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -14,13 +15,16 @@ import signal
 import socket
 import subprocess
 import tarfile
+import tempfile
 import time
 import warnings
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import Dataset, Mount, Mounter, brace, needs_shim
+from shardfs.cache.directwrite import dio_alignment
+from shardfs.devtools.pagecache import resident_pages
+from tests.conftest import Dataset, Mount, Mounter, brace, needs_shim, shard_names
 from tests.test_ddp import publish_with_index
 
 torch = pytest.importorskip("torch")
@@ -38,6 +42,17 @@ from shardfs.torch import Lookahead  # noqa: E402
 from shardfs.torch import lookahead as lookahead_module  # noqa: E402
 
 SMALL_CACHE = "256KiB"  # the test dataset is ~1 MB
+
+
+def direct_writes_in(directory: Path) -> bool:
+    """Whether part files in `directory` take O_DIRECT writes (cache/directwrite.py)."""
+    fd, path = tempfile.mkstemp(dir=directory)
+    try:
+        return os.environ.get("SHARDFS_FILL_BUFFERED") is None and \
+            dio_alignment(fd) is not None
+    finally:
+        os.close(fd)
+        os.unlink(path)
 
 
 def read_bytes(path: str) -> bytes:
@@ -514,6 +529,19 @@ def test_dataset_fits_the_cache_members_fill_their_shards_in_read_order(dataset,
     assert after["shards_cached"] == shards, (la, reader)
     assert reader["fills_started"] == reader["fills_done"] == shards, reader
     assert reader["shard_fetches_started"] == 0, reader  # no whole-shard GET
+    # The fills' member GETs wrote their part files past the page cache (the cache dir's
+    # file system allows it here), each shard checked from its GETs' CRC-32Cs, and each
+    # cache file is the shard, byte for byte, with few of its pages in memory (the tar's
+    # end came through the page cache: docs/design.md, "Lookahead fills").
+    assert reader["fills_checked_from_gets"] == shards, reader
+    cache_files = [p for p in (m.cache_dir / "shards").iterdir() if p.suffix != ".part"]
+    if direct_writes_in(m.cache_dir):
+        assert reader["fill_direct_bytes"] >= 0.9 * stats["dataset_bytes"], reader
+        resident = [resident_pages(p) for p in cache_files]
+        assert sum(r for r, _ in resident) <= 0.25 * sum(n for _, n in resident), resident
+    assert sorted(hashlib.sha256(p.read_bytes()).hexdigest() for p in cache_files) == \
+        sorted(hashlib.sha256((dataset.shard_dir / n).read_bytes()).hexdigest()
+               for n in shard_names(dataset))
     assert reader["member_fetches"] == 0 and reader["eio"] == 0, reader  # no fallback
     # Each announced file went to its part file, and was landed for its read: no GET of
     # the RAM path (requests), reads served from what the fills' GETs landed (hits)

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
 import random
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import crc32c
 import pytest
 import trio
 
+from shardfs.cache.directwrite import dio_alignment
 from shardfs.cache.shardcache import ShardCache
 from shardfs.catalog.catalog import Catalog
 from shardfs.daemon.announce import attach_lookahead
@@ -286,3 +289,87 @@ def test_reads_that_do_not_follow_the_announcements_are_still_right(tmp_path: Pa
         assert lookahead.stats.misses > 0, lookahead.stats  # the unannounced half
 
     run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources)
+
+
+@pytest.mark.parametrize("case", ["crc32c", "wrong-crc32c", "buffered"])
+def test_a_fill_is_checked_from_its_gets_crc32cs(tmp_path: Path, shards: Shards, case: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard the index gives a CRC-32C is checked from its fill GETs' own CRC-32Cs, no
+    read back of the part file (read/fillwrites.py): committed byte for byte when it
+    matches, its member GETs' bytes written past the page cache where the cache's file
+    system allows; dropped (and not fetched again) when it does not match. With
+    SHARDFS_FILL_BUFFERED=1 the bytes go through the page cache, checked the same way."""
+    if case == "buffered":
+        monkeypatch.setenv("SHARDFS_FILL_BUFFERED", "1")
+    shard = 2
+    data = shards.paths[shard].read_bytes()
+    crc = f"{crc32c.crc32c(data):08x}" if case != "wrong-crc32c" else "0badc0de"
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        catalog.crc32c = [None] * len(catalog.shards)
+        catalog.crc32c[shard] = crc
+        catalog.sha256[shard] = None  # the CRC-32C is what is checked
+        inodes = file_inodes(catalog)
+        async with trio.open_nursery() as nursery:
+            lookahead = await _started(reader, LookaheadPolicy(fill_requests=4), nursery)
+            refs = _refs(catalog, inodes, shard)
+            stream = lookahead.open_stream()
+            stream.announce(refs)
+            stream.announced_all()
+            for ref in refs:
+                assert await _read(reader, ref) == data[ref[1] : ref[1] + ref[2]]
+            with trio.fail_after(10):
+                while shard in reader.fetches:
+                    await trio.sleep(0.005)
+            nursery.cancel_scope.cancel()
+        stats = reader.stats
+        probe = cache.root / "probe"
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            direct_here = case != "buffered" and dio_alignment(fd) is not None
+        finally:
+            os.close(fd)
+            probe.unlink()
+        assert (stats.fill_direct_bytes > 0.9 * len(data)) == direct_here, stats
+        assert stats.fills_checked_from_gets == 1, stats
+        if case == "wrong-crc32c":
+            assert not cache.has(catalog.keys[shard]) and shard in reader.failed
+            assert stats.fills_done == 0 and stats.fetch_errors == 1, stats
+            return
+        assert stats.fills_done == 1 and cache.has(catalog.keys[shard]), stats
+        assert (cache.shards_dir / catalog.keys[shard]).read_bytes() == data
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=_Sources())
+
+
+def test_members_landed_before_a_direct_fill_commits_are_read_from_where_they_landed(
+        tmp_path: Path, shards: Shards) -> None:
+    """A fill written past the page cache commits with members landed but not read yet:
+    they stay where they landed and their reads are served from there (a read of the cache
+    file would go to the disk), not from the cache file; each once."""
+    shard = 4
+    data = shards.paths[shard].read_bytes()
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        async with trio.open_nursery() as nursery:
+            # a buffer that holds the whole shard: every member lands before any read
+            policy = LookaheadPolicy(fill_requests=4, buffer_bytes=4 * len(data))
+            lookahead = await _started(reader, policy, nursery)
+            refs = _refs(catalog, inodes, shard)
+            stream = lookahead.open_stream()
+            stream.announce(refs)
+            stream.announced_all()
+            with trio.fail_after(10):
+                while shard in reader.fetches or not cache.has(catalog.keys[shard]):
+                    await trio.sleep(0.005)
+            if not reader.stats.fill_direct_bytes:
+                pytest.skip("no direct I/O in the cache dir's file system")
+            for ref in refs:
+                assert await _read(reader, ref) == data[ref[1] : ref[1] + ref[2]]
+            nursery.cancel_scope.cancel()
+        assert reader.stats.cache_hits == 0, reader.stats
+        assert lookahead.stats.hits == len(refs) and lookahead.stats.buffered_bytes == 0, \
+            lookahead.stats
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=_Sources())

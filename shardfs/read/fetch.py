@@ -66,6 +66,7 @@ class Fetch:
         # Filled by the Lookahead's member GETs (no whole-shard GET; Reader.open_fill): its
         # GETs come and go, and it completes when every byte is in.
         self.fill = False
+        self.writes = None  # a fill's: how its GETs write the part file (read/fillwrites.py)
         self.nursery: trio.Nursery | None = None  # runs the GETs a split adds
         # Once `arrived` reaches this, the next blocks of the prefix are recorded in the part's
         # record (Reader._record_blocks); NEVER: no record, or recording under way.

@@ -369,7 +369,7 @@ class Lookahead:
 
     # -- the read side ---------------------------------------------------------------------
     async def take(self, shard: int, member_off: int, member_size: int, start: int,
-                   end: int) -> bytes | None:
+                   end: int) -> bytes | bytearray | None:
         """Bytes [start, end) (shard offsets within one member) if that member was announced;
         waits while its GET is in flight. None: not announced, dropped, or its GET failed
         (the reader then reads it its own way)."""
@@ -390,6 +390,10 @@ class Lookahead:
             await slot.event.wait()
         if slot.state != _READY:  # its GET failed, or the stream dropped it meanwhile
             return None
+        return self._serve(slot, start, end)
+
+    def _serve(self, slot: _Slot, start: int, end: int) -> bytes | bytearray:
+        """Bytes [start, end) of a landed member, counted as read."""
         if slot.arena_off >= 0:
             assert self.arena is not None
             at = slot.arena_off - slot.start
@@ -400,6 +404,16 @@ class Lookahead:
                 data = data[start - slot.start : end - slot.start]
         self._served(slot, len(data))
         return data
+
+    def landed_bytes(self, shard: int, member_off: int, start: int,
+                     end: int) -> bytes | bytearray | None:
+        """Bytes [start, end) of a member of a cached shard that landed here (its fill
+        wrote past the page cache: `cached`), served as `take` serves them; None when it
+        has not."""
+        slots = self._slots(shard, member_off)
+        if not slots or slots[0].state != _READY or end > slots[0].end:
+            return None
+        return self._serve(slots[0], start, end)
 
     def _slots(self, shard: int, member_off: int) -> deque[_Slot] | tuple[()]:
         """The announced occurrences of a member, earliest first (empty: none)."""
@@ -697,13 +711,16 @@ class Lookahead:
         self._requests += 1
         self._nursery.start_soon(self._fill_get, fetch, get, False, group)
 
-    def cached(self, shard: int) -> None:
+    def cached(self, shard: int, *, keep_landed: bool = False) -> None:
         """The shard is in the cache now (its fill committed): its reads are served from
         there, so its members held or queued here are let go (they would hold the buffer
-        until their stream's reads left them stale_lag entries behind)."""
+        until their stream's reads left them stale_lag entries behind). `keep_landed`: the
+        fill bypassed the page cache (read/fillwrites.py), so members landed here stay for
+        their reads, which they spare a disk read."""
+        dropped = (_QUEUED,) if keep_landed else (_QUEUED, _READY)
         for slots in list(self._index.get(shard, {}).values()):
             for slot in list(slots):
-                if slot.state in (_QUEUED, _READY):
+                if slot.state in dropped:
                     self._drop(slot, stale=False)
 
     def bring(self, fetch: Fetch, start: int, end: int) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 import trio
 from cachetools import LRUCache
 
+from shardfs.cache.directwrite import DirectWrites, Staged
 from shardfs.cache.partrecord import BLOCK, PrefixCrcs, block_crcs
 from shardfs.cache.shardcache import DISK_FULL, PartFile, ShardCache
 from shardfs.catalog.catalog import Catalog
@@ -38,6 +39,7 @@ from shardfs.read.diskread import DiskReads
 from shardfs.read.errors import ReadError
 from shardfs.read.fetch import NEVER, Fetch, FetchFailed, Get
 from shardfs.read.fetchqueue import FetchQueue
+from shardfs.read.fillwrites import FillWrites
 from shardfs.read.layout import ShardLayout
 from shardfs.read.lookahead import Lookahead
 from shardfs.read.states import ShardStates
@@ -48,6 +50,7 @@ from shardfs.util.checksum import (
     Digest,
     KnownDigest,
     ShardCheck,
+    crc32c_value,
     digest_of_file,
 )
 from shardfs.util.fileio import file_views, pwrite_all
@@ -166,6 +169,10 @@ class ReaderStats:
     # shard_fetches_done).
     fills_started: int = 0
     fills_done: int = 0
+    # Fill bytes written to the part file with O_DIRECT (read/fillwrites.py), and fills
+    # checked from their GETs' CRC-32Cs (no read back of the part file).
+    fill_direct_bytes: int = 0
+    fills_checked_from_gets: int = 0
     shard_bytes: int = 0
     # Whole-shard fetches an earlier daemon left unfinished (kill -9, restart), continued
     # from the bytes its part file holds: the bytes kept (not fetched again), and the bytes
@@ -243,6 +250,9 @@ class Reader:
         self.lookahead: Lookahead | None = None  # announced reads (shardfs/daemon/announce.py)
         # Each file's record in its shard, for fills (built by prepare_fills, in a thread).
         self.layout = ShardLayout(catalog.tree, self.sizes)
+        # O_DIRECT writes of fills (None: not used), probed at the first fill
+        self._direct: DirectWrites | None = None
+        self._direct_probed = False
         # Called with a shard's number once its whole fetch is in the cache (the FUSE layer
         # pushes its files into the kernel's page cache: shardfs/fuse/pagepush.py).
         self.on_complete: Callable[[int], None] | None = None
@@ -371,6 +381,10 @@ class Reader:
         key = self.catalog.keys[shard]
         cached = self.cache.get(key)
         if cached is not None:
+            # (a member a fill wrote directly is in the arena still, not in the page cache)
+            if self.lookahead is not None and \
+                    (data := self.lookahead.landed_bytes(shard, member_off, start, end)):
+                return data
             stats.cache_hits += 1
             return await self._local(cached.fd, size, start, want)  # type: ignore[arg-type]
         if self.whole_only[shard]:
@@ -635,6 +649,11 @@ class Reader:
         fetch = Fetch(shard, part, part.size)
         fetch.gets = []
         fetch.fill = fetch.split = True  # split: the bytes arrive in runs, out of order
+        if not self._direct_probed:
+            self._direct, self._direct_probed = DirectWrites.probe(part.fd), True
+        check = self.catalog.check(shard, self.policy.verify)
+        fetch.writes = FillWrites(part, self._direct,
+                                  crcs=check is not None and check.kind == "crc32c")
         self.fetches[shard] = fetch
         self._fills += 1
         self._queue.discard(shard)
@@ -659,6 +678,13 @@ class Reader:
         """Stream a planned GET into the fill's part file. Its failure (the source's own
         retries spent) fails the fill: its readers read their members instead."""
         info = self.catalog.shards[fetch.shard]
+        writes = fetch.writes
+        assert writes is not None
+        # The member GETs' bytes are in the arena for their reads: to the disk directly.
+        direct = self._direct is not None and writes.direct_fd is not None and \
+            on_chunk is not None
+        staged: Staged | None = None
+        crc, got = 0, get.start  # the CRC-32C of bytes [get.start, got)
         try:
             if fetch.failed is not None:
                 return
@@ -668,26 +694,73 @@ class Reader:
                     if fetch.failed is not None:
                         return  # the fill is over: its part file is closed
                     self.stats.shard_bytes += len(chunk)
-                    self._write(fetch, get, chunk)
-                    if on_chunk is not None:
+                    if writes.runs is not None and got < get.stop:
+                        crc = crc32c_value(chunk[: get.stop - got], crc)
+                        got += min(len(chunk), get.stop - got)
+                    if on_chunk is not None:  # landed first: a direct write takes a while
                         on_chunk(chunk)
+                    if direct:
+                        staged = await self._stage(fetch, get, staged, chunk)
+                    else:
+                        self._write(fetch, get, chunk)
+            if staged is not None:
+                last, staged = staged, None
+                await self._write_staged(fetch, get, last)
             if get.running:
                 raise SourceError(f"{info.url}: {get.stop - get.pos} bytes of range "
                                   f"[{get.start}, {get.stop}) missing")
+            writes.ran(get.start, get.pos, crc)
         except (SourceError, OSError) as exc:
             if fetch.failed is None:
                 fetch.error = exc
                 fetch.fail(exc)  # wakes _run_fill (which drops the part) and the readers
             raise
         finally:
+            if staged is not None:
+                assert self._direct is not None
+                self._direct.release(staged)
             with contextlib.suppress(ValueError):
                 fetch.gets.remove(get)
+
+    async def _stage(self, fetch: Fetch, get: Get, staged: Staged | None,
+                     chunk: bytes) -> Staged | None:
+        """Gather a fill GET's chunk for a direct write; a full buffer is written (and its
+        bytes counted as written) before the rest of the chunk is taken."""
+        assert self._direct is not None
+        with memoryview(chunk) as view:
+            view = view[: max(0, get.stop - (staged.end if staged is not None else get.pos))]
+            while view:
+                if staged is None:
+                    staged = self._direct.stage(get.pos)
+                view = view[staged.add(view):]
+                if not staged.room:
+                    full, staged = staged, None
+                    await self._write_staged(fetch, get, full)
+        return staged
+
+    async def _write_staged(self, fetch: Fetch, get: Get, staged: Staged) -> None:
+        """Hand a GET's gathered bytes to the direct writer (which owns the buffer from
+        now) and count them as written once they are: a read waiting on them in the part
+        file wakes only then."""
+        writes, direct = fetch.writes, self._direct
+        assert writes is not None and writes.direct_fd is not None and direct is not None
+        if not direct.running:
+            assert self._nursery is not None
+            self._nursery.start_soon(direct.run)
+            direct.running = True
+        at, n = staged.at, staged.size
+        await direct.write(staged, writes.direct_fd, fetch.part.fd)
+        writes.direct_bytes += n
+        self.stats.fill_direct_bytes += n
+        self._wrote(fetch, get, at, n)
 
     async def _run_fill(self, fetch: Fetch) -> None:
         """Commit a fill once every byte is in and its digest matches the index."""
         shard = fetch.shard
         info, key = self.catalog.shards[shard], self.catalog.keys[shard]
         check = self.catalog.check(shard, self.policy.verify)
+        writes = fetch.writes
+        assert writes is not None
         began = time.monotonic()
         try:
             try:
@@ -696,14 +769,19 @@ class Reader:
                 raise (exc.cause if isinstance(exc.cause, Exception)
                        else SourceError(str(exc))) from None
             if check is not None:
-                await self._check_whole(fetch, info.url, check, None)
+                digest = writes.digest(fetch.size)
+                self.stats.fills_checked_from_gets += digest is not None
+                await self._check_whole(fetch, info.url, check, digest)
+            writes.close()
             await self.cache.commit(fetch.part)
             self.states.complete(shard)
             self.stats.shard_fetches_done += 1
             self.stats.fills_done += 1
+            # Written directly, its bytes are on the disk, not in the page cache: the members
+            # the arena holds are read from there still, and nothing is pushed from the disk.
             if self.lookahead is not None:
-                self.lookahead.cached(shard)
-            if self.on_complete is not None:
+                self.lookahead.cached(shard, keep_landed=writes.direct)
+            if self.on_complete is not None and not writes.direct:
                 self.on_complete(shard)
             log.info("filled shard %s: %d bytes in %.2f s", info.url, info.size,
                      time.monotonic() - began)
@@ -716,6 +794,7 @@ class Reader:
             self.states.gone(shard)
             raise
         finally:
+            writes.close()
             del self.fetches[shard]
             self._fills -= 1
             self._start_queued()
@@ -1216,11 +1295,15 @@ class Reader:
         at = get.pos
         if not written:
             pwrite_all(fetch.part.fd, data, at)  # all of it, or OSError: no holes
+        self._wrote(fetch, get, at, len(data))
+
+    def _wrote(self, fetch: Fetch, get: Get, at: int, n: int) -> None:
+        """`get` wrote bytes [at, at + n) of the part file (at its position): count them."""
         if get.first_byte is None:  # the GET's rate (Get.eta) is measured from here
             get.first_byte = time.monotonic()
-        get.pos += len(data)
+        get.pos += n
         before = fetch.arrived
-        fetch.filled(at, len(data))
+        fetch.filled(at, n)
         if fetch.arrived != before:
             self.states.arrived(fetch.shard, fetch.arrived)  # written, then announced
             if fetch.arrived >= fetch.record_due and fetch.nursery is not None:
