@@ -27,25 +27,31 @@ class FillWrites:
     def __init__(self, part: PartFile, direct: DirectWrites | None, crcs: bool) -> None:
         self.direct_fd = direct.open(part.path) if direct is not None else None
         self.direct_bytes = 0  # bytes written with O_DIRECT
-        # (start, end, CRC-32C) of each GET's bytes, when the shard is checked by CRC-32C
-        self.runs: list[tuple[int, int, int]] | None = [] if crcs else None
+        # [start, end, CRC-32C] of each GET's bytes, when the shard is checked by CRC-32C
+        self.runs: list[list[int]] | None = [] if crcs else None
 
     @property
     def direct(self) -> bool:
         """Some of the fill's bytes bypassed the page cache: its pages are not there."""
         return self.direct_bytes > 0
 
-    def ran(self, start: int, end: int, crc: int) -> None:
-        """A GET wrote bytes [start, end) whose CRC-32C is `crc`."""
-        if self.runs is not None and end > start:
-            self.runs.append((start, end, crc))
+    def run(self, start: int) -> list[int] | None:
+        """The [start, end, CRC-32C] of the bytes a GET from `start` has received so far,
+        kept up to date by the GET as each chunk comes (before its bytes count as written,
+        so the fill's last bytes are never checked without their CRC); None when the
+        shard's check is not a CRC-32C."""
+        if self.runs is None:
+            return None
+        run = [start, start, 0]
+        self.runs.append(run)
+        return run
 
     def digest(self, size: int) -> KnownDigest | None:
         """The shard's CRC-32C from its runs; None when they do not tile it (GETs that
         overlapped, or CRCs not kept): read it back from the part file then."""
         if self.runs is None:
             return None
-        crc = crc32c_of_runs(self.runs, size)
+        crc = crc32c_of_runs([(a, b, c) for a, b, c in self.runs if b > a], size)
         return None if crc is None else KnownDigest(f"{crc:08x}")
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ reads instead of thrashing an LRU of whole shards.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import time
 from collections import OrderedDict
@@ -681,10 +682,10 @@ class Reader:
         writes = fetch.writes
         assert writes is not None
         # The member GETs' bytes are in the arena for their reads: to the disk directly.
-        direct = self._direct is not None and writes.direct_fd is not None and \
-            on_chunk is not None
+        direct = self._direct if writes.direct_fd is not None and on_chunk is not None \
+            else None
         staged: Staged | None = None
-        crc, got = 0, get.start  # the CRC-32C of bytes [get.start, got)
+        run = writes.run(get.start)  # [start, end, CRC-32C] of the bytes received
         try:
             if fetch.failed is not None:
                 return
@@ -694,56 +695,64 @@ class Reader:
                     if fetch.failed is not None:
                         return  # the fill is over: its part file is closed
                     self.stats.shard_bytes += len(chunk)
-                    if writes.runs is not None and got < get.stop:
-                        crc = crc32c_value(chunk[: get.stop - got], crc)
-                        got += min(len(chunk), get.stop - got)
+                    if run is not None and run[1] < get.stop:
+                        piece = chunk[: get.stop - run[1]]
+                        run[2] = crc32c_value(piece, run[2])
+                        run[1] += len(piece)
                     if on_chunk is not None:  # landed first: a direct write takes a while
                         on_chunk(chunk)
-                    if direct:
-                        staged = await self._stage(fetch, get, staged, chunk)
+                    if direct is not None:
+                        staged = await self._stage(direct, fetch, get, staged, chunk)
                     else:
                         self._write(fetch, get, chunk)
             if staged is not None:
                 last, staged = staged, None
-                await self._write_staged(fetch, get, last)
+                assert direct is not None
+                await self._write_staged(direct, fetch, get, last)
             if get.running:
                 raise SourceError(f"{info.url}: {get.stop - get.pos} bytes of range "
                                   f"[{get.start}, {get.stop}) missing")
-            writes.ran(get.start, get.pos, crc)
         except (SourceError, OSError) as exc:
+            if direct is not None and isinstance(exc, OSError) and exc.errno == errno.EINVAL \
+                    and self._direct is direct:
+                # The file system took the O_DIRECT open but not the writes its statx
+                # alignment allows: this fill fails, the next ones write as before.
+                log.warning("direct writes to the cache failed (%s): through the page cache "
+                            "from now on", exc)
+                self._direct = None
             if fetch.failed is None:
                 fetch.error = exc
                 fetch.fail(exc)  # wakes _run_fill (which drops the part) and the readers
             raise
         finally:
             if staged is not None:
-                assert self._direct is not None
-                self._direct.release(staged)
+                assert direct is not None
+                direct.release(staged)
             with contextlib.suppress(ValueError):
                 fetch.gets.remove(get)
 
-    async def _stage(self, fetch: Fetch, get: Get, staged: Staged | None,
-                     chunk: bytes) -> Staged | None:
+    async def _stage(self, direct: DirectWrites, fetch: Fetch, get: Get,
+                     staged: Staged | None, chunk: bytes) -> Staged | None:
         """Gather a fill GET's chunk for a direct write; a full buffer is written (and its
         bytes counted as written) before the rest of the chunk is taken."""
-        assert self._direct is not None
         with memoryview(chunk) as view:
             view = view[: max(0, get.stop - (staged.end if staged is not None else get.pos))]
             while view:
                 if staged is None:
-                    staged = self._direct.stage(get.pos)
+                    staged = direct.stage(get.pos)
                 view = view[staged.add(view):]
                 if not staged.room:
                     full, staged = staged, None
-                    await self._write_staged(fetch, get, full)
+                    await self._write_staged(direct, fetch, get, full)
         return staged
 
-    async def _write_staged(self, fetch: Fetch, get: Get, staged: Staged) -> None:
+    async def _write_staged(self, direct: DirectWrites, fetch: Fetch, get: Get,
+                            staged: Staged) -> None:
         """Hand a GET's gathered bytes to the direct writer (which owns the buffer from
         now) and count them as written once they are: a read waiting on them in the part
         file wakes only then."""
-        writes, direct = fetch.writes, self._direct
-        assert writes is not None and writes.direct_fd is not None and direct is not None
+        writes = fetch.writes
+        assert writes is not None and writes.direct_fd is not None
         if not direct.running:
             assert self._nursery is not None
             self._nursery.start_soon(direct.run)
