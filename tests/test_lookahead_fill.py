@@ -5,6 +5,7 @@ The mount-level test is tests/test_lookahead.py."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
 import os
@@ -16,6 +17,7 @@ import crc32c
 import pytest
 import trio
 
+from shardfs.cache import directwrite
 from shardfs.cache.directwrite import dio_alignment
 from shardfs.cache.shardcache import ShardCache
 from shardfs.catalog.catalog import Catalog
@@ -371,5 +373,46 @@ def test_members_landed_before_a_direct_fill_commits_are_read_from_where_they_la
         assert reader.stats.cache_hits == 0, reader.stats
         assert lookahead.stats.hits == len(refs) and lookahead.stats.buffered_bytes == 0, \
             lookahead.stats
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=_Sources())
+
+
+def test_direct_writes_the_file_system_refuses_fail_one_fill_and_stop(
+        tmp_path: Path, shards: Shards, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system whose O_DIRECT writes fail with EINVAL although it gave an alignment
+    (injected: every direct write fails so): that fill fails and its reads read their
+    members, every read right; the next fill writes through the page cache and is
+    committed. (The failed shard's later fate is the reader's usual path: not asserted.)"""
+
+    def refused(self: directwrite.Staged, direct_fd: int, fd: int) -> None:
+        raise OSError(errno.EINVAL, "injected: the file system refuses this O_DIRECT write")
+
+    monkeypatch.setattr(directwrite.Staged, "write", refused)
+    first, second = 1, 7
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        async with trio.open_nursery() as nursery:
+            lookahead = await _started(reader, LookaheadPolicy(fill_requests=4), nursery)
+            for shard in (first, second):
+                data = shards.paths[shard].read_bytes()
+                refs = _refs(catalog, inodes, shard)
+                stream = lookahead.open_stream()
+                stream.announce(refs)
+                stream.announced_all()
+                for ref in refs:
+                    assert await _read(reader, ref) == data[ref[1] : ref[1] + ref[2]]
+                with trio.fail_after(10):
+                    while shard in reader.fetches:
+                        await trio.sleep(0.005)
+                stream.close()
+            nursery.cancel_scope.cancel()
+        if reader.stats.fills_started == reader.stats.fills_done == 2:
+            pytest.skip("no direct I/O in the cache dir's file system")
+        assert reader.stats.fetch_errors == 1, reader.stats  # the first fill's
+        assert cache.has(catalog.keys[second]) and reader.stats.fills_done == 1, reader.stats
+        assert (cache.shards_dir / catalog.keys[second]).read_bytes() == \
+            shards.paths[second].read_bytes()
+        assert reader.stats.eio == 0 and reader.stats.fill_direct_bytes == 0, reader.stats
 
     run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=_Sources())
