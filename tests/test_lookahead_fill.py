@@ -22,7 +22,7 @@ from shardfs.cache.directwrite import dio_alignment
 from shardfs.cache.shardcache import ShardCache
 from shardfs.catalog.catalog import Catalog
 from shardfs.daemon.announce import attach_lookahead
-from shardfs.read.lookahead import Lookahead, LookaheadPolicy
+from shardfs.read.lookahead import Lookahead, LookaheadPolicy, Stream
 from shardfs.read.reader import Reader
 from shardfs.sources import ShardInfo, Source, Sources, SourceSettings, Unreachable
 from tests.test_reader import Shards, file_inodes, run_reader, write_shards
@@ -95,6 +95,22 @@ async def _started(reader: Reader, policy: LookaheadPolicy, nursery: trio.Nurser
 async def _read(reader: Reader, ref: tuple[int, int, int]) -> bytes:
     shard, offset, size = ref
     return bytes(await reader.read(shard, offset, size, 0, size))
+
+
+async def _read_all_of_one_shard(reader: Reader, lookahead: Lookahead, catalog: Catalog,
+                                 inodes: dict[bytes, int], shard: int, data: bytes) -> Stream:
+    """Announce every file of a shard, to the epoch's end, read each (checked against the
+    shard's bytes), and wait for its fill to end; the stream is returned open."""
+    refs = _refs(catalog, inodes, shard)
+    stream = lookahead.open_stream()
+    stream.announce(refs)
+    stream.announced_all()
+    for ref in refs:
+        assert await _read(reader, ref) == data[ref[1] : ref[1] + ref[2]]
+    with trio.fail_after(10):
+        while shard in reader.fetches:
+            await trio.sleep(0.005)
+    return stream
 
 
 def test_announced_members_fill_the_shard_byte_for_byte(tmp_path: Path,
@@ -314,15 +330,7 @@ def test_a_fill_is_checked_from_its_gets_crc32cs(tmp_path: Path, shards: Shards,
         inodes = file_inodes(catalog)
         async with trio.open_nursery() as nursery:
             lookahead = await _started(reader, LookaheadPolicy(fill_requests=4), nursery)
-            refs = _refs(catalog, inodes, shard)
-            stream = lookahead.open_stream()
-            stream.announce(refs)
-            stream.announced_all()
-            for ref in refs:
-                assert await _read(reader, ref) == data[ref[1] : ref[1] + ref[2]]
-            with trio.fail_after(10):
-                while shard in reader.fetches:
-                    await trio.sleep(0.005)
+            await _read_all_of_one_shard(reader, lookahead, catalog, inodes, shard, data)
             nursery.cancel_scope.cancel()
         stats = reader.stats
         probe = cache.root / "probe"
@@ -396,15 +404,8 @@ def test_direct_writes_the_file_system_refuses_fail_one_fill_and_stop(
             lookahead = await _started(reader, LookaheadPolicy(fill_requests=4), nursery)
             for shard in (first, second):
                 data = shards.paths[shard].read_bytes()
-                refs = _refs(catalog, inodes, shard)
-                stream = lookahead.open_stream()
-                stream.announce(refs)
-                stream.announced_all()
-                for ref in refs:
-                    assert await _read(reader, ref) == data[ref[1] : ref[1] + ref[2]]
-                with trio.fail_after(10):
-                    while shard in reader.fetches:
-                        await trio.sleep(0.005)
+                stream = await _read_all_of_one_shard(reader, lookahead, catalog, inodes,
+                                                      shard, data)
                 stream.close()
             nursery.cancel_scope.cancel()
         if reader.stats.fills_started == reader.stats.fills_done == 2:
