@@ -547,8 +547,8 @@ def test_dataset_fits_the_cache_members_fill_their_shards_in_read_order(dataset,
     # the RAM path (requests), reads served from what the fills' GETs landed (hits)
     assert la["part_entries"] + la["skipped"] == len(ds) and la["part_entries"] > 0, la
     assert la["requests"] == 0 and la["hits"] > 0, la
-    if workers > 1:  # the workers' shims answered reads from the arena
-        assert la["shared_hits_in_c"] > 0, la
+    if workers > 1 and not os.environ.get("SHARDFS_NO_SHIM"):  # the workers' shims
+        assert la["shared_hits_in_c"] > 0, la  # answered reads from the arena
     assert la["part_errors"] == 0 and la["hole_requests"] >= 1, la
     assert after["bytes_fetched"] <= 1.05 * stats["dataset_bytes"], (after["bytes_fetched"],
                                                                        stats["dataset_bytes"])
