@@ -138,7 +138,9 @@ def test_order_identical_and_reads_served_from_the_buffer(dataset, nginx, mounte
     fetched = after["bytes_fetched"] - before["bytes_fetched"]
     assert fetched <= 1.15 * served, json.dumps([fetched, served, la])
     assert la["peak_buffered_bytes"] <= la["buffer_bytes"] + 64 * 1024  # + urgent reads
-    if workers == "1" and where == "python":
+    if (workers == "1" and where == "python") or os.environ.get("SHARDFS_NO_SHIM"):
+        # (without the shim there are no workers and no arena reads in C: the daemon's
+        # Python serves the members from its buffer)
         assert la["shared_hits"] == 0, la
     else:
         # Most hits come from the arena; a read that arrives before its member's place is in
