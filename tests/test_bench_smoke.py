@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import needs_shim
+
 REPO = Path(__file__).resolve().parent.parent
 STATUSES = {"ok", "failed", "timeout", "unavailable", "n/a"}
 
@@ -182,7 +184,7 @@ def test_node_tables_of_other_worker_counts_are_kept(tmp_path: Path):
     assert text.count(MARK_BEGIN) == text.count(MARK_END) == 1
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=needs_shim)])  # --workers: shim
 def test_node_mounts_serve_with_the_workers_asked_for(dataset, tmp_path: Path, workers: int):
     """`bench node --workers 1` once ran the mount's default (one worker per core): the
     1-against-2 comparisons then compared 2 workers with 2 workers."""

@@ -231,6 +231,7 @@ def serving_pid(cache_dir: Path) -> int | None:
     return pid if str(cache_dir).encode() in argv else None
 
 
+@needs_shim  # a takeover needs the shim (the recorded INIT)
 @pytest.mark.parametrize("spares", [True, False], ids=["spare", "no-spares"])
 def test_a_dead_daemon_is_replaced_by_the_mounter(dataset: Dataset, nginx, tmp_path: Path,
                                                   spares: bool) -> None:
