@@ -134,38 +134,16 @@ def _after(second: list[int], first: list[int]) -> list[int]:
     return [_times(second, column) for column in first]
 
 
-def _zeros_map(nbytes: int) -> list[int]:
-    one_bit = [_POLY] + [1 << (n - 1) for n in range(1, 32)]
-    power = one_bit
-    for _ in range(3):  # 1 -> 2 -> 4 -> 8 bits: one zero byte
+def _one_zero_byte() -> list[int]:
+    """Z for one zero byte: the one-zero-bit map applied 8 times."""
+    power = [_POLY] + [1 << (n - 1) for n in range(1, 32)]  # one zero bit
+    for _ in range(3):  # 1 -> 2 -> 4 -> 8 bits
         power = _after(power, power)
-    result = [1 << n for n in range(32)]  # identity
-    while nbytes:
-        if nbytes & 1:
-            result = _after(power, result)
-        nbytes >>= 1
-        if nbytes:
-            power = _after(power, power)
-    return result
+    return power
 
 
-_ZEROS_MAPS: dict[int, list[int]] = {}
-
-
-def crc32c_of_blocks(crcs: Iterable[int], block: int) -> int:
-    """The CRC-32C of consecutive blocks of `block` bytes each from their own CRC-32Cs: no
-    second pass over the bytes. (The map for a block size is built once: ~5 ms for 4 MiB.)"""
-    zeros = _ZEROS_MAPS.get(block)
-    if zeros is None:
-        zeros = _ZEROS_MAPS[block] = _zeros_map(block)
-    crc = 0
-    for i, part in enumerate(crcs):
-        crc = part if i == 0 else _times(zeros, crc) ^ part
-    return crc
-
-
-# The maps for 2**k zero bytes, k = 0, 1, ...: shifting a CRC by any length is one map-times-
-# vector product per set bit of the length (~30 µs), with no map built per length.
+# Z for 2**k zero bytes, k = 0, 1, ... (built as needed, each from the one before): shifting a
+# CRC by any length is one map-times-vector product per set bit of the length (~30 µs).
 _POWER_MAPS: list[list[int]] = []
 
 
@@ -173,7 +151,7 @@ def _shifted(crc: int, nbytes: int) -> int:
     """`crc` run through `nbytes` zero bytes (the Z of crc32c_combine)."""
     maps = _POWER_MAPS
     if not maps:
-        maps.append(_zeros_map(1))
+        maps.append(_one_zero_byte())
     k = 0
     while nbytes:
         while k >= len(maps):
@@ -186,9 +164,17 @@ def _shifted(crc: int, nbytes: int) -> int:
 
 
 def crc32c_combine(first: int, second: int, second_len: int) -> int:
-    """The CRC-32C of A + B from A's (`first`), B's (`second`) and B's length: pieces of a
-    shard that came out of order are checked with no second pass over their bytes."""
+    """The CRC-32C of A + B from A's (`first`), B's (`second`) and B's length: no second pass
+    over the bytes (blocks of a part record, pieces of a shard that came out of order)."""
     return _shifted(first, second_len) ^ second
+
+
+def crc32c_of_blocks(crcs: Iterable[int], block: int) -> int:
+    """The CRC-32C of consecutive blocks of `block` bytes each from their own CRC-32Cs."""
+    crc = 0
+    for i, part in enumerate(crcs):
+        crc = part if i == 0 else crc32c_combine(crc, part, block)
+    return crc
 
 
 def crc32c_of_runs(runs: Iterable[tuple[int, int, int]], size: int) -> int | None:
