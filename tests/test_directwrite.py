@@ -36,7 +36,7 @@ def _write_runs(direct: DirectWrites, fd: int, direct_fd: int, data: bytes,
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(direct.run)
+            direct.start(nursery)
             for a, b in itertools.pairwise(cuts):
                 pos = a
                 while pos < b:
@@ -84,7 +84,7 @@ def test_a_failed_direct_write_reaches_its_writer(tmp_path: Path) -> None:
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(direct.run)
+            direct.start(nursery)
             staged = direct.stage(0)
             staged.add(b"x" * PIECE)
             with pytest.raises(OSError) as failed:

@@ -70,7 +70,7 @@ def dio_alignment(fd: int) -> int | None:
 class DirectWrites:
     """The O_DIRECT writes of one cache directory: its alignment, a pool of aligned buffers
     that GETs gather their bytes in (reused: no fresh memory per GET), and the one task that
-    writes them (`run`), in batches: a worker thread per batch, not per GET (a thread's
+    writes them (`start`), in batches: a worker thread per batch, not per GET (a thread's
     round trip cost about as much CPU here as the direct write itself)."""
 
     def __init__(self, align: int) -> None:
@@ -78,8 +78,7 @@ class DirectWrites:
         self._idle: list[mmap.mmap] = []
         self._queue: list[_Write] = []
         self._wake = trio.Event()
-        self.running = False
-        self.batches = 0  # worker-thread calls, each writing all the runs queued by then
+        self._running = False
 
     @classmethod
     def probe(cls, fd: int) -> DirectWrites | None:
@@ -103,10 +102,15 @@ class DirectWrites:
         buffer = self._idle.pop() if self._idle else mmap.mmap(-1, PIECE)
         return Staged(buffer, at, self.align)
 
-    async def run(self) -> None:
+    def start(self, nursery: trio.Nursery) -> None:
+        """Start the writer task in `nursery` (once: later calls do nothing)."""
+        if not self._running:
+            self._running = True
+            nursery.start_soon(self._run)
+
+    async def _run(self) -> None:
         """Write what `write` queues, until cancelled (the daemon's end: a batch being
         written is finished first; runs still queued are dropped, their buffers too)."""
-        self.running = True
         batch: list[_Write] = []
         try:
             while True:
@@ -114,7 +118,6 @@ class DirectWrites:
                     self._wake = trio.Event()
                     await self._wake.wait()
                 batch, self._queue = self._queue, []
-                self.batches += 1
                 await trio.to_thread.run_sync(_write_batch, batch,
                                               thread_name="shardfs direct writes")
                 for item in batch:
@@ -122,7 +125,7 @@ class DirectWrites:
                     item.done.set()
                 batch = []
         finally:
-            self.running = False
+            self._running = False  # (a later `start` starts another)
             for item in self._queue:
                 item.error = OSError(errno.ECANCELED, "not written: the daemon is ending")
                 _close(item)
@@ -135,7 +138,7 @@ class DirectWrites:
         tail through `fd`) and give its buffer back to the pool; returns once it is on the
         disk (OSError: it is not). The writer owns the buffer from here, also when the
         caller is cancelled; it writes through duplicates of the descriptors, so the caller
-        may close its own meanwhile."""
+        may close its own meanwhile. The writer task must be started (`start`)."""
         item = _Write(staged, os.dup(direct_fd), os.dup(fd))
         self._queue.append(item)
         self._wake.set()

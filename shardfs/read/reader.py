@@ -753,10 +753,8 @@ class Reader:
         file wakes only then."""
         writes = fetch.writes
         assert writes is not None and writes.direct_fd is not None
-        if not direct.running:
-            assert self._nursery is not None
-            self._nursery.start_soon(direct.run)
-            direct.running = True
+        assert self._nursery is not None
+        direct.start(self._nursery)
         at, n = staged.at, staged.size
         await direct.write(staged, writes.direct_fd, fetch.part.fd)
         writes.direct_bytes += n
