@@ -704,6 +704,46 @@ def test_the_cold_start_holds_downloads_back_and_reads_take_their_members(
                                  cold_start_s=0.5))
 
 
+def test_the_allowance_left_when_the_cold_start_ends_lapses(tmp_path: Path,
+                                                            shards: Shards) -> None:
+    """In the cold start reads of queued shards take their members; once it has ended, what
+    was left of the duplicate allowance lapses — a read of a queued shard waits — and the
+    allowance grows only by `late_member_fraction` of the bytes queued since: queuing five
+    more shards lets the waiting read take its member, while the one download still runs."""
+    sources = _SlowSources(delay=0.02)  # ~0.8 s a shard
+    wanted = shards.order[1][4]
+    size = len(shards.contents[wanted])
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        await read_members_of(reader, catalog, shards, (0, 1, 2))
+        assert reader._in_cold_start(), "the reads took longer than the cold start"
+        stats = reader.stats
+        assert list(reader.fetches) == [0] and stats.early_member_reads == 2, stats
+        with trio.fail_after(5):
+            while reader._in_cold_start():
+                await trio.sleep(0.01)
+        got: list[bytes] = []
+
+        async def read_wanted() -> None:
+            got.append(await read_member(reader, catalog, file_inodes(catalog)[wanted]))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_wanted)
+            await trio.sleep(0.1)
+            assert not got, "the read took its member from the allowance the cold start left"
+            assert stats.early_member_reads == 2, stats
+            reader.warm([3, 4, 5, 6, 7])  # 5 shards queued: 5/4 of the member's bytes
+        assert got == [shards.contents[wanted]]
+        assert list(reader.fetches) == [0], "the read waited for a download to start"
+        assert stats.early_member_reads == 3, stats
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources,
+               policy=ReadPolicy(max_fetches=1, split_fetches=False, cold_start_fetches=1,
+                                 cold_start_min_shard=0, cold_start_s=0.3,
+                                 early_member_fraction=1.0,
+                                 late_member_fraction=size / (4 * shards.shard_size)))
+
+
 def test_a_held_shard_whose_read_cannot_take_its_member_is_downloaded_at_once(
         tmp_path: Path, shards: Shards) -> None:
     """In the cold start, a read of a held-back shard whose member the duplicate allowance

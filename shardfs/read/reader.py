@@ -100,6 +100,16 @@ class ReadPolicy:
     # as started (they will be fetched whole): otherwise the cold start (below), holding
     # downloads back, would hold the allowance back with them (session 21).
     early_member_fraction: float = 0.10
+    # After the cold start (below) the allowance left lapses and it grows only by this
+    # fraction of the bytes of downloads started or queued since. A member read costs the
+    # link its bytes, which an epoch that fits the cache pays for in full, and buys only an
+    # earlier read of one file: worth it for a worker's first batch, not after it. In the
+    # bench's cold shuffled epoch (dataset fits, all shards queued within the first second)
+    # 3.91-4.01 s, 356 MB, against 4.09-4.14 s, 375 MB, the first batch as soon
+    # (docs/benchmarks-notes.md, session 33). Not 0: a dataset of many shards keeps queuing
+    # new ones, and a read of one far back in the queue would wait for all before it.
+    # With no cold start (cold_start_s 0), early_member_fraction holds throughout.
+    late_member_fraction: float = 0.03
     # The cold start: for cold_start_s from the first read that finds its shard not cached,
     # at most cold_start_fetches whole-shard downloads run (shards a read cannot take by
     # member reads — compressed ones, `shardfs warm` — are not held back). A cold mount's
@@ -245,6 +255,8 @@ class Reader:
         cache.on_evict = self._evicted
         self._member_rtt: float | None = None  # seconds per member read, moving average
         self._whole_bytes_started = 0  # bytes of all whole-shard fetches started
+        # The duplicate allowance's spend and the bytes started when the cold start ended.
+        self._after_cold_start: tuple[int, int] | None = None
         self._cold_since: float | None = None  # the first read that found its shard not cached
         self._held: set[int] = set()  # queued shards the cold start kept from starting
         self.started = time.monotonic()
@@ -483,8 +495,14 @@ class Reader:
         return starts_in + (end - get.pos) / rate
 
     def _early_allowed(self, nbytes: int) -> bool:
-        allowance = self.policy.early_member_fraction * (self._whole_bytes_started
-                                                         + self._queue.nbytes)
+        policy = self.policy
+        started = self._whole_bytes_started + self._queue.nbytes
+        allowance = policy.early_member_fraction * started
+        if self._cold_start_over():
+            if self._after_cold_start is None:  # (no task ended it: no nursery)
+                self._after_cold_start = (self.stats.early_member_bytes, started)
+            spent, then = self._after_cold_start
+            allowance = min(allowance, spent + policy.late_member_fraction * (started - then))
         return self.stats.early_member_bytes + nbytes <= allowance
 
     def _count_early(self, nbytes: int) -> None:
@@ -931,11 +949,18 @@ class Reader:
 
     async def _end_cold_start(self) -> None:
         await trio.sleep(self.policy.cold_start_s)
+        self._after_cold_start = (self.stats.early_member_bytes,
+                                  self._whole_bytes_started + self._queue.nbytes)
         self._start_queued()
 
     def _in_cold_start(self) -> bool:
         return (self._cold_since is not None and self.policy.cold_start_s > 0
                 and time.monotonic() - self._cold_since < self.policy.cold_start_s)
+
+    def _cold_start_over(self) -> bool:
+        """A cold start ran and has ended (False: none yet, or none at all)."""
+        return (self._cold_since is not None and self.policy.cold_start_s > 0
+                and time.monotonic() - self._cold_since >= self.policy.cold_start_s)
 
     def _fetch_slots(self, shard: int | None = None) -> int:
         """Whole-shard downloads that may run now for this shard (None: any): fewer in the
