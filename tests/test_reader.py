@@ -741,7 +741,41 @@ def test_the_allowance_left_when_the_cold_start_ends_lapses(tmp_path: Path,
                policy=ReadPolicy(max_fetches=1, split_fetches=False, cold_start_fetches=1,
                                  cold_start_min_shard=0, cold_start_s=0.3,
                                  early_member_fraction=1.0,
-                                 late_member_fraction=size / (4 * shards.shard_size)))
+                                 late_member_fraction=size / (4 * shards.shard_size),
+                                 late_patience_s=5))
+
+
+@pytest.mark.parametrize("shard", ["queued", "downloading"])
+def test_after_the_cold_start_a_read_waits_at_most_late_patience_for_its_member(
+        tmp_path: Path, shards: Shards, shard: str) -> None:
+    """After the cold start a read the late allowance cannot pay for waits for its bytes —
+    but only `late_patience_s`: then it reads its member within the early allowance, while
+    the download it would have waited for still runs. Both ways a read waits: for a queued
+    shard's download to start, and for a download's frontier far behind its member."""
+    sources = _SlowSources(delay=0.02)  # ~0.8 s a shard
+    wanted = shards.order[1][4] if shard == "queued" else shards.order[0][-2]
+    patience = 0.25
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        await read_members_of(reader, catalog, shards, (0, 1, 2))
+        stats = reader.stats
+        assert list(reader.fetches) == [0] and stats.early_member_reads == 2, stats
+        with trio.fail_after(5):
+            while reader._in_cold_start():
+                await trio.sleep(0.01)
+        began = trio.current_time()
+        got = await read_member(reader, catalog, file_inodes(catalog)[wanted])
+        took = trio.current_time() - began
+        assert got == shards.contents[wanted]
+        assert took >= patience * 0.9, f"took its member after {took:.3f} s"
+        assert list(reader.fetches) == [0], "the read waited for the download"
+        assert stats.early_member_reads == 3, stats
+
+    run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=sources,
+               policy=ReadPolicy(max_fetches=1, split_fetches=False, cold_start_fetches=1,
+                                 cold_start_min_shard=0, cold_start_s=0.3,
+                                 early_member_fraction=1.0, late_member_fraction=0,
+                                 late_patience_s=patience))
 
 
 def test_a_held_shard_whose_read_cannot_take_its_member_is_downloaded_at_once(

@@ -26,6 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Hashable, Iterable, Sequence
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
+from math import inf
 from typing import Any
 
 import trio
@@ -110,6 +111,11 @@ class ReadPolicy:
     # new ones, and a read of one far back in the queue would wait for all before it.
     # With no cold start (cold_start_s 0), early_member_fraction holds throughout.
     late_member_fraction: float = 0.03
+    # ...but a read that has waited this long may still take its member within the early
+    # fraction: a worker whose first batch outlasts the cold start (a slower server, more
+    # workers) must not wait for its shard's turn in the queue, a second or more, per read.
+    # In the bench 4 runs in 14 had such a first batch of 1.7-2.4 s without it.
+    late_patience_s: float = 0.25
     # The cold start: for cold_start_s from the first read that finds its shard not cached,
     # at most cold_start_fetches whole-shard downloads run (shards a read cannot take by
     # member reads — compressed ones, `shardfs warm` — are not held back). A cold mount's
@@ -445,11 +451,13 @@ class Reader:
         allowance (`early_member_fraction`), else the read waits for the fetch to start."""
         if self._cold_since is None:
             self._begin_cold_start()
+        began = time.monotonic()
         while True:
             fetch = self.fetches.get(shard) or self._maybe_start(shard)
             if fetch is not None or shard not in self._queue or self.cache.has(key):
                 return fetch
-            if self._early_allowed(member_bytes):
+            waited = time.monotonic() - began
+            if self._early_allowed(member_bytes, waited):
                 self._count_early(member_bytes)
                 self.stats.queued_member_reads += 1
                 return None
@@ -459,8 +467,11 @@ class Reader:
                 return self.fetches.get(shard)  # None: no room for it, read the member
             event = self._slot_waiters.setdefault(shard, trio.Event())
             # Set when the shard's fetch starts or it leaves the queue, and when the
-            # allowance grew (a whole fetch started, a shard was queued).
-            await event.wait()
+            # allowance grew (a whole fetch started, a shard was queued); after the cold
+            # start, look again once the read has waited late_patience_s.
+            late = self.policy.late_patience_s - waited
+            with trio.move_on_after(late if late > 0 and self._cold_start_over() else inf):
+                await event.wait()
 
     def _patience(self, fetch: Fetch) -> float:
         """How long a read waits on a frontier before reading its member instead: about two
@@ -494,11 +505,13 @@ class Reader:
             max(0.0, sum(ttfbs) / len(ttfbs) - (now - fetch.began))
         return starts_in + (end - get.pos) / rate
 
-    def _early_allowed(self, nbytes: int) -> bool:
+    def _early_allowed(self, nbytes: int, waited: float = 0.0) -> bool:
+        """May a read that has waited `waited` seconds read its member (`nbytes`) now, though
+        its bytes will come again with its shard? Within the duplicate allowance."""
         policy = self.policy
         started = self._whole_bytes_started + self._queue.nbytes
         allowance = policy.early_member_fraction * started
-        if self._cold_start_over():
+        if waited < policy.late_patience_s and self._cold_start_over():
             if self._after_cold_start is None:  # (no task ended it: no nursery)
                 self._after_cold_start = (self.stats.early_member_bytes, started)
             spent, then = self._after_cold_start
@@ -533,6 +546,13 @@ class Reader:
                     if (eta is None or eta > patience) and \
                             self._read_member_instead(fetch, member):
                         return False
+                    late = self.policy.late_patience_s - (time.monotonic() - began)
+                    if late > 0 and self._cold_start_over():  # the late allowance said no
+                        with trio.move_on_after(late):
+                            await fetch.wait_for(start, end)
+                        if not fetch.has(start, end) and fetch.failed is None and \
+                                self._read_member_instead(fetch, member, late_patience=True):
+                            return False
             await fetch.wait_for(start, end)
             # Our bytes arrived; but if the fetch failed before this task ran again, its part
             # file is closed (its fd number may already name another file).
@@ -557,14 +577,16 @@ class Reader:
         finally:
             self.cache.unpin(key)
 
-    def _read_member_instead(self, fetch: Fetch, member: tuple[int, int]) -> bool:
+    def _read_member_instead(self, fetch: Fetch, member: tuple[int, int], *,
+                             late_patience: bool = False) -> bool:
         """A read the fetch would keep waiting too long: split the fetch (the read then waits
         for its member's own GET: False), else read the member if the duplicate allowance
-        lets it (True)."""
+        lets it (True); `late_patience`: the read has waited that long."""
         if self._split(fetch, *member):
             return False
         nbytes = member[1] - member[0]
-        if not self._early_allowed(nbytes):
+        waited = self.policy.late_patience_s if late_patience else 0.0
+        if not self._early_allowed(nbytes, waited):
             return False
         self._count_early(nbytes)
         return True
