@@ -106,7 +106,7 @@ class ReadPolicy:
     # link its bytes, which an epoch that fits the cache pays for in full, and buys only an
     # earlier read of one file: worth it for a worker's first batch, not after it. In the
     # bench's cold shuffled epoch (dataset fits, all shards queued within the first second)
-    # 3.91-4.01 s, 356 MB, against 4.09-4.14 s, 375 MB, the first batch as soon
+    # 3.85-4.02 s, ~360 MB, against 4.03-4.09 s, 375 MB, with late_patience_s below
     # (docs/benchmarks-notes.md, session 33). Not 0: a dataset of many shards keeps queuing
     # new ones, and a read of one far back in the queue would wait for all before it.
     # With no cold start (cold_start_s 0), early_member_fraction holds throughout.
@@ -114,7 +114,7 @@ class ReadPolicy:
     # ...but a read that has waited this long may still take its member within the early
     # fraction: a worker whose first batch outlasts the cold start (a slower server, more
     # workers) must not wait for its shard's turn in the queue, a second or more, per read.
-    # In the bench 4 runs in 14 had such a first batch of 1.7-2.4 s without it.
+    # In the bench 4 runs in 20 had such a first batch of 1.7-2.4 s without it.
     late_patience_s: float = 0.25
     # The cold start: for cold_start_s from the first read that finds its shard not cached,
     # at most cold_start_fetches whole-shard downloads run (shards a read cannot take by
