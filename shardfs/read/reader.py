@@ -512,7 +512,7 @@ class Reader:
         started = self._whole_bytes_started + self._queue.nbytes
         allowance = policy.early_member_fraction * started
         if waited < policy.late_patience_s and self._cold_start_over():
-            if self._after_cold_start is None:  # (no task ended it: no nursery)
+            if self._after_cold_start is None:  # (its end's task has not run yet, or none)
                 self._after_cold_start = (self.stats.early_member_bytes, started)
             spent, then = self._after_cold_start
             allowance = min(allowance, spent + policy.late_member_fraction * (started - then))
@@ -971,8 +971,9 @@ class Reader:
 
     async def _end_cold_start(self) -> None:
         await trio.sleep(self.policy.cold_start_s)
-        self._after_cold_start = (self.stats.early_member_bytes,
-                                  self._whole_bytes_started + self._queue.nbytes)
+        if self._after_cold_start is None:  # (a read past its end may have set it already)
+            self._after_cold_start = (self.stats.early_member_bytes,
+                                      self._whole_bytes_started + self._queue.nbytes)
         self._start_queued()
 
     def _in_cold_start(self) -> bool:
