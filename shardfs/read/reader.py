@@ -261,7 +261,8 @@ class Reader:
         cache.on_evict = self._evicted
         self._member_rtt: float | None = None  # seconds per member read, moving average
         self._whole_bytes_started = 0  # bytes of all whole-shard fetches started
-        # The duplicate allowance's spend and the bytes started when the cold start ended.
+        # The duplicate allowance's spend and the bytes started when the cold start ended
+        # (taken at the first look at the allowance after its end, before any spend).
         self._after_cold_start: tuple[int, int] | None = None
         self._cold_since: float | None = None  # the first read that found its shard not cached
         self._held: set[int] = set()  # queued shards the cold start kept from starting
@@ -511,11 +512,13 @@ class Reader:
         policy = self.policy
         started = self._whole_bytes_started + self._queue.nbytes
         allowance = policy.early_member_fraction * started
-        if waited < policy.late_patience_s and self._cold_start_over():
-            if self._after_cold_start is None:  # (its end's task has not run yet, or none)
+        if self._cold_start_over():
+            if self._after_cold_start is None:  # the first look since it ended: no spend yet
                 self._after_cold_start = (self.stats.early_member_bytes, started)
-            spent, then = self._after_cold_start
-            allowance = min(allowance, spent + policy.late_member_fraction * (started - then))
+            if waited < policy.late_patience_s:
+                spent, then = self._after_cold_start
+                allowance = min(allowance,
+                                spent + policy.late_member_fraction * (started - then))
         return self.stats.early_member_bytes + nbytes <= allowance
 
     def _count_early(self, nbytes: int) -> None:
@@ -551,7 +554,8 @@ class Reader:
                         with trio.move_on_after(late):
                             await fetch.wait_for(start, end)
                         if not fetch.has(start, end) and fetch.failed is None and \
-                                self._read_member_instead(fetch, member, late_patience=True):
+                                self._read_member_instead(fetch, member,
+                                                          time.monotonic() - began):
                             return False
             await fetch.wait_for(start, end)
             # Our bytes arrived; but if the fetch failed before this task ran again, its part
@@ -577,15 +581,14 @@ class Reader:
         finally:
             self.cache.unpin(key)
 
-    def _read_member_instead(self, fetch: Fetch, member: tuple[int, int], *,
-                             late_patience: bool = False) -> bool:
-        """A read the fetch would keep waiting too long: split the fetch (the read then waits
-        for its member's own GET: False), else read the member if the duplicate allowance
-        lets it (True); `late_patience`: the read has waited that long."""
+    def _read_member_instead(self, fetch: Fetch, member: tuple[int, int],
+                             waited: float = 0.0) -> bool:
+        """A read the fetch would keep waiting too long (it has waited `waited` s): split the
+        fetch (the read then waits for its member's own GET: False), else read the member if
+        the duplicate allowance lets it (True)."""
         if self._split(fetch, *member):
             return False
         nbytes = member[1] - member[0]
-        waited = self.policy.late_patience_s if late_patience else 0.0
         if not self._early_allowed(nbytes, waited):
             return False
         self._count_early(nbytes)
@@ -971,9 +974,6 @@ class Reader:
 
     async def _end_cold_start(self) -> None:
         await trio.sleep(self.policy.cold_start_s)
-        if self._after_cold_start is None:  # (a read past its end may have set it already)
-            self._after_cold_start = (self.stats.early_member_bytes,
-                                      self._whole_bytes_started + self._queue.nbytes)
         self._start_queued()
 
     def _in_cold_start(self) -> bool:
@@ -983,7 +983,7 @@ class Reader:
     def _cold_start_over(self) -> bool:
         """A cold start ran and has ended (False: none yet, or none at all)."""
         return (self._cold_since is not None and self.policy.cold_start_s > 0
-                and time.monotonic() - self._cold_since >= self.policy.cold_start_s)
+                and not self._in_cold_start())
 
     def _fetch_slots(self, shard: int | None = None) -> int:
         """Whole-shard downloads that may run now for this shard (None: any): fewer in the
