@@ -716,11 +716,11 @@ def test_the_allowance_left_when_the_cold_start_ends_lapses(tmp_path: Path,
 
     async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
         await read_members_of(reader, catalog, shards, (0, 1, 2))
-        assert reader._in_cold_start(), "the reads took longer than the cold start"
+        assert reader.cold_start.running(), "the reads took longer than the cold start"
         stats = reader.stats
         assert list(reader.fetches) == [0] and stats.early_member_reads == 2, stats
         with trio.fail_after(5):
-            while reader._in_cold_start():
+            while reader.cold_start.running():
                 await trio.sleep(0.01)
         got: list[bytes] = []
 
@@ -761,7 +761,7 @@ def test_after_the_cold_start_a_read_waits_at_most_late_patience_for_its_member(
         stats = reader.stats
         assert list(reader.fetches) == [0] and stats.early_member_reads == 2, stats
         with trio.fail_after(5):
-            while reader._in_cold_start():
+            while reader.cold_start.running():
                 await trio.sleep(0.01)
         began = trio.current_time()
         got = await read_member(reader, catalog, file_inodes(catalog)[wanted])
@@ -788,7 +788,7 @@ def test_a_held_shard_whose_read_cannot_take_its_member_is_downloaded_at_once(
     async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
         await read_members_of(reader, catalog, shards, (0, 1))
         assert 0 in reader.fetches, "the read of shard 1 waited for shard 0's download"
-        assert reader._in_cold_start(), "the reads took longer than the cold start"
+        assert reader.cold_start.running(), "the reads took longer than the cold start"
         stats = reader.stats
         assert stats.shard_fetches_started == 2 and stats.early_member_reads == 0, stats
         await wait_idle(reader)
@@ -807,7 +807,7 @@ def test_the_cold_start_does_not_hold_back_small_shards(tmp_path: Path,
 
     async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
         await read_members_of(reader, catalog, shards, range(4))
-        assert reader._in_cold_start(), "the reads took longer than the cold start"
+        assert reader.cold_start.running(), "the reads took longer than the cold start"
         assert sorted(reader.fetches) == [0, 1, 2, 3], reader.stats
         assert reader.stats.early_member_reads == 0, reader.stats
         await wait_idle(reader)
@@ -832,7 +832,7 @@ def test_shards_the_cold_start_held_back_are_downloaded_when_it_ends(
         for k in range(4, 14):  # every shard, round and round: the working set is all 8
             await read_members_of(reader, catalog, shards, range(N_SHARDS), k)
         assert reader.working_set.nbytes > cache.budget
-        assert reader._in_cold_start(), "the reads took longer than the cold start"
+        assert reader.cold_start.running(), "the reads took longer than the cold start"
         with trio.fail_after(10):
             while not all(cache.has(catalog.keys[s]) for s in range(4)):
                 await trio.sleep(0.01)

@@ -1,6 +1,6 @@
 """Shards waiting for a whole-shard fetch slot, in the order they were asked for, and their
 bytes: a shard queued here will be fetched whole, so the reader counts those bytes in the
-duplicate allowance of member reads (see `Reader._early_allowed`)."""
+duplicate allowance of member reads (shardfs/read/allowance.py)."""
 
 from __future__ import annotations
 

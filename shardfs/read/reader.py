@@ -21,22 +21,22 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Hashable, Iterable, Sequence
 from contextlib import aclosing, suppress
-from dataclasses import dataclass, field
-from math import inf
+from dataclasses import dataclass
 from typing import Any
 
 import trio
-from cachetools import LRUCache
 
 from shardfs.cache.directwrite import DirectWrites, Staged
 from shardfs.cache.partrecord import BLOCK, PrefixCrcs, block_crcs
 from shardfs.cache.shardcache import DISK_FULL, PartFile, ShardCache
 from shardfs.catalog.catalog import Catalog
 from shardfs.catalog.codecs import CodecError, decompressor
+from shardfs.read.allowance import ColdStart, DuplicateAllowance
 from shardfs.read.diskread import DiskReads
 from shardfs.read.errors import ReadError
 from shardfs.read.fetch import NEVER, Fetch, FetchFailed, Get
@@ -44,6 +44,7 @@ from shardfs.read.fetchqueue import FetchQueue
 from shardfs.read.fillwrites import FillWrites
 from shardfs.read.layout import ShardLayout
 from shardfs.read.lookahead import Lookahead
+from shardfs.read.memberreads import MemberReads
 from shardfs.read.states import ShardStates
 from shardfs.read.workingset import WorkingSet
 from shardfs.sources import ShardChanged, SourceError, Sources, Written
@@ -201,13 +202,6 @@ class ReaderStats:
     eio: int = 0
 
 
-@dataclass(slots=True)
-class _PendingBlock:
-    done: trio.Event = field(default_factory=trio.Event)
-    data: bytes = b""
-    error: str | None = "fetch did not complete"  # cleared on success
-
-
 class Reader:
     def __init__(self, catalog: Catalog, cache: ShardCache, sources: Sources,
                  policy: ReadPolicy | None = None, *, states: ShardStates | None = None) -> None:
@@ -227,9 +221,10 @@ class Reader:
         # them again would fail again, so the policy serves them by member reads instead
         # (unless they can only be read whole: compressed shards).
         self._mismatched: set[int] = set()
-        self._blocks: LRUCache = LRUCache(maxsize=self.policy.member_cache, getsizeof=len)
-        self._block_inflight: dict[tuple[int, int], _PendingBlock] = {}
-        self._member_limiter = trio.CapacityLimiter(self.policy.max_member_fetches)
+        policy = self.policy
+        self.members = MemberReads(catalog, sources, self.stats, block_size=policy.member_block,
+                                   cache_bytes=policy.member_cache,
+                                   max_in_flight=policy.max_member_fetches)
         self._nursery: trio.Nursery | None = None
         # Bytes each shard takes in the cache: the plain tar size (compressed shards are
         # decompressed into the cache).
@@ -259,12 +254,11 @@ class Reader:
             if cache.has(key):
                 self.states.complete(shard)
         cache.on_evict = self._evicted
-        self._member_rtt: float | None = None  # seconds per member read, moving average
         self._whole_bytes_started = 0  # bytes of all whole-shard fetches started
-        # The duplicate allowance's spend and the bytes started when the cold start ended
-        # (taken at the first look at the allowance after its end, before any spend).
-        self._after_cold_start: tuple[int, int] | None = None
-        self._cold_since: float | None = None  # the first read that found its shard not cached
+        self.cold_start = ColdStart(policy.cold_start_s)
+        self.allowance = DuplicateAllowance(
+            self.stats, self.cold_start, early_fraction=policy.early_member_fraction,
+            late_fraction=policy.late_member_fraction, late_patience_s=policy.late_patience_s)
         self._held: set[int] = set()  # queued shards the cold start kept from starting
         self.started = time.monotonic()
         self.lookahead: Lookahead | None = None  # announced reads (shardfs/daemon/announce.py)
@@ -366,7 +360,7 @@ class Reader:
     @property
     def member_fetches_in_flight(self) -> int:
         """Member/block GETs running now (deduplicated: one per block however many wait)."""
-        return len(self._block_inflight)
+        return self.members.in_flight
 
     def _arrived(self) -> int:
         """Note a read from its arrival (`reads_in_flight`, `oldest_read_s`); the caller
@@ -417,13 +411,12 @@ class Reader:
             if fetch is not None and fetch.fill:
                 return await self._read_filled(fetch, key, member_off, member_size, start,
                                                end, want)
-        member = self._member_block(member_off, member_size, start)
-        if self._block_held(shard, member[0]) and (end <= member[1] or self._block_held(
-                shard, self._member_block(member_off, member_size, end - 1)[0])):
+        member = self.members.block_of(member_off, member_size, start)
+        if self.members.covers(shard, member_off, member_size, start, end):
             # An earlier read of this member (a file is read in several READs) fetched it, or
             # is fetching it: no wait, and no new bytes to count against the allowance.
             stats.member_hits += 1
-            return await self._read_blocks(shard, member_off, member_size, start, end)
+            return await self.members.read(shard, member_off, member_size, start, end)
         fetch = await self._fetch_for(shard, key, member[1] - member[0])
         if fetch is None and (cached := self.cache.get(key)) is not None:
             stats.cache_hits += 1  # its fetch completed while this read waited for it
@@ -437,7 +430,7 @@ class Reader:
                     return await self._from_part(fetch, start, end, want)
             elif self._split(fetch, *member) and await self._wait(fetch, key, start, end, None):
                 return await self._from_part(fetch, start, end, want)
-        return await self._read_blocks(shard, member_off, member_size, start, end)
+        return await self.members.read(shard, member_off, member_size, start, end)
 
     async def _from_part(self, fetch: Fetch, start: int, end: int,
                          want: bool) -> bytes | bytearray | None:
@@ -450,7 +443,7 @@ class Reader:
         or None: read the member. A shard queued for a fetch slot will be fetched whole, so a
         member read of it now fetches bytes twice: that is allowed within the duplicate
         allowance (`early_member_fraction`), else the read waits for the fetch to start."""
-        if self._cold_since is None:
+        if not self.cold_start.begun:
             self._begin_cold_start()
         began = time.monotonic()
         while True:
@@ -458,8 +451,8 @@ class Reader:
             if fetch is not None or shard not in self._queue or self.cache.has(key):
                 return fetch
             waited = time.monotonic() - began
-            if self._early_allowed(member_bytes, waited):
-                self._count_early(member_bytes)
+            if self.allowance.allows(member_bytes, self._started_bytes(), waited):
+                self.allowance.spend(member_bytes)
                 self.stats.queued_member_reads += 1
                 return None
             if shard in self._held:  # held by the cold start only: better fetched than waited for
@@ -470,14 +463,14 @@ class Reader:
             # Set when the shard's fetch starts or it leaves the queue, and when the
             # allowance grew (a whole fetch started, a shard was queued); after the cold
             # start, look again once the read has waited late_patience_s.
-            late = self.policy.late_patience_s - waited
-            with trio.move_on_after(late if late > 0 and self._cold_start_over() else inf):
+            late = self.allowance.late_wait(waited)
+            with trio.move_on_after(late if late > 0 else math.inf):
                 await event.wait()
 
     def _patience(self, fetch: Fetch) -> float:
         """How long a read waits on a frontier before reading its member instead: about two
         member-read round trips (measured; before any, the fetch's time to first byte)."""
-        rtt = self._member_rtt if self._member_rtt is not None else fetch.ttfb
+        rtt = self.members.rtt if self.members.rtt is not None else fetch.ttfb
         return max(MIN_PATIENCE, 2 * (rtt if rtt is not None else 0.05))
 
     def _eta(self, fetch: Fetch, start: int, end: int) -> float | None:
@@ -506,24 +499,11 @@ class Reader:
             max(0.0, sum(ttfbs) / len(ttfbs) - (now - fetch.began))
         return starts_in + (end - get.pos) / rate
 
-    def _early_allowed(self, nbytes: int, waited: float = 0.0) -> bool:
-        """May a read that has waited `waited` seconds read its member (`nbytes`) now, though
-        its bytes will come again with its shard? Within the duplicate allowance."""
-        policy = self.policy
-        started = self._whole_bytes_started + self._queue.nbytes
-        allowance = policy.early_member_fraction * started
-        if self._cold_start_over():
-            if self._after_cold_start is None:  # the first look since it ended: no spend yet
-                self._after_cold_start = (self.stats.early_member_bytes, started)
-            if waited < policy.late_patience_s:
-                spent, then = self._after_cold_start
-                allowance = min(allowance,
-                                spent + policy.late_member_fraction * (started - then))
-        return self.stats.early_member_bytes + nbytes <= allowance
-
-    def _count_early(self, nbytes: int) -> None:
-        self.stats.early_member_reads += 1
-        self.stats.early_member_bytes += nbytes
+    def _started_bytes(self) -> int:
+        """Bytes of whole-shard downloads started or queued: what the duplicate allowance is
+        a fraction of (queued shards will be fetched whole; counting them keeps the cold
+        start, which holds downloads back, from holding the allowance back with them)."""
+        return self._whole_bytes_started + self._queue.nbytes
 
     async def _wait(self, fetch: Fetch, key: str, start: int, end: int,
                     member: tuple[int, int] | None) -> bool:
@@ -549,8 +529,8 @@ class Reader:
                     if (eta is None or eta > patience) and \
                             self._read_member_instead(fetch, member):
                         return False
-                    late = self.policy.late_patience_s - (time.monotonic() - began)
-                    if late > 0 and self._cold_start_over():  # the late allowance said no
+                    late = self.allowance.late_wait(time.monotonic() - began)
+                    if late > 0:  # the late allowance said no
                         with trio.move_on_after(late):
                             await fetch.wait_for(start, end)
                         if not fetch.has(start, end) and fetch.failed is None and \
@@ -589,9 +569,9 @@ class Reader:
         if self._split(fetch, *member):
             return False
         nbytes = member[1] - member[0]
-        if not self._early_allowed(nbytes, waited):
+        if not self.allowance.allows(nbytes, self._started_bytes(), waited):
             return False
-        self._count_early(nbytes)
+        self.allowance.spend(nbytes)
         return True
 
     def _split(self, fetch: Fetch, start: int, end: int) -> bool:
@@ -889,7 +869,7 @@ class Reader:
                     return await self._from_part(fetch, start, end, want)
             finally:
                 self.cache.unpin(key)
-        return await self._read_blocks(shard, member_off, member_size, start, end)
+        return await self.members.read(shard, member_off, member_size, start, end)
 
     def _whole_shard_pays(self) -> bool:
         return self._dataset_fits() or self.working_set.nbytes <= self.cache.budget
@@ -968,7 +948,7 @@ class Reader:
 
     # -- the cold start (ReadPolicy.cold_start_s) ------------------------------------------
     def _begin_cold_start(self) -> None:
-        self._cold_since = time.monotonic()
+        self.cold_start.begin()
         if self.policy.cold_start_s > 0 and self._nursery is not None:
             self._nursery.start_soon(self._end_cold_start)
 
@@ -976,26 +956,17 @@ class Reader:
         await trio.sleep(self.policy.cold_start_s)
         self._start_queued()
 
-    def _in_cold_start(self) -> bool:
-        return (self._cold_since is not None and self.policy.cold_start_s > 0
-                and time.monotonic() - self._cold_since < self.policy.cold_start_s)
-
-    def _cold_start_over(self) -> bool:
-        """A cold start ran and has ended (False: none yet, or none at all)."""
-        return (self._cold_since is not None and self.policy.cold_start_s > 0
-                and not self._in_cold_start())
-
     def _fetch_slots(self, shard: int | None = None) -> int:
         """Whole-shard downloads that may run now for this shard (None: any): fewer in the
         cold start, for shards of at least `cold_start_min_shard`."""
         policy = self.policy
-        if self._in_cold_start() and (shard is None
-                                      or self.sizes[shard] >= policy.cold_start_min_shard):
+        if self.cold_start.running() and (
+                shard is None or self.sizes[shard] >= policy.cold_start_min_shard):
             return min(policy.cold_start_fetches, policy.max_fetches)
         return policy.max_fetches
 
     def _start_queued(self) -> None:
-        if self._queue and self._in_cold_start():
+        if self._queue and self.cold_start.running():
             # The cold start holds back the shards that reads can take member by member:
             # forced ones (`shardfs warm`, resumed downloads, reads of shards that can only
             # be read whole) start as slots allow, in their order.
@@ -1397,72 +1368,3 @@ class Reader:
         failed = sum(s in self.failed for s in shards)
         busy = any(s in self.fetches or s in self._queue for s in shards)
         return {"total": len(shards), "cached": cached, "failed": failed, "idle": not busy}
-
-    # -- member / block reads --------------------------------------------------------------
-    def _member_block(self, member_off: int, member_size: int, pos: int) -> tuple[int, int]:
-        """What a member read of byte `pos` fetches: the member, or the block of it holding
-        `pos` (the unit of _read_blocks, of the member cache, and of a split)."""
-        block = self.policy.member_block
-        if member_size <= block:
-            return member_off, member_off + member_size
-        first = member_off + (pos - member_off) // block * block
-        return first, min(first + block, member_off + member_size)
-
-    def _block_held(self, shard: int, start: int) -> bool:
-        """The block at `start` is in the member cache or on its way."""
-        key = (shard, start)
-        return key in self._blocks or key in self._block_inflight
-
-    async def _read_blocks(self, shard: int, member_off: int, member_size: int, start: int,
-                           end: int) -> bytes:
-        pieces = []
-        pos = start
-        while pos < end:
-            bstart, bend = self._member_block(member_off, member_size, pos)
-            data = await self._block(shard, bstart, bend)
-            take = min(end, bend) - pos
-            pieces.append(data[pos - bstart : pos - bstart + take])
-            pos += take
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
-
-    async def _block(self, shard: int, start: int, end: int) -> bytes:
-        key = (shard, start)
-        data = self._blocks.get(key)
-        if data is not None:
-            return data
-        pending = self._block_inflight.get(key)
-        if pending is not None:  # someone is fetching it already: share the outcome
-            await pending.done.wait()
-            if pending.error is not None:
-                raise ReadError(pending.error)
-            return pending.data
-        pending = self._block_inflight[key] = _PendingBlock()
-        try:
-            pending.data = await self._fetch_range(shard, start, end)
-            pending.error = None
-            if len(pending.data) <= self._blocks.maxsize:
-                self._blocks[key] = pending.data
-            return pending.data
-        except ReadError as exc:
-            pending.error = str(exc)
-            raise
-        finally:
-            del self._block_inflight[key]
-            pending.done.set()
-
-    async def _fetch_range(self, shard: int, start: int, end: int) -> bytes:
-        info = self.catalog.shards[shard]
-        async with self._member_limiter:
-            began = time.monotonic()
-            try:
-                chunks = [c async for c in self.sources.for_url(info.url).stream(info, start, end)]
-            except SourceError as exc:
-                self.stats.fetch_errors += 1
-                self.stats.eio += 1
-                log.error("reading %s [%d, %d) failed: %s", info.url, start, end, exc)
-                raise ReadError(str(exc)) from None
-        took = time.monotonic() - began
-        self._member_rtt = took if self._member_rtt is None else 0.8 * self._member_rtt + 0.2 * took
-        self.stats.member_fetches += 1
-        self.stats.member_bytes += end - start
-        return b"".join(chunks)
