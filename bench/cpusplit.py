@@ -276,7 +276,7 @@ class PySpy(Profiler):
         # Not --native: it pauses the process at each sample, and paused while readers wait
         # on it, a FUSE daemon hung py-spy and the readers for good (seen here).
         self.proc = subprocess.Popen(
-            ["py-spy", "record", "-p", str(pid), "--rate", str(rate), "--nonblocking",
+            [_tool("py-spy") or "py-spy", "record", "-p", str(pid), "--rate", str(rate), "--nonblocking",
              "--threads", "--format", "raw", "-o", str(path)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(0.5)
@@ -614,9 +614,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="NAME=DIR[:KEY=VALUE...]: run each pass also with the shardfs in DIR "
                         "(PYTHONPATH; its shim built) and these environment variables, in "
                         "turns (repeatable; default: this checkout as 'this')")
-    p.add_argument("--workdir", default=None, help="where data, shards and caches go")
+    p.add_argument("--workdir", default=None,
+                   help="where data, shards and caches go (made if missing)")
     p.add_argument("--out", default="bench/out", help="where the JSON record goes")
     p.add_argument("--docs", default=None, help="also update this page's cpusplit section")
+
+
+def _tool(name: str) -> str | None:
+    """A program on PATH, or beside this interpreter (a virtualenv's py-spy when the bench
+    runs as .venv/bin/python without the venv's bin on PATH)."""
+    found = shutil.which(name)
+    if found is None:
+        beside = Path(sys.executable).parent / name
+        found = str(beside) if os.access(beside, os.X_OK) else None
+    return found
 
 
 def cpusplit_command(args: argparse.Namespace, argv: list[str]) -> int:
@@ -643,12 +654,14 @@ def cpusplit_command(args: argparse.Namespace, argv: list[str]) -> int:
         return 2
     args.profile = [p.strip() for p in str(args.profile).split(",") if p.strip() != "none"]
     for tool, where in (("perf", "apt-get install linux-perf"), ("py-spy", "pip install py-spy")):
-        if tool in args.profile and shutil.which(tool) is None:
+        if tool in args.profile and _tool(tool) is None:
             print(f"bench cpusplit: --profile {tool} needs {tool} ({where})", file=sys.stderr)
             return 2
     if set(args.profile) - {"perf", "py-spy"}:
         print(f"bench cpusplit: unknown --profile {args.profile}", file=sys.stderr)
         return 2
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     record = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

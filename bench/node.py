@@ -485,7 +485,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--meta-runs", type=int, default=3,
                    help="metadata: ext4 and shardfs walked this many times in turns (median)")
     p.add_argument("--skip-reads", action="store_true", help="only the metadata part")
-    p.add_argument("--workdir", default=None, help="where data, shards and caches go")
+    p.add_argument("--workdir", default=None,
+                   help="where data, shards and caches go (made if missing)")
     p.add_argument("--out", default="bench/out", help="where the JSON record goes")
     p.add_argument("--docs", default=None, help="also update this page's node section")
 
@@ -495,6 +496,8 @@ def node_command(args: argparse.Namespace, argv: list[str]) -> int:
     if os.geteuid() != 0:
         print("bench node: run as root (drop_caches, mounts)", file=sys.stderr)
         return 2
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     record = {"params": vars(args).copy(), "phases": [], "dataset": {}} if args.skip_reads \
         else run(args)
     if args.meta:
