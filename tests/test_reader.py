@@ -704,6 +704,60 @@ def test_the_cold_start_holds_downloads_back_and_reads_take_their_members(
                                  cold_start_s=0.5))
 
 
+class _RemoteSlowSources(_SlowSources):
+    """_SlowSources taken for a remote store (as HTTP is): the reader spares the link."""
+
+    @staticmethod
+    def is_local(url: str) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_a_download_takes_the_members_read_early_and_gets_only_the_rest(
+        tmp_path: Path, shards: Shards, reuse: bool) -> None:
+    """Members of a shard read early while its download was queued (the cold start held it
+    back) are in the member cache when it starts: the download writes them into the part
+    file and GETs only the bytes between them, so no byte of the shard crosses the link
+    twice; the shard is checked and cached whole as ever. (`reuse_member_reads` off: the
+    download GETs the whole shard again.)"""
+    sources = _RemoteSlowSources(delay=0.002)
+    early = [shards.order[1][5], shards.order[1][20]]
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        await read_members_of(reader, catalog, shards, [0])  # its download: the one slot
+        for name in early:
+            assert await read_member(reader, catalog, inodes[name]) == shards.contents[name]
+        assert reader.cold_start.running(), "the reads took longer than the cold start"
+        assert sorted(reader.fetches) == [0] and reader.stats.queued_member_reads == 2
+        with trio.fail_after(10):  # the cold start ends: shard 1 is downloaded
+            while not cache.has(catalog.keys[1]):
+                await trio.sleep(0.01)
+        for name in shards.order[1][:PER_SHARD]:  # from the cache file now (not common/)
+            assert await read_member(reader, catalog, inodes[name]) == shards.contents[name]
+        await wait_idle(reader)
+
+    reader = run_reader(tmp_path, shards.urls[:2], 100 * shards.shard_size, body,
+                        sources=sources,
+                        policy=ReadPolicy(split_fetches=False, cold_start_fetches=1,
+                                          cold_start_min_shard=0, cold_start_s=0.5,
+                                          reuse_member_reads=reuse))
+    size = shards.paths[1].stat().st_size
+    asked = sorted((start, end) for source in sources.made for url, start, end in source.asked
+                   if url == shards.urls[1])
+    early_bytes = sum(len(shards.contents[name]) for name in early)
+    stats = reader.stats
+    if not reuse:
+        assert (0, size) in asked and stats.reused_member_reads == 0, (asked, stats)
+        return
+    pos = 0
+    for start, end in asked:  # the members' GETs and the download's tile the shard
+        assert start == pos, f"bytes [{start}, {pos}) of shard 1 asked for twice: {asked}"
+        pos = end
+    assert pos == size and len(asked) == 2 + 3, asked
+    assert stats.reused_member_reads == 2 and stats.reused_member_bytes == early_bytes, stats
+
+
 def test_the_allowance_left_when_the_cold_start_ends_lapses(tmp_path: Path,
                                                             shards: Shards) -> None:
     """In the cold start reads of queued shards take their members; once it has ended, what

@@ -78,6 +78,12 @@ class MemberReads:
         return self.held(shard, first[0]) and (end <= first[1] or self.held(
             shard, self.block_of(member_off, member_size, end - 1)[0]))
 
+    def cached_in(self, shard: int) -> list[tuple[int, bytes]]:
+        """The shard's blocks in the cache, (start, bytes), by start (for its download to
+        take instead of fetching them again: Reader._reuse_member_reads)."""
+        return sorted((key[1], data) for key, data in list(self._cached.items())
+                      if key[0] == shard)
+
     async def read(self, shard: int, member_off: int, member_size: int, start: int,
                    end: int) -> bytes:
         """Bytes [start, end) of a member, block by block; ReadError if a GET failed."""

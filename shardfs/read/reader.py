@@ -143,6 +143,9 @@ class ReadPolicy:
     # At most max_gets_per_fetch GETs per fetch.
     split_fetches: bool = False
     max_gets_per_fetch: int = 16
+    # A shard's download takes the members that reads fetched early (in the member cache)
+    # and GETs only the bytes between them (Reader._reuse_member_reads).
+    reuse_member_reads: bool = True
     member_cache: int = 64 * MiB  # RAM for recently fetched members/blocks
     prefetch: str = "touched"  # "touched": shards once read; "all": warm all if they fit
     # What a complete fetch is checked against (util/checksum.py): "auto", the index's
@@ -179,6 +182,10 @@ class ReaderStats:
     # the bytes received past a GET's new end before it stopped (discarded).
     split_reads: int = 0
     split_overrun_bytes: int = 0
+    # Members read early (in the member cache when their shard's download started) that the
+    # download took instead of fetching their bytes again, and those bytes.
+    reused_member_reads: int = 0
+    reused_member_bytes: int = 0
     shard_fetches_started: int = 0
     ahead_fetches: int = 0  # of those, started for shards a sampler announced (queue_ahead)
     shard_fetches_done: int = 0
@@ -1068,14 +1075,17 @@ class Reader:
         try:
             plain = decompressor(codec) if codec else None
 
-            first = fetch.gets[0]
             if fetch.part.resumed:  # bytes an earlier daemon wrote: checked, then kept
+                first = fetch.gets[0]
                 first.start = first.pos = await self._resume_part(fetch, digest)
+            elif plain is None:
+                self._reuse_member_reads(fetch)
+            first = fetch.gets[0]
             # The record's CRCs come from the bytes as they stream, in the hashing thread; once
             # a split has other GETs write parts of the prefix, from the part file instead
             # (_record_blocks).
             crcs = (PrefixCrcs(first.start, fetch.size, record.kind, record.crcs)
-                    if record is not None else None)
+                    if record is not None and not fetch.split else None)
             fetch.record_due = NEVER if crcs is not None else self._next_record(fetch)
 
             def read_back_crcs() -> None:  # the fetch was split
@@ -1135,8 +1145,8 @@ class Reader:
                 stream_into = getattr(source, "stream_into", None)
                 written = plain is None and stream_into is not None and \
                     not self.policy.split_fetches
-                pieces = stream_into(info, first.start, info.size, fetch.part.fd) if written \
-                    else source.stream(info, first.start, info.size)
+                pieces = stream_into(info, first.start, first.stop, fetch.part.fd) if written \
+                    else source.stream(info, first.start, first.stop)
                 async with aclosing(pieces) as chunks:
                     async for chunk in chunks:
                         self.stats.shard_bytes += len(chunk)
@@ -1165,6 +1175,8 @@ class Reader:
 
             async with trio.open_nursery() as nursery:
                 fetch.nursery = nursery  # the GETs a split adds run here
+                for get in fetch.gets[1:]:  # the GETs between members read early
+                    nursery.start_soon(self._run_get, fetch, get)
                 await self._guard_get(fetch, first_get())
             fetch.nursery = None
             if fetch.error is not None:
@@ -1216,6 +1228,43 @@ class Reader:
                 self._forced.add(shard)
                 self._enqueue(shard)
             self._start_queued()
+
+    def _reuse_member_reads(self, fetch: Fetch) -> None:
+        """Members of the shard that reads fetched early (its download still queued, most in
+        the cold start) are in the member cache: written into the part file now, and the
+        download GETs only the bytes between them, each run by a GET of its own, at once
+        (as after a split). So those bytes cross the link once, not twice. Not for a shard in
+        a file (no link to spare: a member read cost a local read), nor with `split_fetches`,
+        nor for more than `max_gets_per_fetch` GETs."""
+        if not self.policy.reuse_member_reads or self.policy.split_fetches or \
+                self.sources.is_local(self.catalog.shards[fetch.shard].url):
+            return
+        held = self.members.cached_in(fetch.shard)
+        gets: list[Get] = []
+        taken: list[tuple[int, bytes]] = []
+        pos = 0
+        for start, data in held:
+            end = start + len(data)
+            if start < pos or end > fetch.size or len(gets) + 2 > self.policy.max_gets_per_fetch:
+                continue
+            if start > pos:
+                gets.append(Get(pos, start))
+            taken.append((start, data))
+            pos = end
+        if pos < fetch.size:
+            gets.append(Get(pos, fetch.size))
+        if not taken or not gets:  # nothing to take, or nothing left to GET (all read early)
+            return
+        fetch.gets = gets
+        fetch.split = True  # (before `filled`: its waiters are woken by runs from now)
+        for start, data in taken:
+            pwrite_all(fetch.part.fd, data, start)  # OSError: the fetch fails as on a GET's
+            fetch.filled(start, len(data))
+        fetch.first_byte = None  # its time to first byte is its GETs' (Reader._eta)
+        if fetch.arrived:
+            self.states.arrived(fetch.shard, fetch.arrived)
+        self.stats.reused_member_reads += len(taken)
+        self.stats.reused_member_bytes += sum(len(data) for _, data in taken)
 
     async def _check_whole(self, fetch: Fetch, url: str, check: ShardCheck,
                            digest: Digest | None) -> None:
