@@ -24,7 +24,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Hashable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Hashable, Iterable, Sequence
 from contextlib import aclosing, suppress
 from dataclasses import dataclass
 from typing import Any
@@ -1075,17 +1075,17 @@ class Reader:
         try:
             plain = decompressor(codec) if codec else None
 
+            first = fetch.gets[0]
+            reused: list[tuple[int, bytes]] = []  # members read early, in the part file
             if fetch.part.resumed:  # bytes an earlier daemon wrote: checked, then kept
-                first = fetch.gets[0]
                 first.start = first.pos = await self._resume_part(fetch, digest)
             elif plain is None:
-                self._reuse_member_reads(fetch)
-            first = fetch.gets[0]
+                reused = self._reuse_member_reads(fetch)
             # The record's CRCs come from the bytes as they stream, in the hashing thread; once
             # a split has other GETs write parts of the prefix, from the part file instead
             # (_record_blocks).
             crcs = (PrefixCrcs(first.start, fetch.size, record.kind, record.crcs)
-                    if record is not None and not fetch.split else None)
+                    if record is not None else None)
             fetch.record_due = NEVER if crcs is not None else self._next_record(fetch)
 
             def read_back_crcs() -> None:  # the fetch was split
@@ -1145,17 +1145,35 @@ class Reader:
                 stream_into = getattr(source, "stream_into", None)
                 written = plain is None and stream_into is not None and \
                     not self.policy.split_fetches
-                pieces = stream_into(info, first.start, first.stop, fetch.part.fd) if written \
-                    else source.stream(info, first.start, first.stop)
-                async with aclosing(pieces) as chunks:
-                    async for chunk in chunks:
-                        self.stats.shard_bytes += len(chunk)
-                        if plain is None:
-                            self._write(fetch, first, chunk, written=written)
-                            if fetch.split:
-                                read_back_crcs()
-                                if not first.running:
-                                    break  # the rest comes by the GETs of the split
+
+                async def pieces() -> AsyncIterator[tuple[bytes | Written, bool]]:
+                    """The shard's bytes in order, and whether they came now: a GET of
+                    each run between the members read early, and those members (written
+                    already) in their places."""
+                    pos = first.start
+                    for start, data in [*reused, (info.size, b"")]:
+                        if start > pos:
+                            run = stream_into(info, pos, start, fetch.part.fd) if written \
+                                else source.stream(info, pos, start)
+                            async with aclosing(run) as chunks:
+                                async for chunk in chunks:
+                                    yield chunk, True
+                        if data:
+                            yield data, False
+                        pos = start + len(data)
+
+                async with aclosing(pieces()) as chunks:
+                    async for chunk, fetched in chunks:
+                        if not fetched:  # a member read early: on disk since the start
+                            first.pos += len(chunk)
+                        else:
+                            self.stats.shard_bytes += len(chunk)
+                            if plain is None:
+                                self._write(fetch, first, chunk, written=written)
+                                if fetch.split:
+                                    read_back_crcs()
+                                    if not first.running:
+                                        break  # the rest comes by the GETs of the split
                         if (digest is None or fetch.split) and crcs is None and plain is None:
                             continue
                         batch.append(chunk)
@@ -1175,8 +1193,6 @@ class Reader:
 
             async with trio.open_nursery() as nursery:
                 fetch.nursery = nursery  # the GETs a split adds run here
-                for get in fetch.gets[1:]:  # the GETs between members read early
-                    nursery.start_soon(self._run_get, fetch, get)
                 await self._guard_get(fetch, first_get())
             fetch.nursery = None
             if fetch.error is not None:
@@ -1229,34 +1245,26 @@ class Reader:
                 self._enqueue(shard)
             self._start_queued()
 
-    def _reuse_member_reads(self, fetch: Fetch) -> None:
+    def _reuse_member_reads(self, fetch: Fetch) -> list[tuple[int, bytes]]:
         """Members of the shard that reads fetched early (its download still queued, most in
-        the cold start) are in the member cache: written into the part file now, and the
-        download GETs only the bytes between them, each run by a GET of its own, at once
-        (as after a split). So those bytes cross the link once, not twice. Not for a shard in
-        a file (no link to spare: a member read cost a local read), nor with `split_fetches`,
-        nor for more than `max_gets_per_fetch` GETs."""
+        the cold start), found in the member cache, written into the part file now; the
+        download then GETs the runs between them, one after another, and takes these in
+        their places (in order, so its checks and record see every byte as before). Those
+        bytes cross the link once, not twice; each costs the download one more request (its
+        other downloads keep the link busy meanwhile). Returned by offset. Not for a shard in
+        a file (no link to spare: a member read cost a local read), nor with `split_fetches`
+        (a split moves a GET's end), nor past `max_gets_per_fetch` requests."""
         if not self.policy.reuse_member_reads or self.policy.split_fetches or \
                 self.sources.is_local(self.catalog.shards[fetch.shard].url):
-            return
-        held = self.members.cached_in(fetch.shard)
-        gets: list[Get] = []
+            return []
         taken: list[tuple[int, bytes]] = []
         pos = 0
-        for start, data in held:
+        for start, data in self.members.cached_in(fetch.shard):
             end = start + len(data)
-            if start < pos or end > fetch.size or len(gets) + 2 > self.policy.max_gets_per_fetch:
+            if start < pos or end > fetch.size or len(taken) + 2 > self.policy.max_gets_per_fetch:
                 continue
-            if start > pos:
-                gets.append(Get(pos, start))
             taken.append((start, data))
             pos = end
-        if pos < fetch.size:
-            gets.append(Get(pos, fetch.size))
-        if not taken or not gets:  # nothing to take, or nothing left to GET (all read early)
-            return
-        fetch.gets = gets
-        fetch.split = True  # (before `filled`: its waiters are woken by runs from now)
         for start, data in taken:
             pwrite_all(fetch.part.fd, data, start)  # OSError: the fetch fails as on a GET's
             fetch.filled(start, len(data))
@@ -1265,6 +1273,7 @@ class Reader:
             self.states.arrived(fetch.shard, fetch.arrived)
         self.stats.reused_member_reads += len(taken)
         self.stats.reused_member_bytes += sum(len(data) for _, data in taken)
+        return taken
 
     async def _check_whole(self, fetch: Fetch, url: str, check: ShardCheck,
                            digest: Digest | None) -> None:
