@@ -12,7 +12,11 @@ number is what it is):
   grows only by `late_fraction` (3 %) of the bytes started or queued since;
 - but a read that has waited `late_patience_s` may still take its member within the early
   fraction (a worker whose first batch outlasts the cold start must not wait a whole
-  download's turn per read).
+  download's turn per read);
+- and a read whose member its shard's download will take instead of fetching it again (the
+  shard is still queued: reader.py, `Reader._reuse_member_reads`) costs the link nothing
+  twice as long as the member stays in the member cache: the early fraction holds for it
+  throughout, so the bytes fetched stay within it even where the cache turns over first.
 
 With no cold start (0 seconds) the early fraction holds throughout.
 """
@@ -66,12 +70,14 @@ class DuplicateAllowance:
         # look after its end, before any spend after it.
         self._at_end: tuple[int, int] | None = None
 
-    def allows(self, nbytes: int, started: int, waited: float = 0.0) -> bool:
+    def allows(self, nbytes: int, started: int, waited: float = 0.0, *,
+               taken_later: bool = False) -> bool:
         """May a read that has waited `waited` seconds fetch `nbytes` twice now? `started`:
-        the bytes of whole-shard downloads started or queued so far."""
+        the bytes of whole-shard downloads started or queued so far; `taken_later`: its
+        shard's download will take the member rather than fetch it again."""
         allowance = self.early_fraction * started
         spent = self.stats.early_member_bytes
-        if self.cold_start.over():
+        if self.cold_start.over() and not taken_later:
             if self._at_end is None:  # the first look since it ended: no spend yet
                 self._at_end = (spent, started)
             if waited < self.late_patience_s:

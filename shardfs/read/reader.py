@@ -144,7 +144,11 @@ class ReadPolicy:
     split_fetches: bool = False
     max_gets_per_fetch: int = 16
     # A shard's download takes the members that reads fetched early (in the member cache)
-    # and GETs only the bytes between them (Reader._reuse_member_reads).
+    # and GETs only the bytes between them (Reader._reuse_member_reads). Reads of a shard
+    # still queued then cost the link nothing twice: the late fraction and its lapse are not
+    # for them (the early fraction holds throughout, in case the member cache turns over
+    # before the download starts), so a first batch that outlasts the cold start does not
+    # wait late_patience_s per read of a queued shard.
     reuse_member_reads: bool = True
     member_cache: int = 64 * MiB  # RAM for recently fetched members/blocks
     prefetch: str = "touched"  # "touched": shards once read; "all": warm all if they fit
@@ -458,7 +462,9 @@ class Reader:
             if fetch is not None or shard not in self._queue or self.cache.has(key):
                 return fetch
             waited = time.monotonic() - began
-            if self.allowance.allows(member_bytes, self._started_bytes(), waited):
+            taken_later = self._reuses_members(shard)
+            if self.allowance.allows(member_bytes, self._started_bytes(), waited,
+                                     taken_later=taken_later):
                 self.allowance.spend(member_bytes)
                 self.stats.queued_member_reads += 1
                 return None
@@ -470,7 +476,7 @@ class Reader:
             # Set when the shard's fetch starts or it leaves the queue, and when the
             # allowance grew (a whole fetch started, a shard was queued); after the cold
             # start, look again once the read has waited late_patience_s.
-            late = self.allowance.late_wait(waited)
+            late = 0.0 if taken_later else self.allowance.late_wait(waited)
             with trio.move_on_after(late if late > 0 else math.inf):
                 await event.wait()
 
@@ -1245,6 +1251,12 @@ class Reader:
                 self._enqueue(shard)
             self._start_queued()
 
+    def _reuses_members(self, shard: int) -> bool:
+        """The shard's download will take its members read early (see below)."""
+        policy = self.policy
+        return policy.reuse_member_reads and not policy.split_fetches and \
+            not self.sources.is_local(self.catalog.shards[shard].url)
+
     def _reuse_member_reads(self, fetch: Fetch) -> list[tuple[int, bytes]]:
         """Members of the shard that reads fetched early (its download still queued, most in
         the cold start), found in the member cache, written into the part file now; the
@@ -1254,8 +1266,7 @@ class Reader:
         other downloads keep the link busy meanwhile). Returned by offset. Not for a shard in
         a file (no link to spare: a member read cost a local read), nor with `split_fetches`
         (a split moves a GET's end), nor past `max_gets_per_fetch` requests."""
-        if not self.policy.reuse_member_reads or self.policy.split_fetches or \
-                self.sources.is_local(self.catalog.shards[fetch.shard].url):
+        if not self._reuses_members(fetch.shard):
             return []
         taken: list[tuple[int, bytes]] = []
         pos = 0
