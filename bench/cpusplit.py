@@ -276,8 +276,8 @@ class PySpy(Profiler):
         # Not --native: it pauses the process at each sample, and paused while readers wait
         # on it, a FUSE daemon hung py-spy and the readers for good (seen here).
         self.proc = subprocess.Popen(
-            [_tool("py-spy") or "py-spy", "record", "-p", str(pid), "--rate", str(rate), "--nonblocking",
-             "--threads", "--format", "raw", "-o", str(path)],
+            [_tool("py-spy") or "py-spy", "record", "-p", str(pid), "--rate", str(rate),
+             "--nonblocking", "--threads", "--format", "raw", "-o", str(path)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(0.5)
 
