@@ -143,6 +143,9 @@ def test_files_opened_before_their_shard_arrived_are_not_pushed(dataset: Dataset
         for t in threads:
             t.join(30)
         wait_for(lambda: m.stats()["shards_cached"] >= 1, f"{shard.name} never arrived")
+        # The pusher goes through an arrived shard in a thread of its own, after the commit
+        # that `shards_cached` counts: read its stats once it has.
+        wait_for(lambda: m.stats()["pages_pushed"]["shards"] >= 1, "never went through it")
         pushed = m.stats()["pages_pushed"]
     assert pushed["opened"] == len(paths) and pushed["files"] == pushed["looked_up"] == 0, pushed
     for path in paths:
