@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import trio
-from cachetools import LRUCache
+from cachetools import Cache, LRUCache
 
 from shardfs.catalog.catalog import Catalog
 from shardfs.read.errors import ReadError
@@ -81,8 +81,10 @@ class MemberReads:
     def cached_in(self, shard: int) -> list[tuple[int, bytes]]:
         """The shard's blocks in the cache, (start, bytes), by start (for its download to
         take instead of fetching them again: Reader._reuse_member_reads)."""
-        return sorted((key[1], data) for key, data in list(self._cached.items())
-                      if key[0] == shard)
+        cache = self._cached
+        # Cache.__getitem__, not LRUCache's: a look at them does not make them recently used.
+        return sorted((start, Cache.__getitem__(cache, (held, start)))
+                      for held, start in list(cache) if held == shard)
 
     async def read(self, shard: int, member_off: int, member_size: int, start: int,
                    end: int) -> bytes:
