@@ -64,6 +64,7 @@ MIN_PATIENCE = 0.02  # seconds; below this, waiting on a moving frontier is alwa
 THREAD_BATCH = 4 << 20  # bytes of a fetch handed to a thread at once (digest, decompression)
 # Names of the threads doing this work while they do it (`top -H`, bench cpusplit).
 HASH_THREAD = "shardfs hash"
+WRITE_THREAD = "shardfs write"  # members read early, written into their shard's part file
 
 
 @dataclass(slots=True)
@@ -962,11 +963,11 @@ class Reader:
     # -- the cold start (ReadPolicy.cold_start_s) ------------------------------------------
     def _begin_cold_start(self) -> None:
         self.cold_start.begin()
-        if self.policy.cold_start_s > 0 and self._nursery is not None:
+        if self.cold_start.seconds > 0 and self._nursery is not None:
             self._nursery.start_soon(self._end_cold_start)
 
     async def _end_cold_start(self) -> None:
-        await trio.sleep(self.policy.cold_start_s)
+        await trio.sleep(self.cold_start.seconds)
         self._start_queued()
 
     def _fetch_slots(self, shard: int | None = None) -> int:
@@ -1086,7 +1087,7 @@ class Reader:
             if fetch.part.resumed:  # bytes an earlier daemon wrote: checked, then kept
                 first.start = first.pos = await self._resume_part(fetch, digest)
             elif plain is None:
-                reused = self._reuse_member_reads(fetch)
+                reused = await self._reuse_member_reads(fetch)
             # The record's CRCs come from the bytes as they stream, in the hashing thread; once
             # a split has other GETs write parts of the prefix, from the part file instead
             # (_record_blocks).
@@ -1257,7 +1258,7 @@ class Reader:
         return policy.reuse_member_reads and not policy.split_fetches and \
             not self.sources.is_local(self.catalog.shards[shard].url)
 
-    def _reuse_member_reads(self, fetch: Fetch) -> list[tuple[int, bytes]]:
+    async def _reuse_member_reads(self, fetch: Fetch) -> list[tuple[int, bytes]]:
         """Members of the shard that reads fetched early (its download still queued, most in
         the cold start), found in the member cache, written into the part file now; the
         download then GETs the runs between them, one after another, and takes these in
@@ -1276,8 +1277,16 @@ class Reader:
                 continue
             taken.append((start, data))
             pos = end
+        if not taken:
+            return taken
+
+        def write() -> None:  # up to 15 blocks of up to 4 MiB: off the loop's thread
+            for start, data in taken:
+                pwrite_all(fetch.part.fd, data, start)  # OSError: fails the fetch, as a GET's
+
+        # Meanwhile reads of these members are served from the member cache, which holds them.
+        await trio.to_thread.run_sync(write, thread_name=WRITE_THREAD)
         for start, data in taken:
-            pwrite_all(fetch.part.fd, data, start)  # OSError: the fetch fails as on a GET's
             fetch.filled(start, len(data))
         fetch.first_byte = None  # its time to first byte is its GETs' (Reader._eta)
         if fetch.arrived:
