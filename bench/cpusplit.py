@@ -282,10 +282,20 @@ class PySpy(Profiler):
         time.sleep(0.5)
 
 
+# Stacks whose innermost Python frame is one of these are a thread waiting, not working:
+# trio's epoll wait (the loop has nothing to do) and a trio worker thread waiting for its
+# next job (`WorkerThread._work`, blocked in a lock's acquire). py-spy's own idle test does
+# not see these in --nonblocking mode, so they were counted as "trio epoll wait" and
+# "thread hops" work before session 35.
+IDLE_LEAVES = ("EpollIOManager.get_events", "WorkerThread._work")
+
+
 def pyspy_split(path: Path, main_tid: int) -> dict:
-    """Python samples (not idle) of the main thread and of the other threads, by phase, in
-    percent of that thread group's samples; plus the sample counts."""
+    """Python samples of the main thread and of the other threads, by phase, in percent of
+    that thread group's busy samples (waits in IDLE_LEAVES left out and counted apart); plus
+    the sample counts."""
     counts: dict[str, dict[str, int]] = {"main": {}, "threads": {}}
+    idle: dict[str, int] = {}
     try:
         text = path.read_text()
     except OSError:
@@ -296,6 +306,9 @@ def pyspy_split(path: Path, main_tid: int) -> dict:
             continue
         m = re.match(r"thread \((\d+)\)", stack)
         group = "main" if m and int(m.group(1)) == main_tid else "threads"
+        if stack.rsplit(";", 1)[-1].split(" (", 1)[0] in IDLE_LEAVES:
+            idle[group] = idle.get(group, 0) + int(n)
+            continue
         phase = next((name for name, marks in PHASES if any(k in stack for k in marks)),
                      "other")
         counts[group][phase] = counts[group].get(phase, 0) + int(n)
@@ -303,7 +316,7 @@ def pyspy_split(path: Path, main_tid: int) -> dict:
     for group, phases in counts.items():
         total = sum(phases.values())
         if total:
-            out[group] = {"samples": total, "phases": {
+            out[group] = {"samples": total, "idle_samples": idle.get(group, 0), "phases": {
                 k: round(100 * v / total, 1)
                 for k, v in sorted(phases.items(), key=lambda kv: -kv[1])}}
     return out
@@ -471,7 +484,8 @@ def _print(rec: dict) -> None:
         print(f"    perf {group}: " + ", ".join(f"{k} {v}%" for k, v in
                                                 sorted(kinds.items(), key=lambda kv: -kv[1])))
     for group, spy in rec.get("pyspy", {}).items():
-        print(f"    py-spy daemon {group} ({spy['samples']} samples): "
+        print(f"    py-spy daemon {group} ({spy['samples']} busy samples, "
+              f"{spy.get('idle_samples', 0)} waiting): "
               + ", ".join(f"{k} {v}%" for k, v in spy["phases"].items()))
 
 
@@ -578,7 +592,8 @@ def render(record: dict, command: str) -> str:
     spies = [r for r in record["passes"] if "pyspy" in r]
     if spies:
         lines += ["", "What the daemon's Python was doing (`--profile py-spy`, % of the "
-                  "non-idle samples of its main thread / of its other threads):", ""]
+                  "busy samples of its main thread / of its other threads; a thread "
+                  "waiting in trio's epoll or for its next job is not busy):", ""]
         for rec in spies:
             lines.append(f"- {rec['variant']}, {rec['source']}, workers={rec['workers']}: "
                          + "; ".join(

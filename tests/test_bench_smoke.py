@@ -278,6 +278,28 @@ def test_cpusplit_splits_a_process_by_thread() -> None:
     assert Variant.parse("this=").path is None
 
 
+def test_cpusplit_leaves_waiting_threads_out_of_the_python_split(tmp_path: Path) -> None:
+    """py-spy's raw stacks: a trio worker waiting for its next job and the loop in its epoll
+    wait are waits, counted apart; the busy samples are split by phase."""
+    from bench.cpusplit import pyspy_split
+
+    boot = "Thread._bootstrap (threading.py:1002);WorkerThread._work (trio/_core/_thread_cache.py"
+    loop = "MainThread;run (trio/_core/_run.py:2535)"
+    raw = tmp_path / "spy.txt"
+    raw.write_text("\n".join([
+        f"thread (10): {loop};EpollIOManager.get_events (trio/_core/_io_epoll.py:243) 70",
+        f"thread (10): {loop};async_wrapper.<locals>.wrapper (_pyfuse3.py:58) 30",
+        f"thread (11): Trio thread 1;{boot}:211) 50",
+        f"thread (11): Trio thread 1;{boot}:213);_pread (shardfs/sources/file.py:93) 30",
+        f"thread (12): shardfs push;{boot}:213);push (shardfs/fuse/pagepush.py:220) 10",
+    ]) + "\n")
+    got = pyspy_split(raw, main_tid=10)
+    assert got["main"] == {"samples": 30, "idle_samples": 70,
+                           "phases": {"FUSE loop (pyfuse3, C drain)": 100.0}}, got
+    assert got["threads"] == {"samples": 40, "idle_samples": 50, "phases": {
+        "source read (file://)": 75.0, "page push": 25.0}}, got
+
+
 def test_a_cpusplit_variant_runs_its_own_tree(tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Run from a checkout (as the bench is), a variant's mounts import shardfs from the
