@@ -758,6 +758,38 @@ def test_a_download_takes_the_members_read_early_and_gets_only_the_rest(
     assert stats.reused_member_reads == 2 and stats.reused_member_bytes == early_bytes, stats
 
 
+def test_a_download_looking_at_the_member_cache_does_not_keep_its_blocks(
+        tmp_path: Path, shards: Shards) -> None:
+    """`MemberReads.cached_in` (what a starting download takes) leaves the cache's LRU order
+    as it was: a look at a shard's blocks does not make them recently used, so the block
+    evicted next is still the one read longest ago (with LRUCache's own lookup it was the
+    other one)."""
+    from shardfs.read.memberreads import MemberReads
+    from shardfs.read.reader import ReaderStats
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        refs = [catalog.tree.file_ref(file_inodes(catalog)[shards.order[s][3]])
+                for s in range(3)]
+        sizes = [ref.size for ref in refs]
+        members = MemberReads(catalog, reader.sources, ReaderStats(), block_size=1 << 20,
+                              cache_bytes=sum(sizes) - 1, max_in_flight=2)
+
+        async def read(i: int) -> bytes:
+            ref = refs[i]
+            return await members.read(ref.shard, ref.offset, ref.size, ref.offset,
+                                      ref.offset + ref.size)
+
+        for i in (0, 1):
+            assert await read(i) == shards.contents[shards.order[i][3]]
+        assert members.cached_in(refs[0].shard) == [(refs[0].offset,
+                                                     shards.contents[shards.order[0][3]])]
+        await read(2)  # one block must go: the least recently used, the first
+        assert members.cached_in(refs[0].shard) == [], "the look kept shard 0's block"
+        assert [start for start, _ in members.cached_in(refs[1].shard)] == [refs[1].offset]
+
+    run_reader(tmp_path, shards.urls[:3], 100 * shards.shard_size, body)
+
+
 def test_the_allowance_left_when_the_cold_start_ends_lapses(tmp_path: Path,
                                                             shards: Shards) -> None:
     """In the cold start reads of queued shards take their members; once it has ended, what
