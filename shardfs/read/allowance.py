@@ -14,7 +14,7 @@ number is what it is):
   fraction (a worker whose first batch outlasts the cold start must not wait a whole
   download's turn per read);
 - and a read whose member its shard's download will take instead of fetching it again (the
-  shard is still queued: reader.py, `Reader._reuse_member_reads`) costs the link nothing
+  shard is still queued: download.py, `Downloads._reuse_member_reads`) costs the link nothing
   twice as long as the member stays in the member cache: the early fraction holds for it
   throughout, so the bytes fetched stay within it even where the cache turns over first.
 

@@ -69,7 +69,7 @@ class Fetch:
         self.writes = None  # a fill's: how its GETs write the part file (read/fillwrites.py)
         self.nursery: trio.Nursery | None = None  # runs the GETs a split adds
         # Once `arrived` reaches this, the next blocks of the prefix are recorded in the part's
-        # record (Reader._record_blocks); NEVER: no record, or recording under way.
+        # record (Downloads.record_blocks); NEVER: no record, or recording under way.
         self.record_due = NEVER
         self._runs: list[list[int]] = []  # [start, end) on disk, sorted, apart
         # (end, seq, start, event), a heap by end: while the bytes come as one frontier, a

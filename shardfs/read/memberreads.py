@@ -80,7 +80,7 @@ class MemberReads:
 
     def cached_in(self, shard: int) -> list[tuple[int, bytes]]:
         """The shard's blocks in the cache, (start, bytes), by start (for its download to
-        take instead of fetching them again: Reader._reuse_member_reads)."""
+        take instead of fetching them again: Downloads._reuse_member_reads)."""
         cache = self._cached
         # Cache.__getitem__, not LRUCache's: a look at them does not make them recently used.
         return sorted((start, Cache.__getitem__(cache, (held, start)))
