@@ -15,14 +15,17 @@ committing it into the cache, and what a failure does, is the reader's (`Reader.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import aclosing, suppress
 from typing import TYPE_CHECKING, Any
 
 import trio
 
+from shardfs.cache.directwrite import DirectWrites, Staged
 from shardfs.cache.partrecord import BLOCK, PrefixCrcs, block_crcs
 from shardfs.catalog.catalog import Catalog
 from shardfs.catalog.codecs import CodecError, decompressor
@@ -30,7 +33,7 @@ from shardfs.read.fetch import NEVER, Fetch, Get
 from shardfs.read.memberreads import MemberReads
 from shardfs.read.states import ShardStates
 from shardfs.sources import ShardChanged, SourceError, Sources, Written
-from shardfs.util.checksum import Digest, KnownDigest, ShardCheck, digest_of_file
+from shardfs.util.checksum import Digest, KnownDigest, ShardCheck, crc32c_value, digest_of_file
 from shardfs.util.fileio import file_views, pwrite_all
 
 if TYPE_CHECKING:
@@ -56,6 +59,17 @@ class Downloads:
         self.states = states
         self.members = members
         self.codecs = codecs
+        self.nursery: trio.Nursery | None = None  # the reader's, once it runs
+        # O_DIRECT writes of fills (None: not used), probed at the first fill
+        self.direct: DirectWrites | None = None
+        self._direct_probed = False
+
+    def direct_writes(self, fd: int) -> DirectWrites | None:
+        """The O_DIRECT writer fills use (None: through the page cache), probed on the first
+        fill's part file (every part file is on the cache's file system)."""
+        if not self._direct_probed:
+            self.direct, self._direct_probed = DirectWrites.probe(fd), True
+        return self.direct
 
     async def download(self, fetch: Fetch) -> None:
         """Stream the fetch's shard into its part file and check it against its index:
@@ -367,3 +381,91 @@ class Downloads:
                 fetch.record_due = NEVER  # until this round of recording is done
                 with suppress(RuntimeError):  # RuntimeError: the fetch is ending
                     fetch.nursery.start_soon(self.record_blocks, fetch)
+
+    # -- the GETs of a Lookahead fill (reader.py, "shards filled by the Lookahead") ----------
+    async def run_fill_get(self, fetch: Fetch, get: Get,
+                           on_chunk: Callable[[bytes], None] | None = None) -> None:
+        """Stream a planned GET into the fill's part file. Its failure (the source's own
+        retries spent) fails the fill: its readers read their members instead."""
+        info = self.catalog.shards[fetch.shard]
+        writes = fetch.writes
+        assert writes is not None
+        # The member GETs' bytes are in the arena for their reads: to the disk directly.
+        direct = self.direct if writes.direct_fd is not None and on_chunk is not None \
+            else None
+        staged: Staged | None = None
+        run = writes.run(get.start)  # [start, end, CRC-32C] of the bytes received
+        try:
+            if fetch.failed is not None:
+                return
+            source = self.sources.for_url(info.url)
+            async with aclosing(source.stream(info, get.pos, get.stop)) as chunks:
+                async for chunk in chunks:
+                    if fetch.failed is not None:
+                        return  # the fill is over: its part file is closed
+                    self.stats.shard_bytes += len(chunk)
+                    if run is not None and run[1] < get.stop:
+                        piece = chunk[: get.stop - run[1]]
+                        run[2] = crc32c_value(piece, run[2])
+                        run[1] += len(piece)
+                    if on_chunk is not None:  # landed first: a direct write takes a while
+                        on_chunk(chunk)
+                    if direct is not None:
+                        staged = await self._stage(direct, fetch, get, staged, chunk)
+                    else:
+                        self.write(fetch, get, chunk)
+            if staged is not None:
+                last, staged = staged, None
+                assert direct is not None
+                await self._write_staged(direct, fetch, get, last)
+            if get.running:
+                raise SourceError(f"{info.url}: {get.stop - get.pos} bytes of range "
+                                  f"[{get.start}, {get.stop}) missing")
+        except (SourceError, OSError) as exc:
+            if direct is not None and isinstance(exc, OSError) and exc.errno == errno.EINVAL \
+                    and self.direct is direct:
+                # The file system took the O_DIRECT open but not the writes its statx
+                # alignment allows: this fill fails, the next ones write as before.
+                log.warning("direct writes to the cache failed (%s): through the page cache "
+                            "from now on", exc)
+                self.direct = None
+            if fetch.failed is None:
+                fetch.error = exc
+                fetch.fail(exc)  # wakes _run_fill (which drops the part) and the readers
+            raise
+        finally:
+            if staged is not None:
+                assert direct is not None
+                direct.release(staged)
+            with contextlib.suppress(ValueError):
+                fetch.gets.remove(get)
+
+    async def _stage(self, direct: DirectWrites, fetch: Fetch, get: Get,
+                     staged: Staged | None, chunk: bytes) -> Staged | None:
+        """Gather a fill GET's chunk for a direct write; a full buffer is written (and its
+        bytes counted as written) before the rest of the chunk is taken."""
+        with memoryview(chunk) as view:
+            view = view[: max(0, get.stop - (staged.end if staged is not None else get.pos))]
+            while view:
+                if staged is None:
+                    staged = direct.stage(get.pos)
+                view = view[staged.add(view):]
+                if not staged.room:
+                    full, staged = staged, None
+                    await self._write_staged(direct, fetch, get, full)
+        return staged
+
+    async def _write_staged(self, direct: DirectWrites, fetch: Fetch, get: Get,
+                            staged: Staged) -> None:
+        """Hand a GET's gathered bytes to the direct writer (which owns the buffer from
+        now) and count them as written once they are: a read waiting on them in the part
+        file wakes only then."""
+        writes = fetch.writes
+        assert writes is not None and writes.direct_fd is not None
+        assert self.nursery is not None
+        direct.start(self.nursery)
+        at, n = staged.at, staged.size
+        await direct.write(staged, writes.direct_fd, fetch.part.fd)
+        writes.direct_bytes += n
+        self.stats.fill_direct_bytes += n
+        self.wrote(fetch, get, at, n)

@@ -19,18 +19,15 @@ reads instead of thrashing an LRU of whole shards.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from contextlib import aclosing
 from dataclasses import dataclass
 
 import trio
 
-from shardfs.cache.directwrite import DirectWrites, Staged
 from shardfs.cache.shardcache import DISK_FULL, PartFile, ShardCache
 from shardfs.catalog.catalog import Catalog
 from shardfs.catalog.codecs import CodecError
@@ -49,7 +46,6 @@ from shardfs.read.workingset import WorkingSet
 from shardfs.sources import ShardChanged, SourceError, Sources
 from shardfs.util.checksum import (
     VERIFY_MODES,
-    crc32c_value,
 )
 
 log = logging.getLogger(__name__)
@@ -268,9 +264,6 @@ class Reader:
         self.lookahead: Lookahead | None = None  # announced reads (shardfs/daemon/announce.py)
         # Each file's record in its shard, for fills (built by prepare_fills, in a thread).
         self.layout = ShardLayout(catalog.tree, self.sizes)
-        # O_DIRECT writes of fills (None: not used), probed at the first fill
-        self._direct: DirectWrites | None = None
-        self._direct_probed = False
         # Called with a shard's number once its whole fetch is in the cache (the FUSE layer
         # pushes its files into the kernel's page cache: shardfs/fuse/pagepush.py).
         self.on_complete: Callable[[int], None] | None = None
@@ -295,7 +288,7 @@ class Reader:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the background fetch tasks; runs until cancelled."""
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
+            self._nursery = self.downloads.nursery = nursery
             for shard in self._resume:  # downloads in flight when the last daemon ended
                 self._forced.add(shard)
                 self._enqueue(shard)
@@ -679,10 +672,9 @@ class Reader:
         fetch = Fetch(shard, part, part.size)
         fetch.gets = []
         fetch.fill = fetch.split = True  # split: the bytes arrive in runs, out of order
-        if not self._direct_probed:
-            self._direct, self._direct_probed = DirectWrites.probe(part.fd), True
+        direct = self.downloads.direct_writes(part.fd)
         check = self.catalog.check(shard, self.policy.verify)
-        fetch.writes = FillWrites(part, self._direct,
+        fetch.writes = FillWrites(part, direct,
                                   crcs=check is not None and check.kind == "crc32c")
         self.fetches[shard] = fetch
         self._fills += 1
@@ -705,90 +697,8 @@ class Reader:
 
     async def run_fill_get(self, fetch: Fetch, get: Get,
                            on_chunk: Callable[[bytes], None] | None = None) -> None:
-        """Stream a planned GET into the fill's part file. Its failure (the source's own
-        retries spent) fails the fill: its readers read their members instead."""
-        info = self.catalog.shards[fetch.shard]
-        writes = fetch.writes
-        assert writes is not None
-        # The member GETs' bytes are in the arena for their reads: to the disk directly.
-        direct = self._direct if writes.direct_fd is not None and on_chunk is not None \
-            else None
-        staged: Staged | None = None
-        run = writes.run(get.start)  # [start, end, CRC-32C] of the bytes received
-        try:
-            if fetch.failed is not None:
-                return
-            source = self.sources.for_url(info.url)
-            async with aclosing(source.stream(info, get.pos, get.stop)) as chunks:
-                async for chunk in chunks:
-                    if fetch.failed is not None:
-                        return  # the fill is over: its part file is closed
-                    self.stats.shard_bytes += len(chunk)
-                    if run is not None and run[1] < get.stop:
-                        piece = chunk[: get.stop - run[1]]
-                        run[2] = crc32c_value(piece, run[2])
-                        run[1] += len(piece)
-                    if on_chunk is not None:  # landed first: a direct write takes a while
-                        on_chunk(chunk)
-                    if direct is not None:
-                        staged = await self._stage(direct, fetch, get, staged, chunk)
-                    else:
-                        self.downloads.write(fetch, get, chunk)
-            if staged is not None:
-                last, staged = staged, None
-                assert direct is not None
-                await self._write_staged(direct, fetch, get, last)
-            if get.running:
-                raise SourceError(f"{info.url}: {get.stop - get.pos} bytes of range "
-                                  f"[{get.start}, {get.stop}) missing")
-        except (SourceError, OSError) as exc:
-            if direct is not None and isinstance(exc, OSError) and exc.errno == errno.EINVAL \
-                    and self._direct is direct:
-                # The file system took the O_DIRECT open but not the writes its statx
-                # alignment allows: this fill fails, the next ones write as before.
-                log.warning("direct writes to the cache failed (%s): through the page cache "
-                            "from now on", exc)
-                self._direct = None
-            if fetch.failed is None:
-                fetch.error = exc
-                fetch.fail(exc)  # wakes _run_fill (which drops the part) and the readers
-            raise
-        finally:
-            if staged is not None:
-                assert direct is not None
-                direct.release(staged)
-            with contextlib.suppress(ValueError):
-                fetch.gets.remove(get)
-
-    async def _stage(self, direct: DirectWrites, fetch: Fetch, get: Get,
-                     staged: Staged | None, chunk: bytes) -> Staged | None:
-        """Gather a fill GET's chunk for a direct write; a full buffer is written (and its
-        bytes counted as written) before the rest of the chunk is taken."""
-        with memoryview(chunk) as view:
-            view = view[: max(0, get.stop - (staged.end if staged is not None else get.pos))]
-            while view:
-                if staged is None:
-                    staged = direct.stage(get.pos)
-                view = view[staged.add(view):]
-                if not staged.room:
-                    full, staged = staged, None
-                    await self._write_staged(direct, fetch, get, full)
-        return staged
-
-    async def _write_staged(self, direct: DirectWrites, fetch: Fetch, get: Get,
-                            staged: Staged) -> None:
-        """Hand a GET's gathered bytes to the direct writer (which owns the buffer from
-        now) and count them as written once they are: a read waiting on them in the part
-        file wakes only then."""
-        writes = fetch.writes
-        assert writes is not None and writes.direct_fd is not None
-        assert self._nursery is not None
-        direct.start(self._nursery)
-        at, n = staged.at, staged.size
-        await direct.write(staged, writes.direct_fd, fetch.part.fd)
-        writes.direct_bytes += n
-        self.stats.fill_direct_bytes += n
-        self.downloads.wrote(fetch, get, at, n)
+        """Stream a planned GET into the fill's part file (Downloads.run_fill_get)."""
+        await self.downloads.run_fill_get(fetch, get, on_chunk)
 
     async def _run_fill(self, fetch: Fetch) -> None:
         """Commit a fill once every byte is in and its digest matches the index."""
