@@ -516,3 +516,62 @@ def test_a_mount_behind_a_proxy_says_its_gets_go_through_httpx(
                                text=True, check=True).stdout
         assert " through httpx" in human, human
         assert m.log().count("a proxy is set in the environment") == 1, m.log()
+
+
+def test_small_window_gets_go_over_connections_of_their_own(nginx: Nginx) -> None:
+    """A task that asks for small windows (a download in the cold start: window.SMALL_WINDOW)
+    gets a connection opened with a small receive buffer, sized from the origin's handshake
+    round trip; GETs that do not ask never take it (a window once advertised cannot be made
+    smaller or larger), and the next small-window GET takes it again."""
+    from shardfs.sources.window import SMALL_WINDOW, rmem_max, small_window
+
+    data = put(nginx.root, "a.tar")
+
+    async def check(source: HttpSource) -> None:
+        shard = await source.stat(f"http://127.0.0.1:{nginx.port}/a.tar")
+        h1 = pool(source)
+        (origin,) = h1.rtt  # measured on the connection the stat opened
+        window = small_window(h1.rtt[origin], rmem_max())
+        assert window is not None and window >= 64 << 10, (h1.rtt, window)
+        token = SMALL_WINDOW.set(True)
+        try:
+            assert await read(source, shard) == data
+        finally:
+            SMALL_WINDOW.reset(token)
+        assert source.stats.small_window_connections == 1
+        (small,) = [c for c in h1._idle[origin] if c.window is not None]
+        assert small.window == window
+        # The kernel doubles what it is asked for (its own overhead), and keeps it: no
+        # autotuning after a body of SIZE bytes came through it.
+        assert small.socket.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == 2 * window
+        opened = h1.opened
+        assert await read(source, shard, 1000, 5000) == data[1000:5000]  # not asked: not it
+        idle = h1._idle[origin]  # the connection a GET used goes back last
+        assert idle[-1].window is None and small in idle and h1.opened == opened, idle
+        token = SMALL_WINDOW.set(True)
+        try:
+            assert await read(source, shard, 7, 70_000) == data[7:70_000]
+        finally:
+            SMALL_WINDOW.reset(token)
+        assert h1._idle[origin][-1] is small and h1.opened == opened
+        assert source.stats.small_window_connections == 1
+
+    with_http(check)
+
+
+def test_a_small_window_is_sized_from_the_round_trip_and_left_off_far_links() -> None:
+    """Twice what 10 Gb/s carries in the round trip, at least 64 KiB; none where the kernel
+    would not give it (a far link: a small window there would throttle the download) or the
+    round trip is unknown. The kernel's TCP_INFO gives a loopback handshake's round trip."""
+    from shardfs.sources.window import handshake_rtt, small_window
+
+    limit = 212_992
+    assert small_window(None, limit) is None
+    assert small_window(20e-6, limit) == 64 << 10  # loopback: the floor
+    assert small_window(60e-6, limit) == 150_000
+    assert small_window(100e-6, limit) is None  # 250 KB: more than rmem_max
+    assert small_window(0.05, 256 << 20) == 125_000_000  # where rmem_max is raised
+    with socket.create_server(("127.0.0.1", 0)) as server, \
+            socket.create_connection(server.getsockname()) as client:
+        rtt = handshake_rtt(client)
+        assert rtt is not None and 0 < rtt < 0.1, rtt

@@ -7,6 +7,7 @@ import hashlib
 import io
 import os
 import random
+import shutil
 import tarfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ import trio
 from shardfs.cache.shardcache import ShardCache
 from shardfs.catalog.catalog import Catalog, open_catalog
 from shardfs.catalog.shardindex import KIND_FILE
+from shardfs.cli.indexcmd import write_indexes
+from shardfs.devtools.nginx import Nginx
 from shardfs.read.fetch import MIN_RATE_BYTES
 from shardfs.read.reader import Reader, ReadError, ReadPolicy
 from shardfs.sources import ShardInfo, Source, Sources, SourceSettings, Unreachable
@@ -702,6 +705,37 @@ def test_the_cold_start_holds_downloads_back_and_reads_take_their_members(
                policy=ReadPolicy(max_fetches=8, split_fetches=False, cold_start_fetches=1,
                                  cold_start_min_shard=0,
                                  cold_start_s=0.5))
+
+
+@pytest.mark.parametrize(("cold_start_s", "small_windows", "expected"), [
+    (5.0, True, True), (5.0, False, False), (0.0, True, False)])
+def test_downloads_in_the_cold_start_receive_with_small_windows(
+        tmp_path: Path, shards: Shards, nginx: Nginx, cold_start_s: float,
+        small_windows: bool, expected: bool) -> None:
+    """Over HTTP (real nginx on loopback: a near link), a download started while the cold
+    start runs goes over a connection opened with a small receive window (sources/window.py),
+    so that member GETs beside it do not wait behind its bytes in the link's queue; with the
+    policy off, or no cold start, over the usual connections. Its bytes are the shard's."""
+    for path in shards.paths:
+        shutil.copyfile(path, nginx.root / path.name)
+    # Published indexes: the catalog reads them instead of streaming (and caching) the shards.
+    assert write_indexes(shards.urls, nginx.root) == 0
+    urls = [f"http://127.0.0.1:{nginx.port}/{path.name}" for path in shards.paths]
+    sources = Sources()
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        await read_members_of(reader, catalog, shards, [0])  # the cold start's first download
+        with trio.fail_after(10):
+            while not cache.has(catalog.keys[0]):
+                await trio.sleep(0.01)
+        await read_members_of(reader, catalog, shards, [0], k=7)  # from the cache file
+        assert reader.cold_start.running() == (cold_start_s > 0)
+
+    run_reader(tmp_path, urls, 100 * shards.shard_size, body, sources=sources,
+               policy=ReadPolicy(cold_start_s=cold_start_s, cold_start_min_shard=0,
+                                 cold_start_small_windows=small_windows))
+    opened = sources.stats().small_window_connections
+    assert (opened > 0) == expected, opened
 
 
 class _RemoteSlowSources(_SlowSources):

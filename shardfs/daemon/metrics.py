@@ -68,6 +68,8 @@ _METRICS = (
      "Requests sent through httpx (a proxy, or an answer h1 leaves to it), not h1"),
     ("shardfs_source_spliced_bytes", ("source", "spliced_bytes"), "counter",
      "Bytes of downloads written from the socket into the cache by splice, not via Python"),
+    ("shardfs_source_small_window_connections", ("source", "small_window_connections"),
+     "counter", "Connections opened with a small receive window (cold start downloads)"),
     # What `shardfs top` shows (docs/tuning.md, "My training is slow: what to look at")
     ("shardfs_dataset_bytes", ("dataset_bytes",), "gauge", "Bytes of all shards (as cached)"),
     ("shardfs_working_set_bytes", ("working_set_bytes",), "gauge",

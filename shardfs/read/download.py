@@ -29,10 +29,12 @@ from shardfs.cache.directwrite import DirectWrites, Staged
 from shardfs.cache.partrecord import BLOCK, PrefixCrcs, block_crcs
 from shardfs.catalog.catalog import Catalog
 from shardfs.catalog.codecs import CodecError, decompressor
+from shardfs.read.allowance import ColdStart
 from shardfs.read.fetch import NEVER, Fetch, Get
 from shardfs.read.memberreads import MemberReads
 from shardfs.read.states import ShardStates
 from shardfs.sources import ShardChanged, SourceError, Sources, Written
+from shardfs.sources.window import SMALL_WINDOW
 from shardfs.util.checksum import Digest, KnownDigest, ShardCheck, crc32c_value, digest_of_file
 from shardfs.util.fileio import file_views, pwrite_all
 
@@ -51,8 +53,9 @@ class Downloads:
 
     def __init__(self, catalog: Catalog, sources: Sources, policy: ReadPolicy,
                  stats: ReaderStats, states: ShardStates, members: MemberReads,
-                 codecs: list[str | None]) -> None:
+                 codecs: list[str | None], cold_start: ColdStart) -> None:
         self.catalog = catalog
+        self.cold_start = cold_start
         self.sources = sources
         self.policy = policy
         self.stats = stats
@@ -73,7 +76,18 @@ class Downloads:
 
     async def download(self, fetch: Fetch) -> None:
         """Stream the fetch's shard into its part file and check it against its index:
-        SourceError, OSError or CodecError (ShardChanged where it does not match) if not."""
+        SourceError, OSError or CodecError (ShardChanged where it does not match) if not.
+        Started while the cold start runs, its GETs go over connections with a small
+        receive window (sources/window.py): on a near link the first reads' member GETs
+        then do not wait behind its bytes in the link's queue."""
+        small = self.policy.cold_start_small_windows and self.cold_start.running()
+        token = SMALL_WINDOW.set(small)
+        try:
+            await self._download(fetch)
+        finally:
+            SMALL_WINDOW.reset(token)
+
+    async def _download(self, fetch: Fetch) -> None:
         shard = fetch.shard
         info = self.catalog.shards[shard]
         check = self.catalog.check(shard, self.policy.verify)

@@ -123,6 +123,12 @@ class ReadPolicy:
     # epoch took 0.56-0.59 s against 0.46-0.50 s and its first batch came later, 87 requests
     # instead of 29; held back, `bench run --quick`'s 4 MiB shards cost its epoch 3 %).
     cold_start_min_shard: int = 8 * MiB
+    # Downloads started while the cold start runs receive with a small window on a near
+    # link (sources/window.py), so that the first reads' member GETs do not wait behind
+    # their bytes in the link's queue: on the bench's link each member GET of the first
+    # batch took 33-34 ms on average against 25-27 (docs/benchmarks-notes.md, "The cold
+    # start's downloads with small receive windows").
+    cold_start_small_windows: bool = True
     # Such a read whose member lies wholly ahead of the GET bringing it may split that GET
     # instead (see _split): its member comes by a GET of its own, written into the part
     # file. Off by default: the GET cut short has bytes in flight past its new end (socket
@@ -246,8 +252,6 @@ class Reader:
         self.disk = DiskReads()
         # What is on disk, for worker processes (see states.py); kept in step with the cache.
         self.states = states or ShardStates(len(catalog.shards))
-        self.downloads = Downloads(catalog, sources, self.policy, self.stats, self.states,
-                                   self.members, self.codecs)
         self._shards_of_key: dict[str, list[int]] = {}
         for shard, key in enumerate(catalog.keys):
             self._shards_of_key.setdefault(key, []).append(shard)
@@ -256,6 +260,8 @@ class Reader:
         cache.on_evict = self._evicted
         self._whole_bytes_started = 0  # bytes of all whole-shard fetches started
         self.cold_start = ColdStart(policy.cold_start_s)
+        self.downloads = Downloads(catalog, sources, self.policy, self.stats, self.states,
+                                   self.members, self.codecs, self.cold_start)
         self.allowance = DuplicateAllowance(
             self.stats, self.cold_start, early_fraction=policy.early_member_fraction,
             late_fraction=policy.late_member_fraction, late_patience_s=policy.late_patience_s)

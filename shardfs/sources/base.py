@@ -121,6 +121,9 @@ class SourceStats:
     # Of them, written from the socket into the cache file without passing through Python
     # (splice(2): whole-shard downloads over plain http://; sources/h1.py)
     spliced_bytes: int = 0
+    # Connections opened with a small receive window for downloads in a cold start
+    # (sources/window.py)
+    small_window_connections: int = 0
     retries: int = 0
     errors: int = 0
     by_status: dict[int, int] = field(default_factory=dict)

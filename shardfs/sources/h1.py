@@ -41,6 +41,8 @@ from collections.abc import AsyncIterator
 import httpx
 import trio
 
+from shardfs.sources.base import SourceStats
+from shardfs.sources.window import SMALL_WINDOW, handshake_rtt, rmem_max, small_window
 from shardfs.util.fileio import pwrite_all
 
 HEAD_LIMIT = 64 << 10  # a response's status line and headers; more is a protocol error
@@ -142,14 +144,16 @@ class _TlsStream:
 class _Connection:
     """One kept-alive TCP connection to an origin."""
 
-    __slots__ = ("buffer", "idle_since", "socket", "stream")
+    __slots__ = ("buffer", "idle_since", "socket", "stream", "window")
 
     def __init__(self, stream: trio.SocketStream | _TlsStream,
-                 sock: trio.socket.SocketType) -> None:
+                 sock: trio.socket.SocketType, window: int | None = None) -> None:
         self.stream = stream
         self.socket = sock
         self.buffer = bytearray()  # bytes received past the last response's end
         self.idle_since = 0.0
+        # The receive buffer it was opened with (window.py); None: the kernel's autotuning.
+        self.window = window
 
     def stale(self, now: float, keep_idle_s: float) -> bool:
         """True if the connection must not carry another request: idle too long, bytes
@@ -364,8 +368,10 @@ class Http11Pool:
     """Kept-alive connections to http:// and https:// origins, at most `max_connections` in
     use or idle at once, and the GETs sent over them."""
 
-    def __init__(self, max_connections: int, timeout: float, keep_idle_s: float = 5.0) -> None:
+    def __init__(self, max_connections: int, timeout: float, keep_idle_s: float = 5.0,
+                 stats: SourceStats | None = None) -> None:
         self.timeout = timeout
+        self.stats = stats or SourceStats()
         # Servers close idle connections (nginx after 75 s, S3 after ~20 s); a connection
         # idle longer than this is closed here rather than risked.
         self.keep_idle_s = keep_idle_s
@@ -378,6 +384,10 @@ class Http11Pool:
         # Bodies are spliced into files (_Body.splice_into) until a file refuses a splice
         # write (a file system without it): from then on they come as bytes.
         self.splice_writes = True
+        # The shortest handshake round trip seen to each origin (seconds): what a
+        # small-window connection's window is sized from (window.py).
+        self.rtt: dict[Origin, float] = {}
+        self._rmem_max = rmem_max()
 
     def takes(self, request: httpx.Request) -> bool:
         url = request.url
@@ -405,11 +415,19 @@ class Http11Pool:
         status, reason, _, headers, body = await self._send(origin, head)
         return Answer(status, reason, headers, body)
 
+    def window_for(self, origin: Origin) -> int | None:
+        """The receive window this task's GETs to `origin` go with: a small one where the
+        task asks for it (window.SMALL_WINDOW) and the link is near; None: autotuned."""
+        if not SMALL_WINDOW.get():
+            return None
+        return small_window(self.rtt.get(origin), self._rmem_max)
+
     async def _send(self, origin: Origin, head: bytes) -> _Head:
         await self._slots.acquire()
         conn: _Connection | None = None
+        window = self.window_for(origin)
         try:
-            conn, reused = await self._connection(origin)
+            conn, reused = await self._connection(origin, window)
             try:
                 return await self._exchange(origin, conn, head)
             except _Unanswered as e:
@@ -418,7 +436,7 @@ class Http11Pool:
                 # A kept-alive connection the server closed as we sent: once more, anew.
                 await conn.aclose()
                 conn = None
-                conn = await self._open(origin)
+                conn = await self._open(origin, window)
                 try:
                     return await self._exchange(origin, conn, head)
                 except _Unanswered as again:
@@ -502,26 +520,49 @@ class Http11Pool:
         assert scope.cancelled_caught
         raise httpx.ReadTimeout(f"no bytes for {self.timeout:g} s")
 
-    async def _connection(self, origin: Origin) -> tuple[_Connection, bool]:
-        idle = self._idle.get(origin)
+    async def _connection(self, origin: Origin,
+                          window: int | None) -> tuple[_Connection, bool]:
+        """An idle connection to `origin` opened with `window` (the most recently used), or
+        a new one. Idle ones with another window stay for GETs that want theirs, unless
+        none did for `keep_idle_s`; stale ones are closed."""
+        idle = self._idle.get(origin, [])
         now = time.monotonic()
-        while idle:
-            conn = idle.pop()
+        found: _Connection | None = None
+        closing: list[_Connection] = []
+        for i in range(len(idle) - 1, -1, -1):  # no await in here: others use the list
+            conn = idle[i]
+            if conn.window != window:
+                if now - conn.idle_since > self.keep_idle_s:
+                    closing.append(idle.pop(i))
+                continue
+            idle.pop(i)
             if not conn.stale(now, self.keep_idle_s):
-                return conn, True
+                found = conn
+                break
+            closing.append(conn)
+        for conn in closing:
             await conn.aclose()
-        return await self._open(origin), False
+        if found is not None:
+            return found, True
+        return await self._open(origin, window), False
 
-    async def _open(self, origin: Origin) -> _Connection:
+    async def _open(self, origin: Origin, window: int | None = None) -> _Connection:
         scheme, host, port = origin
         conn = None
         with trio.move_on_after(self.timeout) as scope:
             try:
-                tcp = await trio.open_tcp_stream(host, port)
+                tcp = await trio.open_tcp_stream(host, port) if window is None \
+                    else await _connect_with_window(host, port, window)
             except OSError as e:
                 raise httpx.ConnectError(f"{e.strerror or e} ({host}:{port})") from e
+            if window is None:
+                rtt = handshake_rtt(tcp.socket)
+                if rtt is not None and rtt < self.rtt.get(origin, float("inf")):
+                    self.rtt[origin] = rtt
+            else:
+                self.stats.small_window_connections += 1
             if scheme == "http":
-                conn = _Connection(tcp, tcp.socket)
+                conn = _Connection(tcp, tcp.socket, window)
             else:
                 if self._tls is None:
                     self._tls = httpx.create_ssl_context()
@@ -534,7 +575,7 @@ class Http11Pool:
                 except BaseException:
                     await trio.aclose_forcefully(tcp)
                     raise
-                conn = _Connection(tls, tcp.socket)
+                conn = _Connection(tls, tcp.socket, window)
         if conn is None:
             assert scope.cancelled_caught
             raise httpx.ConnectTimeout(f"connecting to {host}:{port} took over "
@@ -559,6 +600,28 @@ class Http11Pool:
 
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+async def _connect_with_window(host: str, port: int, window: int) -> trio.SocketStream:
+    """A TCP connection whose receive buffer is `window` bytes from before its handshake
+    (so the window it advertises, and its scale, start there: window.py), to the first of
+    the host's addresses that answers. OSError if none does."""
+    infos = await trio.socket.getaddrinfo(host, port, type=trio.socket.SOCK_STREAM)
+    error: OSError = OSError(errno.EHOSTUNREACH, f"no address for {host}")
+    for family, kind, proto, _, address in infos:
+        sock = trio.socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, window)
+            await sock.connect(address)
+        except OSError as e:
+            sock.close()
+            error = e
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        return trio.SocketStream(sock)
+    raise error
 
 
 def _origin(url: httpx.URL) -> Origin:

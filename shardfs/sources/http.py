@@ -240,7 +240,7 @@ class HttpSource:
         if proxied:
             _say_proxy_once()
         self._h1 = None if s.http_client == "httpx" or proxied \
-            else Http11Pool(s.max_connections, s.timeout)
+            else Http11Pool(s.max_connections, s.timeout, stats=self.stats)
         self._urls: LRUCache[str, httpx.URL] = LRUCache(maxsize=URLS_PARSED)
         # A GET goes out as bytes made once per URL (h1.RequestHead) plus its own headers,
         # and comes back as an h1.Answer: no httpx objects per GET (see _head).
