@@ -575,3 +575,35 @@ def test_a_small_window_is_sized_from_the_round_trip_and_left_off_far_links() ->
             socket.create_connection(server.getsockname()) as client:
         rtt = handshake_rtt(client)
         assert rtt is not None and 0 < rtt < 0.1, rtt
+
+
+def test_the_serving_loop_sizes_small_windows_from_the_indexing_loops_round_trips(
+        nginx: Nginx) -> None:
+    """The daemon indexes with one HttpSource and serves with the next (`take_over`): the
+    round trips the first measured size the second's small windows, so a cold start's first
+    download gets one even before the serving loop opened a connection of its own."""
+    from shardfs.sources.window import SMALL_WINDOW
+
+    data = put(nginx.root, "a.tar")
+    url = f"http://127.0.0.1:{nginx.port}/a.tar"
+
+    async def main() -> None:
+        indexing = HttpSource(FAST)
+        try:
+            shard = await indexing.stat(url)
+        finally:
+            await indexing.aclose()
+        serving = HttpSource(FAST)
+        serving.take_over(indexing)
+        try:
+            assert pool(serving).rtt == pool(indexing).rtt != {}
+            token = SMALL_WINDOW.set(True)
+            try:
+                assert await read(serving, shard) == data
+            finally:
+                SMALL_WINDOW.reset(token)
+            assert pool(serving).opened == 1 and serving.stats.small_window_connections == 1
+        finally:
+            await serving.aclose()
+
+    trio.run(main)

@@ -250,10 +250,15 @@ class HttpSource:
 
     def take_over(self, earlier: HttpSource) -> None:
         """Continue where `earlier` (closed, of an earlier event loop) stopped: servers that
-        answered it are not first contacts here, and a URL query it renewed from its file
-        is the one in effect."""
+        answered it are not first contacts here, a URL query it renewed from its file
+        is the one in effect, and the round trips its connections measured size the small
+        windows of the cold start's downloads (sources/window.py) before any connection of
+        this loop is made."""
         self.answered |= earlier.answered
         self._url_query = earlier._url_query
+        if self._h1 is not None and earlier._h1 is not None:
+            for origin, rtt in earlier._h1.rtt.items():
+                self._h1.rtt[origin] = min(rtt, self._h1.rtt.get(origin, rtt))
 
     async def aclose(self) -> None:
         if self._h1 is not None:
