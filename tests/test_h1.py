@@ -532,7 +532,7 @@ def test_small_window_gets_go_over_connections_of_their_own(nginx: Nginx) -> Non
         h1 = pool(source)
         (origin,) = h1.rtt  # measured on the connection the stat opened
         window = small_window(h1.rtt[origin], rmem_max())
-        assert window is not None and window >= 64 << 10, (h1.rtt, window)
+        assert window is not None and window >= 32 << 10, (h1.rtt, window)
         token = SMALL_WINDOW.set(True)
         try:
             assert await read(source, shard) == data
@@ -567,7 +567,8 @@ def test_a_small_window_is_sized_from_the_round_trip_and_left_off_far_links() ->
 
     limit = 212_992
     assert small_window(None, limit) is None
-    assert small_window(20e-6, limit) == 64 << 10  # loopback: the floor
+    assert small_window(10e-6, limit) == 32 << 10  # the floor
+    assert small_window(20e-6, limit) == 50_000
     assert small_window(60e-6, limit) == 150_000
     assert small_window(100e-6, limit) is None  # 250 KB: more than rmem_max
     assert small_window(0.05, 256 << 20) == 125_000_000  # where rmem_max is raised

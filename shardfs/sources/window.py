@@ -14,7 +14,7 @@ window keeps the bottleneck busy. (TCP_WINDOW_CLAMP does not do this: receive au
 raises the clamp again as it grows the buffer.)
 
 How much: twice the bytes a 10 Gb/s link carries in the connection's handshake round trip,
-at least 64 KiB; where that is more than the kernel lets a process ask for (net.core.rmem_max,
+at least 32 KiB; where that is more than the kernel lets a process ask for (net.core.rmem_max,
 212,992 bytes by default) the link is not near and nothing is capped: a small window there
 would throttle the download (100 ms away, 208 KiB is 2 MB/s).
 
@@ -33,7 +33,7 @@ from contextvars import ContextVar
 # Set (True) by a task whose GETs should go over small-window connections.
 SMALL_WINDOW: ContextVar[bool] = ContextVar("shardfs_small_window", default=False)
 
-MIN_WINDOW = 64 << 10
+MIN_WINDOW = 32 << 10  # 22 segments of 1,448 bytes; on loopback (64 KiB segments) still full
 NEAR_RATE = 1.25e9  # bytes/s: the link speed a window is sized for (10 Gb/s)
 _TCP_INFO_RTT = 68  # struct tcp_info: tcpi_rtt (µs), after 8 bytes of u8 fields and 15 u32s
 _RMEM_MAX = "/proc/sys/net/core/rmem_max"
