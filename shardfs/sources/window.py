@@ -29,6 +29,7 @@ from __future__ import annotations
 import socket
 import struct
 from contextvars import ContextVar
+from typing import Protocol
 
 # Set (True) by a task whose GETs should go over small-window connections.
 SMALL_WINDOW: ContextVar[bool] = ContextVar("shardfs_small_window", default=False)
@@ -39,7 +40,11 @@ _TCP_INFO_RTT = 68  # struct tcp_info: tcpi_rtt (µs), after 8 bytes of u8 field
 _RMEM_MAX = "/proc/sys/net/core/rmem_max"
 
 
-def handshake_rtt(sock: socket.socket) -> float | None:
+class _Socket(Protocol):  # a socket.socket, or trio's
+    def getsockopt(self, level: int, option: int, buflen: int, /) -> bytes: ...
+
+
+def handshake_rtt(sock: _Socket) -> float | None:
     """The connection's smoothed round trip (seconds) from the kernel's TCP_INFO; right
     after connecting, the handshake's. None where the kernel does not say."""
     try:
