@@ -13,10 +13,11 @@ and on a near link it still gets the whole link: with a base round trip of tens 
 window keeps the bottleneck busy. (TCP_WINDOW_CLAMP does not do this: receive autotuning
 raises the clamp again as it grows the buffer.)
 
-How much: twice the bytes a 10 Gb/s link carries in the connection's handshake round trip,
-at least 32 KiB; where that is more than the kernel lets a process ask for (net.core.rmem_max,
-212,992 bytes by default) the link is not near and nothing is capped: a small window there
-would throttle the download (100 ms away, 208 KiB is 2 MB/s).
+How much: twice the bytes a 10 Gb/s link carries in the origin's shortest handshake round
+trip (the pool measures it on every connection it opens), at least 32 KiB; where that is
+more than the kernel lets a process ask for (net.core.rmem_max, 212,992 bytes by default)
+the link is not near and nothing is capped: a small window there would throttle the
+download (100 ms away, 208 KiB is 2 MB/s).
 
 Who asks: a task sets `SMALL_WINDOW` for the GETs it sends (download.py does, for a
 download started while the cold start runs); the pool (h1.py) sends those over connections
