@@ -83,6 +83,27 @@ def test_credentials_by_reference_only(tmp_path: Path, monkeypatch):
         resolve_credentials(refs["credentials"])
 
 
+def test_small_windows_from_flag_option_and_file(tmp_path: Path):
+    """`--small-windows on|off`, `-o small_windows=...` and `small_windows:` in the config
+    all reach the read policy (`cold_start_small_windows`); the default is off."""
+    import argparse
+
+    from shardfs.cli.main import _mount_config, add_mount_arguments, mount_settings
+
+    config = tmp_path / "c.yaml"
+    config.write_text("small_windows: true\n")
+    cases = {(): False, ("--small-windows", "on"): True, ("-o", "small_windows=on"): True,
+             ("--config", str(config)): True,
+             ("--config", str(config), "--small-windows", "off"): False}
+    for extra, want in cases.items():
+        parser = argparse.ArgumentParser()
+        add_mount_arguments(parser)
+        args = parser.parse_args(["http://x/a.tar", str(tmp_path / "mnt"),
+                                  "--cache-dir", str(tmp_path / "cache"), *extra])
+        policy = _mount_config(mount_settings(args)).policy
+        assert policy.cold_start_small_windows is want, extra
+
+
 def test_split_fetches_from_flag_option_and_file(tmp_path: Path):
     """`--split-fetches on|off`, `-o split_fetches=...` and `split_fetches:` in the config
     all reach the read policy; the default is off."""

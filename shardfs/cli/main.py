@@ -60,7 +60,7 @@ def absolute_specs(specs: list[str]) -> list[str]:
 # a config file or -o option is only overridden by flags the user really typed.
 _FLAG_KEYS = ("cache_dir", "cache_size", "timeout", "deadline", "max_fetches",
               "max_member_fetches", "cold_start", "prefetch", "push_pages", "split_fetches",
-              "in_place",
+              "small_windows", "in_place",
               "index_parallel", "workers", "verify",
               "log_level", "log_file", "metrics_listen", "uid", "gid",
               "s3_endpoint", "s3_region", "s3_profile", "s3_addressing", "ais_endpoint",
@@ -103,6 +103,11 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    help="check each complete download against its index's CRC-32C where it "
                    "has one, else its sha256 (auto, default), or its sha256 where it has one "
                    "(sha256: ten times the CPU)")
+    p.add_argument("--small-windows", choices=("on", "off"),
+                   help="the cold start's downloads receive with small TCP windows on a near "
+                   "link, so the first reads' replies do not queue behind their bytes: a "
+                   "first batch sooner where the link is the bottleneck, slower downloads "
+                   "where the daemon is (on), or the kernel's autotuned windows (off, default)")
     p.add_argument("--split-fetches", choices=("on", "off"),
                    help="a read far ahead of a whole-shard download gets its file by a request "
                    "of its own, which the download then skips (on; the download's bytes already in "
@@ -409,7 +414,8 @@ def _mount_config(s: dict):
         policy=ReadPolicy(max_fetches=s["max_fetches"],
                           max_member_fetches=s["max_member_fetches"], prefetch=s["prefetch"],
                           cold_start_s=s["cold_start"],
-                          split_fetches=s["split_fetches"], verify=s["verify"]),
+                          split_fetches=s["split_fetches"], verify=s["verify"],
+                          cold_start_small_windows=s["small_windows"]),
         lookahead=LookaheadPolicy(buffer_bytes=s["lookahead_buffer"],
                                   max_requests=s["lookahead_requests"],
                                   fill_parts=s["lookahead_fill"]),

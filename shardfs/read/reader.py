@@ -127,8 +127,10 @@ class ReadPolicy:
     # link (sources/window.py), so that the first reads' member GETs do not wait behind
     # their bytes in the link's queue: on the bench's link each member GET of the first
     # batch took 33-34 ms on average against 25-27 (docs/benchmarks-notes.md, "The cold
-    # start's downloads with small receive windows").
-    cold_start_small_windows: bool = True
+    # start's downloads with small receive windows"). Off by default (`--small-windows`):
+    # where the link is faster than the daemon drains a small window (loopback uncapped),
+    # it slowed cold HTTP reads (bench cpusplit: 9,772-12,086 files/s against 12,816-13,848).
+    cold_start_small_windows: bool = False
     # Such a read whose member lies wholly ahead of the GET bringing it may split that GET
     # instead (see _split): its member comes by a GET of its own, written into the part
     # file. Off by default: the GET cut short has bytes in flight past its new end (socket
