@@ -83,45 +83,28 @@ def test_credentials_by_reference_only(tmp_path: Path, monkeypatch):
         resolve_credentials(refs["credentials"])
 
 
-def test_small_windows_from_flag_option_and_file(tmp_path: Path):
-    """`--small-windows on|off`, `-o small_windows=...` and `small_windows:` in the config
-    all reach the read policy (`cold_start_small_windows`); the default is off."""
-    import argparse
-
-    from shardfs.cli.main import _mount_config, add_mount_arguments, mount_settings
-
-    config = tmp_path / "c.yaml"
-    config.write_text("small_windows: true\n")
-    cases = {(): False, ("--small-windows", "on"): True, ("-o", "small_windows=on"): True,
-             ("--config", str(config)): True,
-             ("--config", str(config), "--small-windows", "off"): False}
-    for extra, want in cases.items():
-        parser = argparse.ArgumentParser()
-        add_mount_arguments(parser)
-        args = parser.parse_args(["http://x/a.tar", str(tmp_path / "mnt"),
-                                  "--cache-dir", str(tmp_path / "cache"), *extra])
-        policy = _mount_config(mount_settings(args)).policy
-        assert policy.cold_start_small_windows is want, extra
-
-
-def test_split_fetches_from_flag_option_and_file(tmp_path: Path):
-    """`--split-fetches on|off`, `-o split_fetches=...` and `split_fetches:` in the config
+@pytest.mark.parametrize(("flag", "key", "field"), [
+    ("--split-fetches", "split_fetches", "split_fetches"),
+    ("--small-windows", "small_windows", "cold_start_small_windows")])
+def test_policy_switches_from_flag_option_and_file(tmp_path: Path, flag: str, key: str,
+                                                   field: str):
+    """`--split-fetches` / `--small-windows on|off`, `-o KEY=...` and `KEY:` in the config
     all reach the read policy; the default is off."""
     import argparse
 
     from shardfs.cli.main import _mount_config, add_mount_arguments, mount_settings
 
     config = tmp_path / "c.yaml"
-    config.write_text("split_fetches: true\n")
-    cases = {(): False, ("--split-fetches", "on"): True, ("-o", "split_fetches=on"): True,
-             ("--config", str(config)): True,
-             ("--config", str(config), "--split-fetches", "off"): False}
+    config.write_text(f"{key}: true\n")
+    cases = {(): False, (flag, "on"): True, ("-o", f"{key}=on"): True,
+             ("--config", str(config)): True, ("--config", str(config), flag, "off"): False}
     for extra, want in cases.items():
         parser = argparse.ArgumentParser()
         add_mount_arguments(parser)
         args = parser.parse_args(["http://x/a.tar", str(tmp_path / "mnt"),
                                   "--cache-dir", str(tmp_path / "cache"), *extra])
-        assert _mount_config(mount_settings(args)).policy.split_fetches is want, extra
+        policy = _mount_config(mount_settings(args)).policy
+        assert getattr(policy, field) is want, extra
 
 
 def test_in_place_from_flag_option_and_file(tmp_path: Path):
