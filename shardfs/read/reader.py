@@ -44,9 +44,7 @@ from shardfs.read.memberreads import MemberReads
 from shardfs.read.states import ShardStates
 from shardfs.read.workingset import WorkingSet
 from shardfs.sources import ShardChanged, SourceError, Sources
-from shardfs.util.checksum import (
-    VERIFY_MODES,
-)
+from shardfs.util.checksum import VERIFY_MODES
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20

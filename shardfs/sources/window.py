@@ -19,10 +19,12 @@ more than the kernel lets a process ask for (net.core.rmem_max, 212,992 bytes by
 the link is not near and nothing is capped: a small window there would throttle the
 download (100 ms away, 208 KiB is 2 MB/s).
 
-Who asks: a task sets `SMALL_WINDOW` for the GETs it sends (download.py does, for a
-download started while the cold start runs); the pool (h1.py) sends those over connections
-opened with the window, which carry no other GET (a window once advertised cannot be taken
-back, so a connection is never made smaller, nor larger, afterwards).
+Who asks: a task sets `SMALL_WINDOW` for the GETs it sends (download.py does with
+`--small-windows on`, off by default, for a download started while the cold start runs);
+the pool (h1.py) sends those over connections opened with the window, which carry no other
+GET (a window once advertised cannot be taken back, so a connection is never made smaller,
+nor larger, afterwards). An idle one is closed by the next GET to its origin that finds it
+unused for `keep_idle_s`, or when the source closes.
 """
 
 from __future__ import annotations
