@@ -83,21 +83,23 @@ def test_credentials_by_reference_only(tmp_path: Path, monkeypatch):
         resolve_credentials(refs["credentials"])
 
 
-@pytest.mark.parametrize(("flag", "key", "field"), [
-    ("--split-fetches", "split_fetches", "split_fetches"),
-    ("--small-windows", "small_windows", "cold_start_small_windows")])
+@pytest.mark.parametrize(("flag", "key", "field", "default"), [
+    ("--split-fetches", "split_fetches", "split_fetches", False),
+    ("--small-windows", "small_windows", "cold_start_small_windows", True)])
 def test_policy_switches_from_flag_option_and_file(tmp_path: Path, flag: str, key: str,
-                                                   field: str):
+                                                   field: str, default: bool):
     """`--split-fetches` / `--small-windows on|off`, `-o KEY=...` and `KEY:` in the config
-    all reach the read policy; the default is off."""
+    all reach the read policy; the defaults: split fetches off, small windows on."""
     import argparse
 
     from shardfs.cli.main import _mount_config, add_mount_arguments, mount_settings
 
+    other = "off" if default else "on"
     config = tmp_path / "c.yaml"
-    config.write_text(f"{key}: true\n")
-    cases = {(): False, (flag, "on"): True, ("-o", f"{key}=on"): True,
-             ("--config", str(config)): True, ("--config", str(config), flag, "off"): False}
+    config.write_text(f"{key}: {str(not default).lower()}\n")
+    cases = {(): default, (flag, other): not default, ("-o", f"{key}={other}"): not default,
+             ("--config", str(config)): not default,
+             ("--config", str(config), flag, "on" if default else "off"): default}
     for extra, want in cases.items():
         parser = argparse.ArgumentParser()
         add_mount_arguments(parser)

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import http.server
 import os
+import shutil
 import socket
 import ssl
 import subprocess
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 import trio
 
+from bench.server import PortCap
 from shardfs.devtools.datagen import make_imagefolder
 from shardfs.devtools.nginx import Nginx, self_signed_certificate
 from shardfs.pack import pack
@@ -518,92 +520,138 @@ def test_a_mount_behind_a_proxy_says_its_gets_go_through_httpx(
         assert m.log().count("a proxy is set in the environment") == 1, m.log()
 
 
-def test_small_window_gets_go_over_connections_of_their_own(nginx: Nginx) -> None:
-    """A task that asks for small windows (a download in the cold start: window.SMALL_WINDOW)
-    gets a connection opened with a small receive buffer, sized from the origin's handshake
-    round trip; GETs that do not ask never take it (a window once advertised cannot be made
-    smaller or larger), and the next small-window GET takes it again."""
-    from shardfs.sources.window import SMALL_WINDOW, rmem_max, small_window
+BIG_BODY = 6 << 20  # long enough for a queue to build and a few looks at it
 
-    data = put(nginx.root, "a.tar")
+
+def _capped_nginx_port(nginx: Nginx, rate: str) -> PortCap:
+    if shutil.which("tc") is None:
+        pytest.skip("tc not installed (iproute2)")
+    return PortCap(nginx.port, rate)
+
+
+def test_a_small_window_get_is_capped_where_a_queue_stands(nginx: Nginx) -> None:
+    """A GET that asks for small windows (a download in the cold start: window.SMALL_WINDOW)
+    over a link that queues its bytes (nginx's replies through a real tbf on lo) has its
+    connection's receive buffer capped while its body arrives; the origin's window is
+    known from then on, and the next such GET goes over a connection opened with it. GETs
+    that do not ask never take a capped connection. The bytes are the file's throughout."""
+    from shardfs.sources.window import MIN_WINDOW, SMALL_WINDOW
+
+    data = put(nginx.root, "big.tar", BIG_BODY)
 
     async def check(source: HttpSource) -> None:
-        shard = await source.stat(f"http://127.0.0.1:{nginx.port}/a.tar")
+        shard = await source.stat(f"http://127.0.0.1:{nginx.port}/big.tar")
         h1 = pool(source)
         (origin,) = h1.rtt  # measured on the connection the stat opened
-        window = small_window(h1.rtt[origin], rmem_max())
-        assert window is not None and window >= 32 << 10, (h1.rtt, window)
         token = SMALL_WINDOW.set(True)
         try:
             assert await read(source, shard) == data
         finally:
             SMALL_WINDOW.reset(token)
-        assert source.stats.small_window_connections == 1
-        (small,) = [c for c in h1._idle[origin] if c.window is not None]
-        assert small.window == window
-        # The kernel doubles what it is asked for (its own overhead), and keeps it: no
-        # autotuning after a body of SIZE bytes came through it.
-        assert small.socket.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == 2 * window
+        assert source.stats.small_window_connections == 1, h1.windows
+        window = h1.windows[origin]
+        assert MIN_WINDOW <= window < 1 << 20, window  # ~0.5 ms of 25 MB/s, or the floor
+        (capped,) = [c for c in h1._idle[origin] if c.window is not None]
+        assert capped.window == window
+        # Locked (no autotuning): what the kernel keeps is twice what it was asked for.
+        kept = capped.socket.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        assert kept >= 2 * window, (kept, window)
+        # The stat's connection carried the download (and was capped): a GET that does not
+        # ask opens another rather than take it.
         opened = h1.opened
-        assert await read(source, shard, 1000, 5000) == data[1000:5000]  # not asked: not it
-        idle = h1._idle[origin]  # the connection a GET used goes back last
-        assert idle[-1].window is None and small in idle and h1.opened == opened, idle
+        assert await read(source, shard, 1000, 5000) == data[1000:5000]
+        idle = h1._idle[origin]
+        assert idle[-1].window is None and capped in idle and h1.opened == opened + 1, idle
+        opened = h1.opened
+        idle.remove(capped)
+        await capped.aclose()
         token = SMALL_WINDOW.set(True)
         try:
-            assert await read(source, shard, 7, 70_000) == data[7:70_000]
+            assert await read(source, shard, 7, 2_000_000) == data[7:2_000_000]
         finally:
             SMALL_WINDOW.reset(token)
-        assert h1._idle[origin][-1] is small and h1.opened == opened
-        assert source.stats.small_window_connections == 1
+        (small,) = [c for c in h1._idle[origin] if c.window is not None]
+        assert h1.opened == opened + 1 and small.window == window
+        assert small.socket.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == 2 * window
+        assert source.stats.small_window_connections == 2
+
+    with _capped_nginx_port(nginx, "200mbit") as cap:
+        if not cap.active:
+            pytest.skip(f"no cap on lo here: {cap.error}")
+        with_http(check)
+
+
+def test_a_small_window_get_without_a_queue_keeps_its_window(nginx: Nginx) -> None:
+    """Over plain loopback (no queue on the way: the link faster than the reader), a GET
+    that asks for small windows is not capped: a window there would only slow it."""
+    from shardfs.sources.window import SMALL_WINDOW
+
+    data = put(nginx.root, "big.tar", BIG_BODY)
+
+    async def check(source: HttpSource) -> None:
+        shard = await source.stat(f"http://127.0.0.1:{nginx.port}/big.tar")
+        token = SMALL_WINDOW.set(True)
+        try:
+            for _ in range(3):
+                assert await read(source, shard) == data
+        finally:
+            SMALL_WINDOW.reset(token)
+        h1 = pool(source)
+        assert source.stats.small_window_connections == 0 and h1.windows == {}
+        assert all(c.window is None for c in h1._idle[next(iter(h1.rtt))])
 
     with_http(check)
 
 
-def test_a_small_window_is_sized_from_the_round_trip_and_left_off_far_links() -> None:
-    """Twice what 10 Gb/s carries in the round trip, at least 64 KiB; none where the kernel
-    would not give it (a far link: a small window there would throttle the download) or the
-    round trip is unknown. The kernel's TCP_INFO gives a loopback handshake's round trip."""
-    from shardfs.sources.window import handshake_rtt, small_window
+def test_a_cap_is_sized_from_the_rate_and_left_off_far_links() -> None:
+    """Half a millisecond of the download's rate plus two base round trips, at least 32 KiB;
+    none where the kernel would not give it (a far link, where a small window would throttle
+    the download). A connection capped while it receives keeps room for one and a quarter
+    of its segments. The kernel's TCP_INFO gives a loopback connection's round trips."""
+    from shardfs.sources.window import handshake_rtt, live_cap, rate_window, receive_rtt
 
     limit = 212_992
-    assert small_window(None, limit) is None
-    assert small_window(10e-6, limit) == 32 << 10  # the floor
-    assert small_window(20e-6, limit) == 50_000
-    assert small_window(60e-6, limit) == 150_000
-    assert small_window(100e-6, limit) is None  # 250 KB: more than rmem_max
-    assert small_window(0.05, 256 << 20) == 125_000_000  # where rmem_max is raised
+    assert rate_window(10e6, 10e-6, limit) == 32 << 10  # the floor
+    assert rate_window(100e6, 10e-6, limit) == 52_000
+    assert rate_window(100e6, 0.05, limit) is None  # 10 MB: more than rmem_max
+    assert rate_window(100e6, 0.05, 256 << 20) == 10_050_000  # where rmem_max is raised
     with socket.create_server(("127.0.0.1", 0)) as server, \
             socket.create_connection(server.getsockname()) as client:
         rtt = handshake_rtt(client)
         assert rtt is not None and 0 < rtt < 0.1, rtt
+        conn, _ = server.accept()
+        with conn:
+            sender = threading.Thread(target=conn.sendall, args=(b"x" * (4 << 20),))
+            sender.start()
+            got = 0
+            while got < 4 << 20:
+                got += len(client.recv(1 << 20))
+            sender.join()
+        received = receive_rtt(client)
+        assert received is None or 0 < received < 1.0, received
+        # loopback's segments are ~64 KiB: more than the floor; a larger cap is kept
+        assert live_cap(client, 32 << 10) > 32 << 10
+        assert live_cap(client, 1 << 20) == 1 << 20
 
 
-def test_the_serving_loop_sizes_small_windows_from_the_indexing_loops_round_trips(
-        nginx: Nginx) -> None:
+def test_the_serving_loop_takes_over_the_indexing_loops_round_trips(nginx: Nginx) -> None:
     """The daemon indexes with one HttpSource and serves with the next (`take_over`): the
-    round trips the first measured size the second's small windows, so a cold start's first
-    download gets one even before the serving loop opened a connection of its own."""
-    from shardfs.sources.window import SMALL_WINDOW
-
-    data = put(nginx.root, "a.tar")
+    round trips the first measured are what the second sees queues above, even before it
+    opened a connection of its own."""
+    put(nginx.root, "a.tar")
     url = f"http://127.0.0.1:{nginx.port}/a.tar"
 
     async def main() -> None:
         indexing = HttpSource(FAST)
         try:
-            shard = await indexing.stat(url)
+            await indexing.stat(url)
         finally:
             await indexing.aclose()
         serving = HttpSource(FAST)
         serving.take_over(indexing)
         try:
             assert pool(serving).rtt == pool(indexing).rtt != {}
-            token = SMALL_WINDOW.set(True)
-            try:
-                assert await read(serving, shard) == data
-            finally:
-                SMALL_WINDOW.reset(token)
-            assert pool(serving).opened == 1 and serving.stats.small_window_connections == 1
+            assert pool(serving).opened == 0
         finally:
             await serving.aclose()
 

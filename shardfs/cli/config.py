@@ -192,7 +192,7 @@ OPTIONS: dict[str, Option] = {o.key: o for o in (
     Option("prefetch", _choice("touched", "all"), "touched", "touched or all"),
     Option("push_pages", _choice("auto", "off"), "auto", "auto or off"),
     Option("split_fetches", _bool, False, "true or false (on or off)"),
-    Option("small_windows", _bool, False, "true or false (on or off)"),
+    Option("small_windows", _bool, True, "true or false (on or off)"),
     Option("in_place", _in_place, "auto", "auto, on or off (true/false: on/off)"),
     Option("verify", _choice("auto", "sha256"), "auto", "auto or sha256"),
     Option("index_parallel", _positive_int, 8, "a whole number >= 1"),

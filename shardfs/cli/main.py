@@ -104,10 +104,9 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    "has one, else its sha256 (auto, default), or its sha256 where it has one "
                    "(sha256: ten times the CPU)")
     p.add_argument("--small-windows", choices=("on", "off"),
-                   help="the cold start's downloads receive with small TCP windows on a near "
-                   "link, so the first reads' replies do not queue behind their bytes: a "
-                   "first batch sooner where the link is the bottleneck, slower downloads "
-                   "where the daemon is (on), or the kernel's autotuned windows (off, default)")
+                   help="the cold start's downloads get small TCP receive windows where a "
+                   "queue is seen on the way, so the first reads' replies do not wait behind "
+                   "their bytes (on, default), or keep the kernel's autotuned windows (off)")
     p.add_argument("--split-fetches", choices=("on", "off"),
                    help="a read far ahead of a whole-shard download gets its file by a request "
                    "of its own, which the download then skips (on; the download's bytes already in "

@@ -121,14 +121,13 @@ class ReadPolicy:
     # epoch took 0.56-0.59 s against 0.46-0.50 s and its first batch came later, 87 requests
     # instead of 29; held back, `bench run --quick`'s 4 MiB shards cost its epoch 3 %).
     cold_start_min_shard: int = 8 * MiB
-    # Downloads started while the cold start runs receive with a small window on a near
-    # link (sources/window.py), so that the first reads' member GETs do not wait behind
-    # their bytes in the link's queue: on the bench's link each member GET of the first
-    # batch took 33-34 ms on average against 25-27 (docs/benchmarks-notes.md, "The cold
-    # start's downloads with small receive windows"). Off by default (`--small-windows`):
-    # where the link is faster than the daemon drains a small window (loopback uncapped),
-    # it slowed cold HTTP reads (bench cpusplit: 9,772-12,086 files/s against 12,816-13,848).
-    cold_start_small_windows: bool = False
+    # Downloads started while the cold start runs have their connections' receive windows
+    # capped where a queue is seen on the way (sources/window.py), so that the first reads'
+    # member GETs do not wait behind their bytes in the link's queue: on the bench's link
+    # each member GET of the first batch took 33-34 ms on average against 25-27
+    # (docs/benchmarks-notes.md, "The cold start's downloads with small receive windows").
+    # Off: the kernel's autotuned windows (`--small-windows off`).
+    cold_start_small_windows: bool = True
     # Such a read whose member lies wholly ahead of the GET bringing it may split that GET
     # instead (see _split): its member comes by a GET of its own, written into the part
     # file. Off by default: the GET cut short has bytes in flight past its new end (socket

@@ -42,7 +42,13 @@ import httpx
 import trio
 
 from shardfs.sources.base import SourceStats
-from shardfs.sources.window import SMALL_WINDOW, handshake_rtt, rmem_max, small_window
+from shardfs.sources.window import (
+    SMALL_WINDOW,
+    QueueWatch,
+    handshake_rtt,
+    live_cap,
+    rmem_max,
+)
 from shardfs.util.fileio import pwrite_all
 
 HEAD_LIMIT = 64 << 10  # a response's status line and headers; more is a protocol error
@@ -152,7 +158,8 @@ class _Connection:
         self.socket = sock
         self.buffer = bytearray()  # bytes received past the last response's end
         self.idle_since = 0.0
-        # The receive buffer it was opened with (window.py); None: the kernel's autotuning.
+        # The receive buffer it was opened with or capped at (window.py); None: the
+        # kernel's autotuning.
         self.window = window
 
     def stale(self, now: float, keep_idle_s: float) -> bool:
@@ -201,12 +208,20 @@ class _Body(httpx.AsyncByteStream):
     the pool when the body was read to its end, and is closed otherwise."""
 
     def __init__(self, pool: Http11Pool, origin: Origin, conn: _Connection,
-                 length: int, reusable: bool) -> None:
+                 length: int, reusable: bool, watch: QueueWatch | None = None) -> None:
         self._pool = pool
         self._origin = origin
         self._conn: _Connection | None = conn
         self._left = length
         self._reusable = reusable
+        self._watch = watch  # looks for a queue the connection's window should be capped for
+
+    def _look(self, conn: _Connection, count: int) -> None:
+        assert self._watch is not None
+        window = self._watch.received(count)
+        if window is not None:
+            self._watch = None
+            self._pool.cap(self._origin, conn, window)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         conn = self._conn
@@ -227,6 +242,8 @@ class _Body(httpx.AsyncByteStream):
             # Never more than asked: bytes a server writes past its Content-Length stay in
             # the socket, which makes the connection stale (not reused).
             self._left -= len(data)
+            if self._watch is not None:
+                self._look(conn, len(data))
             yield data
 
     def can_splice(self) -> bool:
@@ -278,6 +295,8 @@ class _Body(httpx.AsyncByteStream):
                         "still to come")
                 self._left -= n
                 count -= n
+                if self._watch is not None:
+                    self._look(conn, n)
                 spliced = _splice_out(self._pool, pipe_out, into, n, at)
                 at += n
                 yield n, spliced  # (bytes written, of them spliced)
@@ -384,9 +403,12 @@ class Http11Pool:
         # Bodies are spliced into files (_Body.splice_into) until a file refuses a splice
         # write (a file system without it): from then on they come as bytes.
         self.splice_writes = True
-        # The shortest handshake round trip seen to each origin (seconds): what a
-        # small-window connection's window is sized from (window.py).
+        # The shortest handshake round trip seen to each origin (seconds): what a queue is
+        # seen above (window.py).
         self.rtt: dict[Origin, float] = {}
+        # The window a small-window GET's connection to an origin was capped at, once a
+        # queue was seen there: later ones are opened with it.
+        self.windows: dict[Origin, int] = {}
         self._rmem_max = rmem_max()
 
     def takes(self, request: httpx.Request) -> bool:
@@ -417,10 +439,32 @@ class Http11Pool:
 
     def window_for(self, origin: Origin) -> int | None:
         """The receive window this task's GETs to `origin` go with: a small one where the
-        task asks for it (window.SMALL_WINDOW) and the link is near; None: autotuned."""
+        task asks for it (window.SMALL_WINDOW) and a queue was seen on the way; None:
+        autotuned."""
         if not SMALL_WINDOW.get():
             return None
-        return small_window(self.rtt.get(origin), self._rmem_max)
+        return self.windows.get(origin)
+
+    def _watch(self, origin: Origin, conn: _Connection) -> QueueWatch | None:
+        """A watch for a queue on an autotuned connection this task's GET went over, where
+        the task asks for small windows and the origin's base round trip is known."""
+        if conn.window is not None or not SMALL_WINDOW.get():
+            return None
+        base_rtt = self.rtt.get(origin)
+        return None if base_rtt is None else QueueWatch(conn.socket, base_rtt, self._rmem_max)
+
+    def cap(self, origin: Origin, conn: _Connection, window: int) -> None:
+        """Cap `conn`'s receive buffer at `window` bytes from now on (a queue was seen while
+        its answer arrived: window.py), and open the origin's later small-window
+        connections with it. The connection carries no other GET afterwards."""
+        try:
+            conn.socket.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF,
+                                   live_cap(conn.socket, window))
+        except OSError:
+            return
+        conn.window = window
+        self.windows[origin] = min(window, self.windows.get(origin, window))
+        self.stats.small_window_connections += 1
 
     async def _send(self, origin: Origin, head: bytes) -> _Head:
         await self._slots.acquire()
@@ -464,7 +508,8 @@ class Http11Pool:
         if length is None or 300 <= status < 400 or status < 200:
             raise NotForUs(f"HTTP {status} (a redirect, an interim answer or a body without "
                            "Content-Length): sent again through httpx")
-        return status, reason, version, headers, _Body(self, origin, conn, length, reusable)
+        return status, reason, version, headers, _Body(self, origin, conn, length, reusable,
+                                                      self._watch(origin, conn))
 
     async def _read_head(self, conn: _Connection) -> tuple[int, bytes, bytes, Headers]:
         buffer = conn.buffer
