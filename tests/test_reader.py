@@ -716,15 +716,17 @@ def test_the_cold_start_holds_downloads_back_and_reads_take_their_members(
                                  cold_start_s=0.5))
 
 
-@pytest.mark.parametrize(("cold_start_s", "small_windows", "expected"), [
-    (5.0, True, True), (5.0, False, False), (0.0, True, False)])
+@pytest.mark.parametrize(("cold_start_s", "small_windows", "min_shard", "expected"), [
+    (5.0, True, 0, True), (5.0, False, 0, False), (0.0, True, 0, False),
+    (5.0, True, 100 << 20, False)])
 def test_downloads_in_the_cold_start_receive_with_small_windows(
         tmp_path: Path, long_shards: Shards, nginx: Nginx, cold_start_s: float,
-        small_windows: bool, expected: bool) -> None:
+        small_windows: bool, min_shard: int, expected: bool) -> None:
     """Over HTTP through a link that queues (nginx's replies through a real tbf on lo), a
-    download started while the cold start runs has its connection's receive window capped
-    (sources/window.py), so that member GETs beside it do not wait behind its bytes in the
-    link's queue; with the policy off, or no cold start, it keeps the kernel's autotuned
+    download started while the cold start runs, of a shard of the size it holds back, has
+    its connection's receive window capped (sources/window.py), so that member GETs beside
+    it do not wait behind its bytes in the link's queue; with the policy off, no cold
+    start, or a shard smaller than `cold_start_min_shard`, it keeps the kernel's autotuned
     window. Its bytes are the shard's."""
     if shutil.which("tc") is None:
         pytest.skip("tc not installed (iproute2)")
@@ -748,7 +750,7 @@ def test_downloads_in_the_cold_start_receive_with_small_windows(
         if not cap.active:
             pytest.skip(f"no cap on lo here: {cap.error}")
         run_reader(tmp_path, urls, 100 * shards.shard_size, body, sources=sources,
-                   policy=ReadPolicy(cold_start_s=cold_start_s, cold_start_min_shard=0,
+                   policy=ReadPolicy(cold_start_s=cold_start_s, cold_start_min_shard=min_shard,
                                      cold_start_small_windows=small_windows))
     capped = sources.stats().small_window_connections
     assert (capped > 0) == expected, capped

@@ -77,10 +77,14 @@ class Downloads:
     async def download(self, fetch: Fetch) -> None:
         """Stream the fetch's shard into its part file and check it against its index:
         SourceError, OSError or CodecError (ShardChanged where it does not match) if not.
-        Started while the cold start runs, its GETs go over connections with a small
-        receive window (sources/window.py): on a near link the first reads' member GETs
-        then do not wait behind its bytes in the link's queue."""
-        small = self.policy.cold_start_small_windows and self.cold_start.running()
+        Started while the cold start runs, for a shard of the size it holds back
+        (`cold_start_min_shard`), its connection's receive window is capped where its bytes
+        are seen queuing on the way (sources/window.py): the first reads' member GETs then do
+        not wait behind them at the link's bottleneck. (Smaller shards are not held back:
+        all of them download at once, and the first reads wait for those downloads.)"""
+        policy = self.policy
+        small = (policy.cold_start_small_windows and self.cold_start.running()
+                 and fetch.size >= policy.cold_start_min_shard)
         token = SMALL_WINDOW.set(small)
         try:
             await self._download(fetch)
