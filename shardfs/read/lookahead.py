@@ -68,6 +68,7 @@ MiB = 1 << 20
 
 _QUEUED, _INFLIGHT, _READY, _GONE = range(4)
 HOLE_SPAN = 8 * MiB  # the largest GET completing a fill (more in parallel, not one long one)
+LAUNCH_BATCH = 8  # GETs launched before the loop lets them send (Lookahead._schedule)
 
 
 @dataclass(slots=True)
@@ -452,14 +453,22 @@ class Lookahead:
                 nursery.start_soon(self._prepare_fills)
             task_status.started()
             while True:
-                self._schedule()
+                while self._schedule():
+                    await trio.sleep(0)  # the GETs launched so far go out first
                 await self._wake.wait()
                 self._wake = trio.Event()
 
-    def _schedule(self) -> None:
+    def _schedule(self) -> bool:
+        """Launch GETs while there is room for them and entries to fetch; True where it
+        stopped after LAUNCH_BATCH of them, with more to launch: the loop lets those send
+        their requests before it plans the next (planning a fill opens its shard's part
+        file: an epoch's first 64 GETs waited 25 ms for 28 of them, 15 ms in one)."""
         policy = self.policy
+        launched = 0
         while self._requests < (policy.fill_requests if self._fill_mode() == "on"
                                 else policy.max_requests):
+            if launched >= LAUNCH_BATCH:
+                return True
             if self._flush and self._complete_fill(self._flush):
                 continue
             group = None
@@ -472,6 +481,7 @@ class Lookahead:
                     break
             if group:
                 self._launch(group)
+                launched += 1
                 continue
             if self._paced and self._reset_mismatched():
                 continue
@@ -480,7 +490,8 @@ class Lookahead:
             if not self._queued and all(s.last for s in self._streams) and \
                     self._complete_fill(None):
                 continue
-            return
+            return False
+        return False
 
     def _next_group(self, stream: Stream) -> list[_Slot] | None:
         """The next GET for a stream: its first unfetched entry plus members of the same
