@@ -14,7 +14,7 @@ from pathlib import Path
 import trio
 
 from shardfs.read.arena import BLOCK, Arena, ArenaView
-from shardfs.read.lookahead import Lookahead, LookaheadPolicy
+from shardfs.read.lookahead import LAUNCH_BATCH, Lookahead, LookaheadPolicy
 from shardfs.sources import ShardInfo, Sources
 
 Member = tuple[int, int, int]  # shard, offset, size
@@ -145,6 +145,36 @@ def test_a_read_of_an_entry_not_yet_fetched_fetches_it_now(tmp_path: Path):
         assert la.stats.urgent == 1
 
     run(tmp_path, LookaheadPolicy(buffer_bytes=50_000), body)
+
+
+def test_the_first_gets_start_before_the_rest_are_planned(tmp_path: Path):
+    """The Lookahead launches LAUNCH_BATCH GETs, then lets them start before it plans the
+    next (planning a fill opens its shard's part file: the epoch's first GETs had waited for
+    all of those opens)."""
+    events: list[str] = []
+
+    async def body(la, members, content):
+        launch, fetch = la._launch, la._fetch
+
+        def planned(group):
+            events.append("plan")
+            launch(group)
+
+        async def started(group):
+            events.append("get")
+            await fetch(group)
+
+        la._launch, la._fetch = planned, started
+        first = members[:24]  # the epoch's first entries: one GET each
+        la.open_stream().announce(first)
+        with trio.fail_after(10):
+            while la.stats.requests < len(first):
+                await trio.sleep(0.005)
+        await take_all(la, first, content)
+
+    run(tmp_path, LookaheadPolicy(buffer_bytes=64 << 20, max_requests=32), body)
+    assert events.count("plan") == events.count("get") == 24, events
+    assert events.index("get") == LAUNCH_BATCH, events
 
 
 def test_shared_arena_serves_members_and_publishes_where_they_are(tmp_path: Path):

@@ -454,7 +454,11 @@ class Lookahead:
             task_status.started()
             while True:
                 while self._schedule():
-                    await trio.sleep(0)  # the GETs launched so far go out first
+                    # The GETs launched so far go out first. Twice: a task started now runs
+                    # in trio's next batch, where this loop's own turn may come before it
+                    # (trio shuffles a batch); after a second checkpoint it has run.
+                    await trio.sleep(0)
+                    await trio.sleep(0)
                 await self._wake.wait()
                 self._wake = trio.Event()
 

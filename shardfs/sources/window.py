@@ -28,7 +28,8 @@ kernel lets a process ask for (net.core.rmem_max) nothing is capped. A connectio
 it receives keeps room for one and a quarter of its segments (`live_cap`).
 
 Who asks: a task sets `SMALL_WINDOW` for the GETs it sends (download.py does for a download
-started while the cold start runs, unless `--small-windows off`). The pool (h1.py) watches
+started while the cold start runs, of a shard of the size it holds back, unless
+`--small-windows off`). The pool (h1.py) watches
 such a GET's body; once one was capped, the origin's window is known, and the later ones go
 over connections opened with it (the buffer set before the handshake), which carry no other
 GET (a window once advertised cannot be taken back, so a connection is never made larger
@@ -99,7 +100,7 @@ def receive_rtt(sock: _Socket) -> float | None:
 
 
 def live_cap(sock: _Socket, window: int) -> int:
-    """The receive buffer to cap a connection that has received at `window`: at least a few
+    """The receive buffer to cap a connection that has received at `window`: at least 1.25
     of the segments it receives. A sender keeps sending full segments once it has seen a
     large window (Linux bounds its segment to half the largest window seen), and a buffer
     smaller than one stalls it: loopback's 64 KiB segments with a 32 KiB cap moved a few
