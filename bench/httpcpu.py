@@ -6,13 +6,17 @@ HTTP/1.1 connections (`--http-client auto`, sources/h1.py) and through httpx for
 receive size asked for, in turns. Reports process CPU seconds per GB received, GB/s, and the
 mean piece size the stream yielded. With `--gets N`, then N ranged GETs of `--get-kb` each
 (random offsets, `--inflight` at once) through each client, in turns: µs of CPU per GET (what
-a member read or a `Lookahead` GET costs the daemon). Nothing is written to disk but the
-served file.
+a member read or a `Lookahead` GET costs the daemon). With `--rate` (and `--latency-ms`) the
+server's replies leave through a tc tbf at that rate (bench.server.PortCap) and nginx waits that
+long before each answer, as in `bench run`'s link: a `Lookahead` epoch's GETs, 64 at once,
+arrive in pieces there, which costs each GET more than on a bare loopback. Nothing is written
+to disk but the served file.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import resource
@@ -24,6 +28,7 @@ from pathlib import Path
 import httpcore
 import trio
 
+from bench.server import PortCap
 from shardfs.devtools.nginx import Nginx, self_signed_certificate
 from shardfs.sources.base import ShardInfo, SourceSettings
 from shardfs.sources.http import HttpSource
@@ -41,6 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also this many ranged GETs per client and round (0: none)")
     p.add_argument("--get-kb", type=int, default=110, help="size of each ranged GET, KiB")
     p.add_argument("--inflight", type=int, default=16, help="ranged GETs at once")
+    p.add_argument("--rate", default=None,
+                   help="cap the server's replies at this rate (tc tbf, e.g. 800mbit: bench "
+                        "run's link); default: no cap")
+    p.add_argument("--latency-ms", type=float, default=0.0,
+                   help="nginx waits this long before each answer (bench run: 20)")
     p.add_argument("--tls", action="store_true",
                    help="serve https (a self-signed certificate, trusted through SSL_CERT_FILE)")
     p.add_argument("--s3", action="store_true",
@@ -187,7 +197,9 @@ def httpcpu_command(args: argparse.Namespace) -> int:
         if args.tls:
             tls = self_signed_certificate(root / "tls")
             os.environ["SSL_CERT_FILE"] = str(tls[0])  # trusted by httpx and h1 alike
-        with Nginx(root / "www", root / "nginx", tls=tls) as server:
+        with Nginx(root / "www", root / "nginx", tls=tls,
+                   latency_s=args.latency_ms / 1000) as server, \
+                (PortCap(server.port, args.rate) if args.rate else contextlib.nullcontext()):
             url = f"{server.url}/shard.bin"
             clients = args.clients.split(",")
             for _ in range(args.rounds):

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import http.server
 import os
 import shutil
 import socket
 import ssl
 import subprocess
+import termios
 import threading
 import time
+from array import array
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -656,3 +659,73 @@ def test_the_serving_loop_takes_over_the_indexing_loops_round_trips(nginx: Nginx
             await serving.aclose()
 
     trio.run(main)
+
+
+def test_bytes_waiting_in_a_plain_connection_are_read_directly_and_the_loop_still_runs() -> None:
+    """A plain connection's receive takes bytes already in the socket without a trip through
+    the loop (no wait, no timeout scope), and lets the loop's other tasks run once per
+    CHECKPOINT_BYTES: 16 MiB already in the receive queue, read in 256 KiB receives, let a
+    ticking task run at least once per MiB (none without the checkpoints)."""
+    if os.geteuid() != 0:
+        pytest.skip("SO_RCVBUFFORCE needs root (to hold 16 MiB in one receive queue)")
+    from shardfs.sources.h1 import CHECKPOINT_BYTES, _Connection
+
+    so_sndbufforce, so_rcvbufforce = 32, 33  # Linux's; not in Python's socket module
+    size = 16 << 20
+    payload = os.urandom(size)
+    listener = socket.create_server(("127.0.0.1", 0))
+    sent = threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.setsockopt(socket.SOL_SOCKET, so_sndbufforce, 64 << 20)
+            conn.sendall(payload)
+            sent.set()
+            conn.recv(1)  # until the client closes
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+
+    async def main() -> None:
+        sock = trio.socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, so_rcvbufforce, 64 << 20)
+        await sock.connect(listener.getsockname())
+        conn = _Connection(trio.SocketStream(sock), sock)
+        assert conn.fd == sock.fileno()
+        h1 = Http11Pool(max_connections=1, timeout=10.0)
+        await trio.to_thread.run_sync(sent.wait, 10.0)
+        for _ in range(100):  # until every byte is in our receive queue
+            waiting = array("i", [0])
+            fcntl.ioctl(sock.fileno(), termios.FIONREAD, waiting)
+            if waiting[0] == size:
+                break
+            await trio.sleep(0.02)
+        assert waiting[0] == size
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await trio.sleep(0)
+                ticks += 1
+
+        got = bytearray()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ticker)
+            await trio.sleep(0.01)
+            before = ticks
+            while len(got) < size:
+                got += await h1.receive(conn, 256 << 10)
+            ran = ticks - before
+            nursery.cancel_scope.cancel()
+        assert bytes(got) == payload
+        assert CHECKPOINT_BYTES <= 1 << 20
+        assert ran >= (size >> 20) - 1, ran  # once per MiB at least; without checkpoints: 0
+        await conn.aclose()
+
+    try:
+        trio.run(main)
+    finally:
+        listener.close()
+        server.join(10)

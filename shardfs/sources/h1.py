@@ -53,6 +53,9 @@ from shardfs.util.fileio import pwrite_all
 
 HEAD_LIMIT = 64 << 10  # a response's status line and headers; more is a protocol error
 RECEIVE_BYTES = 1 << 20  # most bytes asked of one receive (a receive returns what arrived)
+# A plain connection's receives that find bytes waiting do not pass through the event loop
+# (Http11Pool.receive); one in this many bytes received lets the loop's other tasks run.
+CHECKPOINT_BYTES = 1 << 20
 SPLICE_PIPE_BYTES = 1 << 20  # the pipe a body is spliced through (the most one step moves)
 PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY",
                    "ALL_PROXY")
@@ -150,13 +153,19 @@ class _TlsStream:
 class _Connection:
     """One kept-alive TCP connection to an origin."""
 
-    __slots__ = ("buffer", "idle_since", "socket", "stream", "window")
+    __slots__ = ("buffer", "fd", "idle_since", "socket", "stream", "unyielded", "window")
 
     def __init__(self, stream: trio.SocketStream | _TlsStream,
                  sock: trio.socket.SocketType, window: int | None = None) -> None:
         self.stream = stream
         self.socket = sock
-        self.buffer = bytearray()  # bytes received past the last response's end
+        # Plain TCP: the socket's descriptor, read and written directly while it is ready
+        # (Http11Pool.receive, _exchange); -1 for TLS, whose bytes go through its stream.
+        self.fd = sock.fileno() if isinstance(stream, trio.SocketStream) else -1
+        self.unyielded = 0  # bytes received since the loop last ran other tasks
+        # Bytes received past the end of what was read (the head's receive takes some of
+        # the body with it): immutable, so the body takes them without a copy.
+        self.buffer = b""
         self.idle_since = 0.0
         # The receive buffer it was opened with or capped at (window.py); None: the
         # kernel's autotuning.
@@ -229,8 +238,8 @@ class _Body(httpx.AsyncByteStream):
             return
         buffer = conn.buffer
         if buffer and self._left:
-            piece = bytes(buffer[: self._left])
-            del buffer[: len(piece)]
+            piece = buffer if len(buffer) <= self._left else buffer[: self._left]
+            conn.buffer = buffer[len(piece):]
             self._left -= len(piece)
             yield piece
         while self._left:
@@ -266,8 +275,8 @@ class _Body(httpx.AsyncByteStream):
         count = min(count, self._left)
         buffer = conn.buffer
         if buffer and count:  # bytes that came with the headers
-            piece = bytes(buffer[:count])
-            del buffer[: len(piece)]
+            piece = buffer if len(buffer) <= count else buffer[:count]
+            conn.buffer = buffer[len(piece):]
             pwrite_all(into, piece, at)
             self._left -= len(piece)
             count -= len(piece)
@@ -495,9 +504,18 @@ class Http11Pool:
             raise
 
     async def _exchange(self, origin: Origin, conn: _Connection, head: bytes) -> _Head:
+        sent = 0
+        if conn.fd >= 0:  # a request's head fits the socket's buffer: no trip through the loop
+            try:
+                sent = os.write(conn.fd, head)
+            except (BlockingIOError, InterruptedError):
+                pass  # send_all below sends it
+            except OSError as e:  # (EPIPE, ECONNRESET: a kept-alive connection closed)
+                raise _Unanswered(httpx.WriteError(e.strerror or str(e))) from e
         try:
             with trio.move_on_after(self.timeout) as scope:
-                await conn.stream.send_all(head)
+                if sent < len(head):
+                    await conn.stream.send_all(head[sent:])
         except (trio.BrokenResourceError, ssl.SSLError) as e:
             raise _Unanswered(httpx.WriteError(str(e.__cause__ or e))) from e
         if scope.cancelled_caught:
@@ -533,9 +551,9 @@ class Http11Pool:
                 if buffer:
                     raise closed
                 raise _Unanswered(closed)
-            buffer += data
-        lines = bytes(buffer[:end]).split(b"\r\n")
-        del buffer[: end + 4]
+            buffer = buffer + data if buffer else data  # (a head in one receive: no copy)
+        lines = buffer[:end].split(b"\r\n")
+        conn.buffer = buffer[end + 4:]  # the body's first bytes: one copy
         version, _, rest = lines[0].partition(b" ")
         code, _, reason = rest.partition(b" ")
         if version not in (b"HTTP/1.1", b"HTTP/1.0") or not code.isdigit():
@@ -557,6 +575,29 @@ class Http11Pool:
         raise httpx.ReadTimeout(f"no bytes for {self.timeout:g} s")
 
     async def receive(self, conn: _Connection, size: int) -> bytes:
+        """Up to `size` bytes: those that have arrived, else the first to arrive; b"" at the
+        end of the stream. httpx.ReadError / ReadTimeout (no byte for `timeout`).
+
+        A plain connection is read directly (os.read of its descriptor): where bytes wait,
+        no timeout scope and no trip through the loop, which cost a member GET on a link
+        that delivers its answer in pieces more than the rest of its receive
+        (docs/benchmarks-notes.md, "A GET's receives without the loop"); every
+        CHECKPOINT_BYTES the loop runs its other tasks, and cancellation is checked."""
+        if conn.fd >= 0:
+            while True:
+                try:
+                    data = os.read(conn.fd, size)
+                except (BlockingIOError, InterruptedError):
+                    await self.wait_readable(conn)
+                    conn.unyielded = 0
+                    continue
+                except OSError as e:
+                    raise httpx.ReadError(e.strerror or str(e)) from e
+                conn.unyielded += len(data)
+                if conn.unyielded >= CHECKPOINT_BYTES:
+                    conn.unyielded = 0
+                    await trio.lowlevel.checkpoint()
+                return data
         with trio.move_on_after(self.timeout) as scope:
             try:
                 return await conn.stream.receive_some(size)
