@@ -476,7 +476,10 @@ class Http11Pool:
         self.stats.small_window_connections += 1
 
     async def _send(self, origin: Origin, head: bytes) -> _Head:
-        await self._slots.acquire()
+        try:  # a free slot is taken without a trip through the loop (the GET waits anyway)
+            self._slots.acquire_nowait()
+        except trio.WouldBlock:
+            await self._slots.acquire()
         conn: _Connection | None = None
         window = self.window_for(origin)
         try:
@@ -512,14 +515,14 @@ class Http11Pool:
                 pass  # send_all below sends it
             except OSError as e:  # (EPIPE, ECONNRESET: a kept-alive connection closed)
                 raise _Unanswered(httpx.WriteError(e.strerror or str(e))) from e
-        try:
-            with trio.move_on_after(self.timeout) as scope:
-                if sent < len(head):
+        if sent < len(head):
+            try:
+                with trio.move_on_after(self.timeout) as scope:
                     await conn.stream.send_all(head[sent:])
-        except (trio.BrokenResourceError, ssl.SSLError) as e:
-            raise _Unanswered(httpx.WriteError(str(e.__cause__ or e))) from e
-        if scope.cancelled_caught:
-            raise httpx.WriteTimeout(f"sending a request took over {self.timeout:g} s")
+            except (trio.BrokenResourceError, ssl.SSLError) as e:
+                raise _Unanswered(httpx.WriteError(str(e.__cause__ or e))) from e
+            if scope.cancelled_caught:
+                raise httpx.WriteTimeout(f"sending a request took over {self.timeout:g} s")
         self.sent += 1
         status, reason, version, headers = await self._read_head(conn)
         length, reusable = _body_length(status, version, headers)
