@@ -729,3 +729,51 @@ def test_bytes_waiting_in_a_plain_connection_are_read_directly_and_the_loop_stil
     finally:
         listener.close()
         server.join(10)
+
+
+def test_an_address_that_does_not_answer_is_left_for_the_next(
+        nginx: Nginx, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host name with two addresses, the first a listener whose queue is full (its SYNs
+    are dropped: it never answers): the connection goes to the second after CONNECT_TRY_S,
+    within the GET's own timeout, and the bytes are right."""
+    from shardfs.sources.h1 import CONNECT_TRY_S
+
+    data = put(nginx.root, "a.tar")
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(0)
+    fillers = []
+    try:
+        for _ in range(3):  # fill its accept queue: later SYNs are dropped
+            filler = socket.socket()
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(hole.getsockname())
+            fillers.append(filler)
+        time.sleep(0.1)
+        probe = socket.socket()
+        probe.settimeout(CONNECT_TRY_S)
+        with pytest.raises(OSError):  # (TimeoutError) it does not answer
+            probe.connect(hole.getsockname())
+        probe.close()
+        real = trio.socket.getaddrinfo
+
+        async def two_addresses(host: str, port: int, *args: Any, **kwargs: Any) -> Any:
+            if host == "twice.test":
+                return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", hole.getsockname()),
+                        (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+            return await real(host, port, *args, **kwargs)
+
+        monkeypatch.setattr(trio.socket, "getaddrinfo", two_addresses)
+        settings = dataclasses.replace(FAST, timeout=CONNECT_TRY_S * 6)
+
+        async def check(source: HttpSource) -> None:
+            shard = await source.stat(f"http://twice.test:{nginx.port}/a.tar")
+            assert await read(source, shard, 1000, 5000) == data[1000:5000]
+            assert source.stats.retries == 0  # no timeout: the second address answered
+
+        with_http(check, settings)
+    finally:
+        for filler in fillers:
+            filler.close()
+        hole.close()

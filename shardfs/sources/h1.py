@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import math
 import os
 import select
 import ssl
@@ -56,6 +57,7 @@ RECEIVE_BYTES = 1 << 20  # most bytes asked of one receive (a receive returns wh
 # A plain connection's receives that find bytes waiting do not pass through the event loop
 # (Http11Pool.receive); one in this many bytes received lets the loop's other tasks run.
 CHECKPOINT_BYTES = 1 << 20
+CONNECT_TRY_S = 0.5  # an address that has not answered in this long: the next one is tried
 SPLICE_PIPE_BYTES = 1 << 20  # the pipe a body is spliced through (the most one step moves)
 PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY",
                    "ALL_PROXY")
@@ -640,8 +642,7 @@ class Http11Pool:
         conn = None
         with trio.move_on_after(self.timeout) as scope:
             try:
-                tcp = await trio.open_tcp_stream(host, port) if window is None \
-                    else await _connect_with_window(host, port, window)
+                tcp = await _connect(host, port, window)
             except OSError as e:
                 raise httpx.ConnectError(f"{e.strerror or e} ({host}:{port})") from e
             if window is None:
@@ -691,25 +692,35 @@ class Http11Pool:
 DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
-async def _connect_with_window(host: str, port: int, window: int) -> trio.SocketStream:
-    """A TCP connection whose receive buffer is `window` bytes from before its handshake
-    (so the window it advertises, and its scale, start there: window.py), to the first of
-    the host's addresses that answers. OSError if none does."""
+async def _connect(host: str, port: int, window: int | None) -> trio.SocketStream:
+    """A TCP connection to the first of the host's addresses that answers; with `window`,
+    its receive buffer is that many bytes from before its handshake (so the window it
+    advertises, and its scale, start there: window.py). OSError if none answers.
+
+    One socket and one connect per address, in turn: trio's `open_tcp_stream` races the
+    addresses (happy eyeballs) in a nursery of its own, which cost the epoch's first fill
+    GETs ~15 ms more to connect on a busy loop (docs/benchmarks-notes.md, "Connections
+    opened lean"). An address that has not answered within CONNECT_TRY_S is left for the
+    next one (the last one has the rest of the caller's timeout), as a race would."""
     infos = await trio.socket.getaddrinfo(host, port, type=trio.socket.SOCK_STREAM)
     error: OSError = OSError(errno.EHOSTUNREACH, f"no address for {host}")
-    for family, kind, proto, _, address in infos:
+    for i, (family, kind, proto, _, address) in enumerate(infos):
         sock = trio.socket.socket(family, kind, proto)
         try:
-            sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, window)
-            await sock.connect(address)
+            if window is not None:
+                sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, window)
+            with trio.move_on_after(CONNECT_TRY_S if i + 1 < len(infos) else math.inf):
+                await sock.connect(address)
+                return trio.SocketStream(sock)
+            error = OSError(errno.ETIMEDOUT, f"{address[0]} did not answer in "
+                                             f"{CONNECT_TRY_S:g} s")
+            sock.close()
         except OSError as e:
             sock.close()
             error = e
-            continue
         except BaseException:
             sock.close()
             raise
-        return trio.SocketStream(sock)
     raise error
 
 
