@@ -584,10 +584,11 @@ class Http11Pool:
         end of the stream. httpx.ReadError / ReadTimeout (no byte for `timeout`).
 
         A plain connection is read directly (os.read of its descriptor): where bytes wait,
-        no timeout scope and no trip through the loop, which cost a member GET on a link
-        that delivers its answer in pieces more than the rest of its receive
-        (docs/benchmarks-notes.md, "A GET's receives without the loop"); every
-        CHECKPOINT_BYTES the loop runs its other tasks, and cancellation is checked."""
+        no timeout scope and no trip through trio's socket wrapper and the loop (a sixth of
+        a member GET's CPU where answers arrive in pieces: docs/benchmarks-notes.md, "A
+        GET's receives without the loop"); only a receive that finds nothing waits, with
+        the timeout. Every CHECKPOINT_BYTES the loop runs its other tasks, and
+        cancellation is checked."""
         if conn.fd >= 0:
             while True:
                 try:
