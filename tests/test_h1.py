@@ -777,3 +777,36 @@ def test_an_address_that_does_not_answer_is_left_for_the_next(
         for filler in fillers:
             filler.close()
         hole.close()
+
+
+def test_a_request_written_to_a_reset_connection_is_unanswered() -> None:
+    """A kept-alive connection the server reset after `stale` looked at it: the request's
+    direct write fails (EPIPE / ECONNRESET) and that is the pool's "closed as it was reused"
+    case (`_Unanswered`, sent again on a new connection), not an OSError out of the GET."""
+    from shardfs.sources.h1 import _Connection, _Unanswered
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def reset() -> None:
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        conn.close()  # with a zero linger: an RST
+
+    server = threading.Thread(target=reset, daemon=True)
+    server.start()
+
+    async def main() -> None:
+        sock = trio.socket.socket()
+        await sock.connect(listener.getsockname())
+        await trio.to_thread.run_sync(server.join, 10.0)
+        await trio.sleep(0.05)  # the RST has arrived
+        conn = _Connection(trio.SocketStream(sock), sock)
+        h1 = Http11Pool(max_connections=1, timeout=5.0)
+        with pytest.raises(_Unanswered):
+            await h1._exchange(("http", "127.0.0.1", 80), conn, b"GET / HTTP/1.1\r\n\r\n")
+        await conn.aclose()
+
+    try:
+        trio.run(main)
+    finally:
+        listener.close()

@@ -173,6 +173,13 @@ class _Connection:
         # kernel's autotuning.
         self.window = window
 
+    def take(self, most: int) -> bytes:
+        """Up to `most` of the bytes received past what was read (no copy when all go)."""
+        buffer = self.buffer
+        piece = buffer if len(buffer) <= most else buffer[:most]
+        self.buffer = buffer[len(piece):]
+        return piece
+
     def stale(self, now: float, keep_idle_s: float) -> bool:
         """True if the connection must not carry another request: idle too long, bytes
         waiting that nobody asked for, or the server closed it (readable at EOF)."""
@@ -238,10 +245,8 @@ class _Body(httpx.AsyncByteStream):
         conn = self._conn
         if conn is None:
             return
-        buffer = conn.buffer
-        if buffer and self._left:
-            piece = buffer if len(buffer) <= self._left else buffer[: self._left]
-            conn.buffer = buffer[len(piece):]
+        if conn.buffer and self._left:
+            piece = conn.take(self._left)
             self._left -= len(piece)
             yield piece
         while self._left:
@@ -275,10 +280,8 @@ class _Body(httpx.AsyncByteStream):
         conn = self._conn
         assert conn is not None and self.can_splice()
         count = min(count, self._left)
-        buffer = conn.buffer
-        if buffer and count:  # bytes that came with the headers
-            piece = buffer if len(buffer) <= count else buffer[:count]
-            conn.buffer = buffer[len(piece):]
+        if conn.buffer and count:  # bytes that came with the headers
+            piece = conn.take(count)
             pwrite_all(into, piece, at)
             self._left -= len(piece)
             count -= len(piece)
