@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import random
+import signal
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -119,3 +121,33 @@ def test_a_full_record_leaves_reads_to_python():
         assert shim.arena_read(0, 0, 0, 1) is None  # no room to record it: Python's
         assert len(reads.collect()) == len(reads.taken) // 4
         assert shim.arena_read(0, 0, 0, 1) is not None
+
+
+def test_a_landing_is_told_while_a_read_is_being_answered():
+    """The reader thread holds the serving lock while it answers a READ; a landing must not
+    wait for it (the daemon's loop did, ~0.2 s of a `Lookahead` epoch). Here the lock is held
+    by the telling thread itself: a landing that needed it would never return (the child is
+    killed after 20 s), and the member is found once the lock is let go."""
+    with mapped(64) as (arena, reads):
+        at = arena.alloc(5_000)
+        assert at is not None
+        arena.view[at : at + 5_000] = os.urandom(5_000)
+        gen = arena.gen(at)
+        want = bytes(arena.view[at : at + 5_000])
+        pid = os.fork()
+        if pid == 0:
+            code = 3
+            try:
+                with shim.paused():  # as the reader thread holds it while it answers
+                    reads.landed([(2, 512, at, gen)])
+                code = 0 if shim.arena_read(2, 512, 0, 5_000) == want else 2
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 20
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("telling a landing waited for the serving lock")
+        assert os.waitstatus_to_exitcode(done[1]) == 0

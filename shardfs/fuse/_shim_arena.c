@@ -15,7 +15,12 @@
  *
  * The table and `taken` are changed by Python (arenareads.py) and read by whichever thread
  * answers a READ (pyfuse3's, or the reader thread of _shim_reader.c): both sides hold
- * `serve_mu` while they do (Python through shim.paused()).
+ * `serve_mu` while they do (Python through shim.paused()). Members that landed are the
+ * exception: Python appends them to `arena_landed` under a lock of its own, held only for the
+ * append, and whoever next looks the table up under `serve_mu` moves them in. A landing needs
+ * no READ in progress to finish first (waiting for the serving lock held the daemon's loop
+ * ~0.2 s of a 3.6 s `Lookahead` epoch: docs/benchmarks-notes.md, "Landed members told
+ * without waiting"); a member leaving does, as its bytes are about to be reused.
  */
 #include <sys/mman.h>
 
@@ -35,6 +40,10 @@ static const uint64_t *arena_gens;
 static uint64_t arena_size, arena_total;
 static uint64_t *arena_taken;              /* 4 per read: shard, member off, arena off, bytes */
 static uint64_t arena_taken_cap, *arena_taken_len;
+/* Members that landed, not yet in the table: 4 uint64 each (shard, member off, at, gen). */
+static pthread_mutex_t arena_landed_mu = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t *arena_landed, arena_landed_cap;
+static uint64_t arena_landed_len;   /* read without the lock as a hint (atomic) */
 
 static uint64_t arena_home(uint64_t shard_plus1, uint64_t member_off)
 {
@@ -112,6 +121,9 @@ int shardfs_shim_arena_map(int fd, uint64_t total, uint64_t size, uint64_t *take
     if (arena_tab != NULL)
         memset(arena_tab, 0, (arena_mask + 1) * sizeof(*arena_tab));
     arena_count = 0;
+    pthread_mutex_lock(&arena_landed_mu);   /* landings told for the mapping before */
+    __atomic_store_n(&arena_landed_len, 0, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&arena_landed_mu);
     arena_data = map;
     arena_gens = (const uint64_t *)(arena_data + size);
     arena_size = size;
@@ -122,8 +134,8 @@ int shardfs_shim_arena_map(int fd, uint64_t total, uint64_t size, uint64_t *take
     return 0;
 }
 
-/* A member landed at `at` (its first block's generation `gen`). 0, or -errno. */
-int shardfs_shim_arena_put(uint32_t shard, uint64_t member_off, uint64_t at, uint64_t gen)
+/* A member landed at `at` (its first block's generation `gen`). 0, or -errno. With serve_mu. */
+static int arena_put(uint32_t shard, uint64_t member_off, uint64_t at, uint64_t gen)
 {
     if (arena_data == NULL || at >= arena_size || at % ARENA_BLOCK)
         return -EINVAL;
@@ -140,17 +152,65 @@ int shardfs_shim_arena_put(uint32_t shard, uint64_t member_off, uint64_t at, uin
     return 0;
 }
 
-/* The member that landed at `at` with `gen` left the arena (if the table still has it there). */
-void shardfs_shim_arena_drop(uint32_t shard, uint64_t member_off, uint64_t at, uint64_t gen)
+/* Members that landed (`n` of them, 4 uint64 each: shard, member offset, arena offset,
+ * generation), queued for the table without serve_mu. 0, or -ENOMEM (none queued). */
+int shardfs_shim_arena_landed(const uint64_t *flat, uint64_t n)
 {
-    struct arena_slot *e = arena_find((uint64_t)shard + 1, member_off);
-    if (e != NULL && e->at == at && e->gen == gen)
-        arena_remove(e);
+    if (n == 0)
+        return 0;
+    pthread_mutex_lock(&arena_landed_mu);
+    uint64_t len = __atomic_load_n(&arena_landed_len, __ATOMIC_RELAXED);
+    if (len + n > arena_landed_cap) {
+        uint64_t cap = arena_landed_cap ? arena_landed_cap : 256;
+        while (cap < len + n)
+            cap *= 2;
+        uint64_t *grown = realloc(arena_landed, cap * 4 * sizeof(uint64_t));
+        if (grown == NULL) {
+            pthread_mutex_unlock(&arena_landed_mu);
+            return -ENOMEM;
+        }
+        arena_landed = grown;
+        arena_landed_cap = cap;
+    }
+    memcpy(arena_landed + 4 * len, flat, n * 4 * sizeof(uint64_t));
+    __atomic_store_n(&arena_landed_len, len + n, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&arena_landed_mu);
+    return 0;
 }
 
-/* Members the table holds (tests, stats). */
+/* Move the queued landings into the table (with serve_mu). One that cannot be put (no memory
+ * for the table) is left to Python's READ, as a member the table never had. */
+static void arena_take_landed(void)
+{
+    if (__atomic_load_n(&arena_landed_len, __ATOMIC_ACQUIRE) == 0)
+        return;
+    pthread_mutex_lock(&arena_landed_mu);
+    uint64_t len = arena_landed_len;
+    for (uint64_t i = 0; i < len; i++) {
+        const uint64_t *e = arena_landed + 4 * i;
+        (void)arena_put((uint32_t)e[0], e[1], e[2], e[3]);
+    }
+    __atomic_store_n(&arena_landed_len, 0, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&arena_landed_mu);
+}
+
+/* Members that left the arena (`n`, 4 uint64 each as for shardfs_shim_arena_landed): the
+ * table forgets each it still has there. With serve_mu: their bytes are about to be reused. */
+void shardfs_shim_arena_gone(const uint64_t *flat, uint64_t n)
+{
+    arena_take_landed();   /* a landing told before a leaving is undone by it */
+    for (uint64_t i = 0; i < n; i++) {
+        const uint64_t *g = flat + 4 * i;
+        struct arena_slot *e = arena_find(g[0] + 1, g[1]);
+        if (e != NULL && e->at == g[2] && e->gen == g[3])
+            arena_remove(e);
+    }
+}
+
+/* Members the table holds (tests, stats; with serve_mu). */
 uint64_t shardfs_shim_arena_count(void)
 {
+    arena_take_landed();
     return arena_count;
 }
 
@@ -158,6 +218,7 @@ uint64_t shardfs_shim_arena_count(void)
  * holds it: 1, with the read recorded in `taken`; 0 when Python must answer. */
 static int arena_copy(uint32_t shard, uint64_t member_off, uint64_t off, size_t n, char *buf)
 {
+    arena_take_landed();
     if (arena_count == 0 || n == 0 || *arena_taken_len >= arena_taken_cap)
         return 0;
     struct arena_slot *e = arena_find((uint64_t)shard + 1, member_off);

@@ -12,7 +12,8 @@ The shim records each read it served in `taken` (shard, member offset, arena off
 frees members once read and fetches on). When `taken` is full, reads go to Python, which asks
 the daemon for them, until the next collection. The shim's reader thread (docs/pyfuse3.md)
 answers such reads too, without the GIL: the table and `taken` change here only under
-`shim.paused()`.
+`shim.paused()`, but for landings, which the shim queues under a lock of its own and moves
+into the table at its next lookup (a landing need not wait for a READ being answered).
 """
 
 from __future__ import annotations
@@ -49,17 +50,19 @@ class ArenaReads:
 
     @staticmethod
     def landed(entries: list[tuple[int, int, int, int]]) -> None:
-        """(shard, member offset, arena offset, generation) of members that landed."""
-        with shim.paused():
-            for shard, member_off, at, gen in entries:
-                shim.arena_put(shard, member_off, at, gen)
+        """(shard, member offset, arena offset, generation) of members that landed: queued
+        for the shim's table without waiting for a READ it is answering."""
+        if entries:
+            shim.arena_landed(_flat(entries))
 
     @staticmethod
     def gone(entries: list[tuple[int, int, int, int]]) -> None:
-        """The same for members that left the arena."""
-        with shim.paused():
-            for shard, member_off, at, gen in entries:
-                shim.arena_drop(shard, member_off, at, gen)
+        """The same for members that left the arena (their places may be reused at once:
+        no READ may be copying them meanwhile)."""
+        if entries:
+            flat = _flat(entries)
+            with shim.paused():
+                shim.arena_gone(flat)
 
     def collect(self) -> list[tuple[int, int, int, int]]:
         """The reads the shim served since the last call: (shard, member offset, arena
@@ -71,3 +74,7 @@ class ArenaReads:
             flat = self.taken[: 4 * n]
             self.taken_len[0] = 0
         return list(zip(flat[0::4], flat[1::4], flat[2::4], flat[3::4], strict=True))
+
+
+def _flat(entries: list[tuple[int, int, int, int]]) -> array:
+    return array("Q", [n for entry in entries for n in entry])

@@ -256,18 +256,28 @@ def arena_map(fd: int, total: int, size: int, taken: array, taken_len: array) ->
                                        ctypes.c_void_p(_address(taken_len)))
 
 
-def arena_put(shard: int, member_off: int, at: int, gen: int) -> int:
-    """The member at `member_off` of `shard` landed at arena offset `at` (generation `gen`)."""
+def arena_landed(flat: array) -> int:
+    """Members that landed, 4 unsigned 64-bit numbers each (shard, member offset, arena offset,
+    generation): queued for the table without holding off the C answers (they move in at the
+    next lookup). 0, or -errno."""
     assert _lib is not None
-    return _lib.shardfs_shim_arena_put(ctypes.c_uint32(shard), ctypes.c_uint64(member_off),
-                                       ctypes.c_uint64(at), ctypes.c_uint64(gen))
+    if flat.typecode != "Q" or len(flat) % 4:
+        raise ValueError("arena_landed needs unsigned 64-bit numbers, 4 per member")
+    if not flat:
+        return 0
+    return _lib.shardfs_shim_arena_landed(ctypes.c_void_p(_address(flat)),
+                                          ctypes.c_uint64(len(flat) // 4))
 
 
-def arena_drop(shard: int, member_off: int, at: int, gen: int) -> None:
-    """That member left the arena (the shim forgets it if it still has it there)."""
+def arena_gone(flat: array) -> None:
+    """Members that left the arena, as for arena_landed: the shim forgets each it still has
+    there. Call within paused(): their bytes are about to be reused."""
     assert _lib is not None
-    _lib.shardfs_shim_arena_drop(ctypes.c_uint32(shard), ctypes.c_uint64(member_off),
-                                 ctypes.c_uint64(at), ctypes.c_uint64(gen))
+    if flat.typecode != "Q" or len(flat) % 4:
+        raise ValueError("arena_gone needs unsigned 64-bit numbers, 4 per member")
+    if flat:
+        _lib.shardfs_shim_arena_gone(ctypes.c_void_p(_address(flat)),
+                                     ctypes.c_uint64(len(flat) // 4))
 
 
 def arena_read(shard: int, member_off: int, off: int, n: int) -> bytes | None:
@@ -282,8 +292,11 @@ def arena_read(shard: int, member_off: int, off: int, n: int) -> bytes | None:
 
 
 def arena_members() -> int:
-    """Members the shim's arena table holds in this process."""
-    return 0 if _lib is None else int(_lib.shardfs_shim_arena_count())
+    """Members the shim's arena table holds in this process (landings queued moved in)."""
+    if _lib is None:
+        return 0
+    with paused():
+        return int(_lib.shardfs_shim_arena_count())
 
 
 class PushCounts(ctypes.Structure):
