@@ -1,6 +1,7 @@
 """Part-file writes past the page cache (shardfs/cache/directwrite.py), on real files: the
 runs land byte for byte, their aligned middles are not left in the page cache, a run's
-unaligned head or tail goes through it, and a failed write reaches its writer."""
+unaligned head or tail goes through it, a failed write reaches its writer, and a disk that
+stalls (a file system frozen by fsfreeze) holds no writer until its allowance is full."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import itertools
 import mmap
 import os
 import random
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -97,6 +99,65 @@ def test_a_failed_direct_write_reaches_its_writer(tmp_path: Path) -> None:
     finally:
         for each in (fd, direct_fd, read_only):
             os.close(each)
+        direct.close()
+
+
+def test_a_stalled_disk_holds_no_writer_until_its_allowance_is_full(loop_disks) -> None:
+    """Runs handed to the writer while the disk takes nothing (its file system frozen) are
+    taken at once up to `pending_max` bytes, none reported written; the next waits for room;
+    once the disk thaws every run is written and reported, byte for byte. (Before, every
+    writer waited for its run to be on the disk: a fill's GETs stopped with the disk.)"""
+    disk = loop_disks("cache")
+    path = disk.path / "part"
+    data = os.urandom(6 * PIECE)
+    direct, fd, direct_fd = _direct(path, len(data))
+    direct.pending_max = 4 * PIECE
+    frozen = subprocess.run(["fsfreeze", "--freeze", str(disk.path)], capture_output=True,
+                            text=True)
+    if frozen.returncode != 0:
+        os.close(fd)
+        os.close(direct_fd)
+        pytest.skip(f"fsfreeze: {frozen.stderr.strip()}")
+    done: list[tuple[int, OSError | None]] = []
+
+    def staged(i: int):
+        run = direct.stage(i * PIECE)
+        run.add(data[i * PIECE : (i + 1) * PIECE])
+        return run
+
+    async def submit(i: int) -> None:
+        await direct.submit(staged(i), direct_fd, fd,
+                            lambda error: done.append((i, error)))
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            direct.start(nursery)
+            try:
+                with trio.fail_after(20):  # (a writer waiting for the disk: never returns)
+                    for i in range(4):
+                        await submit(i)
+                await trio.sleep(0.3)
+                assert done == [] and direct.pending == 4 * PIECE  # the disk took nothing
+                with trio.move_on_after(0.5) as waited:
+                    await submit(4)  # over the allowance: waits for the disk
+                assert waited.cancelled_caught and direct.pending == 4 * PIECE
+            finally:
+                subprocess.run(["fsfreeze", "--unfreeze", str(disk.path)], capture_output=True)
+            with trio.fail_after(20):
+                await submit(4)
+                await submit(5)
+                while len(done) < 6:
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+        assert sorted(done) == [(i, None) for i in range(6)] and direct.pending == 0
+        assert os.pread(fd, len(data) + 1, 0) == data
+    finally:
+        subprocess.run(["fsfreeze", "--unfreeze", str(disk.path)], capture_output=True)
+        os.close(fd)
+        os.close(direct_fd)
         direct.close()
 
 

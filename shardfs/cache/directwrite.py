@@ -18,6 +18,13 @@ system keeps coherent with the direct writes beside it.
 
 Not used where the file system gives no alignment (tmpfs: it is memory anyway), where an
 O_DIRECT open fails, or with SHARDFS_FILL_BUFFERED=1 (to measure one against the other).
+
+A GET hands its full buffers to the writer and goes on receiving (`submit`): the disk's time
+is not the link's. A disk that stalls for a moment (this VM's did for 0.1-0.3 s, once 1.3 s,
+in a 3.6 s epoch) stopped every fill GET while they waited for their writes, and with them the
+link (docs/benchmarks-notes.md, "Fill GETs that do not wait for the disk"). Up to
+PENDING_MAX bytes may wait for the disk; past that a GET waits too, so a disk slower than the
+link slows the fill rather than filling memory.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import errno
 import logging
 import mmap
 import os
+from collections.abc import Callable
 
 import trio
 
@@ -39,6 +47,9 @@ log = logging.getLogger(__name__)
 # scale 3). With its 64 GETs in flight the buffers take at most ~16 MiB, kept for reuse.
 PIECE = 256 << 10
 POOL_KEEP = 64  # idle buffers kept for the next GETs (the rest are unmapped)
+# Bytes handed to the writer and not yet on the disk before a GET waits for them: a second
+# of a 64 MiB/s disk's stall, or 0.6 s of a 100 MB/s link.
+PENDING_MAX = 64 << 20
 
 _STATX_DIOALIGN = 0x2000
 _AT_EMPTY_PATH = 0x1000
@@ -73,11 +84,14 @@ class DirectWrites:
     writes them (`start`), in batches: a worker thread per batch, not per GET (a thread's
     round trip cost about as much CPU here as the direct write itself)."""
 
-    def __init__(self, align: int) -> None:
+    def __init__(self, align: int, pending_max: int = PENDING_MAX) -> None:
         self.align = align
+        self.pending_max = pending_max
+        self.pending = 0  # bytes submitted and not yet on the disk
         self._idle: list[mmap.mmap] = []
         self._queue: list[_Write] = []
         self._wake = trio.Event()
+        self._room = trio.Event()  # set when a batch is done: `pending` went down
         self._running = False
 
     @classmethod
@@ -120,31 +134,60 @@ class DirectWrites:
                 batch, self._queue = self._queue, []
                 await trio.to_thread.run_sync(_write_batch, batch,
                                               thread_name="shardfs direct writes")
-                for item in batch:
-                    self.release(item.staged)
-                    item.done.set()
+                self._finish(batch)
                 batch = []
         finally:
             self._running = False  # (a later `start` starts another)
             for item in self._queue:
                 item.error = OSError(errno.ECANCELED, "not written: the daemon is ending")
                 _close(item)
-            for item in batch + self._queue:
-                item.done.set()
+            self._finish(batch + self._queue)
             self._queue.clear()
 
-    async def write(self, staged: Staged, direct_fd: int, fd: int) -> None:
-        """Write a staged run (its aligned middle through `direct_fd`, an unaligned head or
-        tail through `fd`) and give its buffer back to the pool; returns once it is on the
-        disk (OSError: it is not). The writer owns the buffer from here, also when the
-        caller is cancelled; it writes through duplicates of the descriptors, so the caller
-        may close its own meanwhile. The writer task must be started (`start`)."""
-        item = _Write(staged, os.dup(direct_fd), os.dup(fd))
+    def _finish(self, items: list[_Write]) -> None:
+        """Items the writer is done with (written, failed or dropped): buffers back to the
+        pool, their submitters told."""
+        for item in items:
+            self.pending -= item.staged.size
+            self.release(item.staged)
+            try:
+                item.on_done(item.error)
+            except Exception:  # a bug in the submitter's callback: not the writer's end
+                log.exception("a direct write's completion failed")
+        self._room.set()
+
+    async def submit(self, staged: Staged, direct_fd: int, fd: int,
+                     on_done: Callable[[OSError | None], None]) -> None:
+        """Hand a staged run to the writer (its aligned middle through `direct_fd`, an
+        unaligned head or tail through `fd`) and return: at once, unless `pending_max` bytes
+        wait for the disk already (then once fewer do). `on_done(None)` is called once the
+        run is on the disk, `on_done(OSError)` if it is not (also when the daemon ends first),
+        from the writer's task. The writer owns the buffer from here, also when the caller
+        is cancelled; it writes through duplicates of the descriptors, so the caller may
+        close its own meanwhile. The writer task must be started (`start`)."""
+        while self.pending >= self.pending_max:
+            if self._room.is_set():
+                self._room = trio.Event()
+            await self._room.wait()
+        item = _Write(staged, os.dup(direct_fd), os.dup(fd), on_done)
+        self.pending += staged.size
         self._queue.append(item)
         self._wake.set()
-        await item.done.wait()
-        if item.error is not None:
-            raise item.error
+
+    async def write(self, staged: Staged, direct_fd: int, fd: int) -> None:
+        """`submit`, then wait until the run is on the disk (OSError: it is not)."""
+        done = trio.Event()
+        errors: list[OSError] = []
+
+        def on_done(error: OSError | None) -> None:
+            if error is not None:
+                errors.append(error)
+            done.set()
+
+        await self.submit(staged, direct_fd, fd, on_done)
+        await done.wait()
+        if errors:
+            raise errors[0]
 
     def release(self, staged: Staged) -> None:
         if len(self._idle) < POOL_KEEP:
@@ -206,12 +249,13 @@ class Staged:
 
 
 class _Write:
-    __slots__ = ("direct_fd", "done", "error", "fd", "staged")
+    __slots__ = ("direct_fd", "error", "fd", "on_done", "staged")
 
-    def __init__(self, staged: Staged, direct_fd: int, fd: int) -> None:
+    def __init__(self, staged: Staged, direct_fd: int, fd: int,
+                 on_done: Callable[[OSError | None], None]) -> None:
         self.staged, self.direct_fd, self.fd = staged, direct_fd, fd
-        self.done = trio.Event()
-        self.error: BaseException | None = None
+        self.on_done = on_done
+        self.error: OSError | None = None
 
 
 def _write_batch(batch: list[_Write]) -> None:

@@ -402,9 +402,12 @@ class Downloads:
 
     # -- the GETs of a Lookahead fill (reader.py, "shards filled by the Lookahead") ----------
     async def run_fill_get(self, fetch: Fetch, get: Get,
-                           on_chunk: Callable[[bytes], None] | None = None) -> None:
-        """Stream a planned GET into the fill's part file. Its failure (the source's own
-        retries spent) fails the fill: its readers read their members instead."""
+                           on_chunk: Callable[[bytes], None] | None = None) -> int:
+        """Stream a planned GET into the fill's part file; the bytes it received. Its
+        failure (the source's own retries spent) fails the fill: its readers read their
+        members instead. Written directly, its last bytes may still be on their way to the
+        disk when it returns (they count as arrived once they are there: the fill commits
+        after them)."""
         info = self.catalog.shards[fetch.shard]
         writes = fetch.writes
         assert writes is not None
@@ -413,14 +416,16 @@ class Downloads:
             else None
         staged: Staged | None = None
         run = writes.run(get.start)  # [start, end, CRC-32C] of the bytes received
+        at = get.pos  # the file offset of the next byte to come
+        track = _GetWrites()
         try:
             if fetch.failed is not None:
-                return
+                return 0
             source = self.sources.for_url(info.url)
             async with aclosing(source.stream(info, get.pos, get.stop)) as chunks:
                 async for chunk in chunks:
                     if fetch.failed is not None:
-                        return  # the fill is over: its part file is closed
+                        return at - get.start  # the fill is over: its part file is closed
                     self.stats.shard_bytes += len(chunk)
                     if run is not None and run[1] < get.stop:
                         piece = chunk[: get.stop - run[1]]
@@ -429,61 +434,101 @@ class Downloads:
                     if on_chunk is not None:  # landed first: a direct write takes a while
                         on_chunk(chunk)
                     if direct is not None:
-                        staged = await self._stage(direct, fetch, get, staged, chunk)
+                        staged = await self._stage(direct, fetch, get, track, staged, chunk,
+                                                   at)
                     else:
                         self.write(fetch, get, chunk)
+                    at += len(chunk)
             if staged is not None:
                 last, staged = staged, None
                 assert direct is not None
-                await self._write_staged(direct, fetch, get, last)
-            if get.running:
-                raise SourceError(f"{info.url}: {get.stop - get.pos} bytes of range "
+                await self._write_staged(direct, fetch, get, track, last)
+            if at < get.stop:
+                raise SourceError(f"{info.url}: {get.stop - at} bytes of range "
                                   f"[{get.start}, {get.stop}) missing")
+            return at - get.start
         except (SourceError, OSError) as exc:
-            if direct is not None and isinstance(exc, OSError) and exc.errno == errno.EINVAL \
-                    and self.direct is direct:
-                # The file system took the O_DIRECT open but not the writes its statx
-                # alignment allows: this fill fails, the next ones write as before.
-                log.warning("direct writes to the cache failed (%s): through the page cache "
-                            "from now on", exc)
-                self.direct = None
-            if fetch.failed is None:
-                fetch.error = exc
-                fetch.fail(exc)  # wakes _run_fill (which drops the part) and the readers
+            self._fill_failed(fetch, exc, direct_write=direct is not None and self.direct is direct)
             raise
         finally:
             if staged is not None:
                 assert direct is not None
                 direct.release(staged)
-            with contextlib.suppress(ValueError):
-                fetch.gets.remove(get)
+            track.received = True
+            if not track.writing:  # else its last write's end: the GET is on its way till then
+                with contextlib.suppress(ValueError):
+                    fetch.gets.remove(get)
 
-    async def _stage(self, direct: DirectWrites, fetch: Fetch, get: Get,
-                     staged: Staged | None, chunk: bytes) -> Staged | None:
-        """Gather a fill GET's chunk for a direct write; a full buffer is written (and its
-        bytes counted as written) before the rest of the chunk is taken."""
+    def _fill_failed(self, fetch: Fetch, exc: Exception, *, direct_write: bool) -> None:
+        """A fill GET failed, or one of its direct writes did: the fill fails (its part file
+        is dropped, its readers read their members)."""
+        if direct_write and isinstance(exc, OSError) and exc.errno == errno.EINVAL:
+            # The file system took the O_DIRECT open but not the writes its statx alignment
+            # allows: this fill fails, the next ones write as before.
+            log.warning("direct writes to the cache failed (%s): through the page cache "
+                        "from now on", exc)
+            self.direct = None
+        if fetch.failed is None:
+            fetch.error = exc
+            fetch.fail(exc)  # wakes _run_fill (which drops the part) and the readers
+
+    async def _stage(self, direct: DirectWrites, fetch: Fetch, get: Get, track: _GetWrites,
+                     staged: Staged | None, chunk: bytes, at: int) -> Staged | None:
+        """Gather a fill GET's chunk (its first byte at file offset `at`) for a direct
+        write; a full buffer is handed to the writer before the rest of the chunk is
+        taken."""
         with memoryview(chunk) as view:
-            view = view[: max(0, get.stop - (staged.end if staged is not None else get.pos))]
+            view = view[: max(0, get.stop - at)]
             while view:
                 if staged is None:
-                    staged = direct.stage(get.pos)
-                view = view[staged.add(view):]
+                    staged = direct.stage(at)
+                taken = staged.add(view)
+                view, at = view[taken:], at + taken
                 if not staged.room:
                     full, staged = staged, None
-                    await self._write_staged(direct, fetch, get, full)
+                    await self._write_staged(direct, fetch, get, track, full)
         return staged
 
     async def _write_staged(self, direct: DirectWrites, fetch: Fetch, get: Get,
-                            staged: Staged) -> None:
+                            track: _GetWrites, staged: Staged) -> None:
         """Hand a GET's gathered bytes to the direct writer (which owns the buffer from
-        now) and count them as written once they are: a read waiting on them in the part
-        file wakes only then."""
+        now) and go on: they count as written once they are on the disk (a read waiting
+        on them in the part file wakes only then, and the fill commits after them); a
+        GET waits only while the writer has DirectWrites.pending_max bytes to write."""
         writes = fetch.writes
         assert writes is not None and writes.direct_fd is not None
         assert self.nursery is not None
         direct.start(self.nursery)
         at, n = staged.at, staged.size
-        await direct.write(staged, writes.direct_fd, fetch.part.fd)
-        writes.direct_bytes += n
-        self.stats.fill_direct_bytes += n
-        self.wrote(fetch, get, at, n)
+
+        def on_done(error: OSError | None) -> None:
+            track.writing -= 1
+            if error is not None:
+                self._fill_failed(fetch, error, direct_write=self.direct is direct)
+            elif fetch.failed is None:
+                writes.direct_bytes += n
+                self.stats.fill_direct_bytes += n
+                self.wrote(fetch, get, at, n)
+            if track.received and not track.writing:
+                with contextlib.suppress(ValueError):
+                    fetch.gets.remove(get)
+
+        track.writing += 1
+        try:
+            await direct.submit(staged, writes.direct_fd, fetch.part.fd, on_done)
+        except BaseException:
+            track.writing -= 1  # (not handed over: cancelled while the writer was full)
+            direct.release(staged)
+            raise
+
+
+class _GetWrites:
+    """A fill GET's direct writes: how many are on their way to the disk, and whether the
+    GET has received all it will. It stays among its fetch's GETs (its bytes "on their way",
+    Fetch.missing) until both are done."""
+
+    __slots__ = ("received", "writing")
+
+    def __init__(self) -> None:
+        self.writing = 0
+        self.received = False

@@ -128,7 +128,7 @@ class PartFiller(Protocol):
     def plan_fill_get(self, fetch: Fetch, start: int, stop: int) -> Get: ...
 
     async def run_fill_get(self, fetch: Fetch, get: Get,
-                           on_chunk: Callable[[bytes], None] | None = None) -> None: ...
+                           on_chunk: Callable[[bytes], None] | None = None) -> int: ...
 
 
 @dataclass(slots=True)
@@ -788,9 +788,11 @@ class Lookahead:
         assert self.parts is not None
         stats = self.stats
         landing = _Landing(self, group, get.start) if group else None
+        brought = 0
         try:
-            await self.parts.run_fill_get(fetch, get, landing.add if landing else None)
+            brought = await self.parts.run_fill_get(fetch, get, landing.add if landing else None)
         except (SourceError, OSError) as exc:
+            brought = get.pos - get.start  # (those written: the failure's count is rough)
             stats.part_errors += 1  # the fill fails: its reads read their members instead
             log.warning("lookahead: filling shard %d [%d, %d) failed: %s", fetch.shard,
                         get.start, get.stop, exc)
@@ -798,10 +800,10 @@ class Lookahead:
             self._requests -= 1
             if hole:
                 stats.hole_requests += 1
-                stats.hole_bytes += get.pos - get.start
+                stats.hole_bytes += brought
             else:
                 stats.part_requests += 1
-                stats.part_bytes += get.pos - get.start
+                stats.part_bytes += brought
             self._settle(group or [])
 
     # -- dropping --------------------------------------------------------------------------

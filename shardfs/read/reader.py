@@ -701,9 +701,10 @@ class Reader:
         return get
 
     async def run_fill_get(self, fetch: Fetch, get: Get,
-                           on_chunk: Callable[[bytes], None] | None = None) -> None:
-        """Stream a planned GET into the fill's part file (Downloads.run_fill_get)."""
-        await self.downloads.run_fill_get(fetch, get, on_chunk)
+                           on_chunk: Callable[[bytes], None] | None = None) -> int:
+        """Stream a planned GET into the fill's part file (Downloads.run_fill_get); the bytes
+        it received."""
+        return await self.downloads.run_fill_get(fetch, get, on_chunk)
 
     async def _run_fill(self, fetch: Fetch) -> None:
         """Commit a fill once every byte is in and its digest matches the index."""
