@@ -32,6 +32,20 @@ def _direct(path: Path, size: int) -> tuple[DirectWrites, int, int]:
     return direct, fd, direct_fd
 
 
+async def _written(direct: DirectWrites, staged, direct_fd: int, fd: int) -> OSError | None:
+    """Submit a run, as a fill's GET does, and wait for the writer's report of it."""
+    done = trio.Event()
+    report: list[OSError | None] = []
+
+    def on_done(error: OSError | None) -> None:
+        report.append(error)
+        done.set()
+
+    await direct.submit(staged, direct_fd, fd, on_done)
+    await done.wait()
+    return report[0]
+
+
 def _write_runs(direct: DirectWrites, fd: int, direct_fd: int, data: bytes,
                 cuts: list[int]) -> None:
     """Each run [a, b) gathered as a GET gathers it (pieces of a buffer) and written."""
@@ -45,7 +59,7 @@ def _write_runs(direct: DirectWrites, fd: int, direct_fd: int, data: bytes,
                     staged = direct.stage(pos)
                     while pos < b and staged.room:
                         pos += staged.add(data[pos : min(b, pos + 50_000)])
-                    await direct.write(staged, direct_fd, fd)
+                    assert await _written(direct, staged, direct_fd, fd) is None
             nursery.cancel_scope.cancel()
 
     trio.run(main)
@@ -89,9 +103,8 @@ def test_a_failed_direct_write_reaches_its_writer(tmp_path: Path) -> None:
             direct.start(nursery)
             staged = direct.stage(0)
             staged.add(b"x" * PIECE)
-            with pytest.raises(OSError) as failed:
-                await direct.write(staged, read_only, fd)  # not open for writing
-            assert failed.value.errno == errno.EBADF
+            failed = await _written(direct, staged, read_only, fd)  # not open for writing
+            assert failed is not None and failed.errno == errno.EBADF
             nursery.cancel_scope.cancel()
 
     try:

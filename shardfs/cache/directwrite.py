@@ -44,11 +44,12 @@ from shardfs.util.fileio import pwrite_all
 log = logging.getLogger(__name__)
 
 # Bytes gathered before one direct write: a fill's GET is usually smaller (~190 KB at bench
-# scale 3). With its 64 GETs in flight the buffers take at most ~16 MiB, kept for reuse.
+# scale 3). The buffers take at most ~16 MiB for its 64 GETs in flight plus PENDING_MAX for
+# the writes waiting for the disk; POOL_KEEP of them are kept for reuse.
 PIECE = 256 << 10
 POOL_KEEP = 64  # idle buffers kept for the next GETs (the rest are unmapped)
-# Bytes handed to the writer and not yet on the disk before a GET waits for them: a second
-# of a 64 MiB/s disk's stall, or 0.6 s of a 100 MB/s link.
+# Bytes handed to the writer and not yet on the disk before a GET waits for them: ~0.6 s of a
+# 100 MB/s link's bytes while the disk takes none.
 PENDING_MAX = 64 << 20
 
 _STATX_DIOALIGN = 0x2000
@@ -173,21 +174,6 @@ class DirectWrites:
         self.pending += staged.size
         self._queue.append(item)
         self._wake.set()
-
-    async def write(self, staged: Staged, direct_fd: int, fd: int) -> None:
-        """`submit`, then wait until the run is on the disk (OSError: it is not)."""
-        done = trio.Event()
-        errors: list[OSError] = []
-
-        def on_done(error: OSError | None) -> None:
-            if error is not None:
-                errors.append(error)
-            done.set()
-
-        await self.submit(staged, direct_fd, fd, on_done)
-        await done.wait()
-        if errors:
-            raise errors[0]
 
     def release(self, staged: Staged) -> None:
         if len(self._idle) < POOL_KEEP:

@@ -261,23 +261,22 @@ def arena_landed(flat: array) -> int:
     generation): queued for the table without holding off the C answers (they move in at the
     next lookup). 0, or -errno."""
     assert _lib is not None
-    if flat.typecode != "Q" or len(flat) % 4:
-        raise ValueError("arena_landed needs unsigned 64-bit numbers, 4 per member")
-    if not flat:
-        return 0
-    return _lib.shardfs_shim_arena_landed(ctypes.c_void_p(_address(flat)),
-                                          ctypes.c_uint64(len(flat) // 4))
+    return _lib.shardfs_shim_arena_landed(*_members(flat))
 
 
 def arena_gone(flat: array) -> None:
     """Members that left the arena, as for arena_landed: the shim forgets each it still has
     there. Call within paused(): their bytes are about to be reused."""
     assert _lib is not None
+    _lib.shardfs_shim_arena_gone(*_members(flat))
+
+
+def _members(flat: array) -> tuple[ctypes.c_void_p, ctypes.c_uint64]:
+    """A flat array of members (4 unsigned 64-bit numbers each) as the shim's (pointer,
+    count) arguments."""
     if flat.typecode != "Q" or len(flat) % 4:
-        raise ValueError("arena_gone needs unsigned 64-bit numbers, 4 per member")
-    if flat:
-        _lib.shardfs_shim_arena_gone(ctypes.c_void_p(_address(flat)),
-                                     ctypes.c_uint64(len(flat) // 4))
+        raise ValueError("arena members are unsigned 64-bit numbers, 4 each")
+    return ctypes.c_void_p(_address(flat)), ctypes.c_uint64(len(flat) // 4)
 
 
 def arena_read(shard: int, member_off: int, off: int, n: int) -> bytes | None:

@@ -495,6 +495,9 @@ class Downloads:
         now) and go on: they count as written once they are on the disk (a read waiting
         on them in the part file wakes only then, and the fill commits after them); a
         GET waits only while the writer has DirectWrites.pending_max bytes to write."""
+        if fetch.failed is not None:  # (an earlier write of the fill failed meanwhile)
+            direct.release(staged)
+            return  # the fill is over: its part file is closed
         writes = fetch.writes
         assert writes is not None and writes.direct_fd is not None
         assert self.nursery is not None
