@@ -529,7 +529,7 @@ BIG_BODY = 6 << 20  # long enough for a queue to build and a few looks at it
 def _capped_nginx_port(nginx: Nginx, rate: str) -> PortCap:
     if shutil.which("tc") is None:
         pytest.skip("tc not installed (iproute2)")
-    return PortCap(nginx.port, rate)
+    return PortCap(nginx.port, rate, burst="256kb")  # a queue from the first bytes
 
 
 def test_a_small_window_get_is_capped_where_a_queue_stands(nginx: Nginx) -> None:
