@@ -10,7 +10,9 @@ import hashlib
 import itertools
 import os
 import random
-from collections.abc import AsyncIterator
+import subprocess
+import threading
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import crc32c
@@ -25,6 +27,7 @@ from shardfs.daemon.announce import attach_lookahead
 from shardfs.read.lookahead import Lookahead, LookaheadPolicy, Stream
 from shardfs.read.reader import Reader
 from shardfs.sources import ShardInfo, Source, Sources, SourceSettings, Unreachable
+from tests.conftest import LoopDisk
 from tests.test_reader import Shards, file_inodes, run_reader, write_shards
 
 
@@ -47,6 +50,8 @@ class _Ranges:
 
     async def stream(self, shard: ShardInfo, start: int, end: int) -> AsyncIterator[bytes]:
         self.owner.asked.append((shard.url, start, end))
+        if self.owner.gate is not None:
+            await self.owner.gate.wait()
         if self.owner.fail > 0:
             self.owner.fail -= 1
             raise Unreachable(f"{shard.url}: injected failure of [{start}, {end})")
@@ -67,6 +72,7 @@ class _Sources(Sources):
         super().__init__(SourceSettings(chunk_size=4096))
         self.fail = fail
         self.asked: list[tuple[str, int, int]] = []
+        self.gate: trio.Event | None = None  # set: GETs wait for it before their bytes
 
     def for_url(self, url: str) -> Source:
         return _Ranges(super().for_url(url), self)
@@ -417,3 +423,79 @@ def test_direct_writes_the_file_system_refuses_fail_one_fill_and_stop(
         assert reader.stats.eio == 0 and reader.stats.fill_direct_bytes == 0, reader.stats
 
     run_reader(tmp_path, shards.urls, 100 * shards.shard_size, body, sources=_Sources())
+
+
+def test_a_fill_goes_on_while_the_cache_disk_takes_no_writes(
+        shards: Shards, loop_disks: Callable[[str], LoopDisk]) -> None:
+    """The cache's disk stops taking writes (an ext4 on a loop device frozen by fsfreeze;
+    this VM's disk stalled for up to 1.3 s, docs/benchmarks-notes.md "Fill GETs that do not
+    wait for the disk"): a fill's GETs hand their direct writes to the writer and end, so
+    the fill's next GETs go out in turn and every announced member lands while nothing
+    reaches the disk (GETs that waited for their writes would hold the fill's two slots
+    till the disk came back, and each read would have to ask for its own member). The
+    reads take the landed members; the fill commits after the thaw, byte for byte."""
+    disk = loop_disks("cache")
+    shard = 3
+    data = shards.paths[shard].read_bytes()
+    sources = _Sources()
+    frozen = threading.Event()
+
+    def thaw() -> None:
+        if frozen.is_set():
+            subprocess.run(["fsfreeze", "--unfreeze", str(disk.path)], capture_output=True)
+            frozen.clear()
+
+    async def body(reader: Reader, catalog: Catalog, cache: ShardCache) -> None:
+        inodes = file_inodes(catalog)
+        sources.gate = trio.Event()
+        async with trio.open_nursery() as nursery:
+            lookahead = await _started(reader, LookaheadPolicy(fill_requests=2), nursery)
+            refs = _refs(catalog, inodes, shard)
+            stream = lookahead.open_stream()
+            stream.announce(refs)
+            with trio.fail_after(10):  # the fill planned, its part file open, 2 GETs waiting
+                while len(sources.asked) < 2:
+                    await trio.sleep(0.005)
+            fetch = reader.fetches[shard]
+            assert fetch.fill and fetch.writes is not None, fetch
+            if fetch.writes.direct_fd is None:
+                pytest.skip("no direct I/O on the loop disk's file system")
+            done = subprocess.run(["fsfreeze", "--freeze", str(disk.path)],
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                pytest.skip(f"fsfreeze: {done.stderr.strip()}")
+            frozen.set()
+            # A loop blocked on the frozen disk could not time itself out: thawed from here.
+            watchdog = threading.Timer(30, thaw)
+            watchdog.start()
+            try:
+                sources.gate.set()
+                with trio.fail_after(20):  # no read yet: each member's GET, in turn, ended
+                    while lookahead.stats.part_requests < len(refs):
+                        await trio.sleep(0.005)
+                assert len(sources.asked) == len(refs), sources.asked
+                for ref in refs:
+                    assert await _read(reader, ref) == data[ref[1] : ref[1] + ref[2]]
+                assert frozen.is_set(), "the fill went on only once the disk was back"
+                stats = reader.stats
+                assert stats.fill_direct_bytes == 0 and not cache.has(catalog.keys[shard]), \
+                    stats
+                assert lookahead.stats.hits == len(refs) and stats.member_fetches == 0, \
+                    (lookahead.stats, stats)
+            finally:
+                watchdog.cancel()
+                thaw()
+            stream.announced_all()  # the fill's holes, then its commit
+            with trio.fail_after(20):
+                while shard in reader.fetches:
+                    await trio.sleep(0.005)
+            nursery.cancel_scope.cancel()
+        stats = reader.stats
+        assert stats.fills_done == 1 and stats.fill_direct_bytes > 0, stats
+        assert stats.eio == 0 and stats.fetch_errors == 0, stats
+        assert (cache.shards_dir / catalog.keys[shard]).read_bytes() == data
+
+    try:
+        run_reader(disk.path, shards.urls, 100 * shards.shard_size, body, sources=sources)
+    finally:
+        thaw()
