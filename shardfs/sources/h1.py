@@ -42,6 +42,7 @@ from collections.abc import AsyncIterator
 import httpx
 import trio
 
+from shardfs.sources.addresses import Addresses, AddressInfo
 from shardfs.sources.base import SourceStats
 from shardfs.sources.window import (
     SMALL_WINDOW,
@@ -424,6 +425,7 @@ class Http11Pool:
         # queue was seen there: later ones are opened with it.
         self.windows: dict[Origin, int] = {}
         self._rmem_max = rmem_max()
+        self.addresses = Addresses()  # resolved once per burst of connections
 
     def takes(self, request: httpx.Request) -> bool:
         url = request.url
@@ -646,8 +648,9 @@ class Http11Pool:
         conn = None
         with trio.move_on_after(self.timeout) as scope:
             try:
-                tcp = await _connect(host, port, window)
+                tcp = await _connect(await self.addresses.get(host, port), window)
             except OSError as e:
+                self.addresses.forget(host, port)
                 raise httpx.ConnectError(f"{e.strerror or e} ({host}:{port})") from e
             if window is None:
                 rtt = handshake_rtt(tcp.socket)
@@ -696,8 +699,8 @@ class Http11Pool:
 DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
-async def _connect(host: str, port: int, window: int | None) -> trio.SocketStream:
-    """A TCP connection to the first of the host's addresses that answers; with `window`,
+async def _connect(infos: list[AddressInfo], window: int | None) -> trio.SocketStream:
+    """A TCP connection to the first of a host's addresses that answers; with `window`,
     its receive buffer is that many bytes from before its handshake (so the window it
     advertises, and its scale, start there: window.py). OSError if none answers.
 
@@ -706,8 +709,7 @@ async def _connect(host: str, port: int, window: int | None) -> trio.SocketStrea
     GETs ~15 ms more to connect on a busy loop (docs/benchmarks-notes.md, "Connections
     opened lean"). An address that has not answered within CONNECT_TRY_S is left for the
     next one (the last one has the rest of the caller's timeout), as a race would."""
-    infos = await trio.socket.getaddrinfo(host, port, type=trio.socket.SOCK_STREAM)
-    error: OSError = OSError(errno.EHOSTUNREACH, f"no address for {host}")
+    error: OSError = OSError(errno.EHOSTUNREACH, "no address")
     for i, (family, kind, proto, _, address) in enumerate(infos):
         sock = trio.socket.socket(family, kind, proto)
         try:
