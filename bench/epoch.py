@@ -262,6 +262,7 @@ def run(spec: dict) -> dict:
         "timed_out": timed_out,
         "startup_s": began - T0,  # interpreter + torch import before the clock started
         "timeline": timeline,
+        "iterate_start_mono": built,  # time.monotonic(): lines up with samplers beside the run
     }
 
 

@@ -9,7 +9,9 @@ mean piece size the stream yielded. With `--gets N`, then N ranged GETs of `--ge
 a member read or a `Lookahead` GET costs the daemon). With `--rate` (and `--latency-ms`) the
 server's replies leave through a tc tbf at that rate (bench.server.PortCap) and nginx waits that
 long before each answer, as in `bench run`'s link: a `Lookahead` epoch's GETs, 64 at once,
-arrive in pieces there, which costs each GET more than on a bare loopback. Nothing is written
+arrive in pieces there, which costs each GET more than on a bare loopback. With `--host
+localhost` the URLs name the server (each round's source opens its connections through the
+resolver, as with any store named by DNS). Nothing is written
 to disk but the served file.
 """
 
@@ -46,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also this many ranged GETs per client and round (0: none)")
     p.add_argument("--get-kb", type=int, default=110, help="size of each ranged GET, KiB")
     p.add_argument("--inflight", type=int, default=16, help="ranged GETs at once")
+    p.add_argument("--host", default="", help="the server's host in the URLs (default "
+                   "127.0.0.1; e.g. localhost: each fresh connection's address resolved "
+                   "from a name)")
     p.add_argument("--rate", default=None,
                    help="cap the server's replies at this rate (tc tbf, e.g. 800mbit: bench "
                         "run's link); default: no cap")
@@ -201,6 +206,8 @@ def httpcpu_command(args: argparse.Namespace) -> int:
                    latency_s=args.latency_ms / 1000) as server, \
                 (PortCap(server.port, args.rate) if args.rate else contextlib.nullcontext()):
             url = f"{server.url}/shard.bin"
+            if args.host:  # a name: connections are opened through the resolver
+                url = url.replace("://127.0.0.1:", f"://{args.host}:", 1)
             clients = args.clients.split(",")
             for _ in range(args.rounds):
                 for client in clients:
