@@ -786,9 +786,12 @@ def test_a_request_written_to_a_reset_connection_is_unanswered() -> None:
     from shardfs.sources.h1 import _Connection, _Unanswered
 
     listener = socket.create_server(("127.0.0.1", 0))
+    connected = threading.Event()  # reset only once the client's connect has returned (an
+    # RST before it reads SO_ERROR fails the connect itself: seen once in CI)
 
     def reset() -> None:
         conn, _ = listener.accept()
+        connected.wait(10)
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
         conn.close()  # with a zero linger: an RST
 
@@ -798,6 +801,7 @@ def test_a_request_written_to_a_reset_connection_is_unanswered() -> None:
     async def main() -> None:
         sock = trio.socket.socket()
         await sock.connect(listener.getsockname())
+        connected.set()
         await trio.to_thread.run_sync(server.join, 10.0)
         await trio.sleep(0.05)  # the RST has arrived
         conn = _Connection(trio.SocketStream(sock), sock)
