@@ -675,6 +675,7 @@ class Http11Pool:
                 conn = _Connection(tls, tcp.socket, window)
         if conn is None:
             assert scope.cancelled_caught
+            self.addresses.forget(host, port)  # (as for a refusal: asked again next time)
             raise httpx.ConnectTimeout(f"connecting to {host}:{port} took over "
                                        f"{self.timeout:g} s")
         self.opened += 1
