@@ -306,32 +306,41 @@ class _Indexer:
                 self._warm_failed(info, key, None, exc)
         # Warming is optional: a full disk (issue #7) drops the warm copy, never the mount.
         warm_errors: list[OSError] = []
+        # Counted until the warm copy is committed or dropped: while its fdatasync runs it is
+        # neither a scan nor an evictable shard, and `_make_room` must wait for it.
         self.warming += part is not None
         try:
-            index = await scan_stream(self.sources.for_url(info.url), info,
-                                      part.fd if part else None, self._count,
-                                      warm_errors.append)
-        except BaseException:
+            try:
+                index = await scan_stream(self.sources.for_url(info.url), info,
+                                          part.fd if part else None, self._count,
+                                          warm_errors.append)
+            except BaseException:
+                if cache is not None and part is not None:
+                    cache.abort(part, key)
+                raise
             if cache is not None and part is not None:
-                cache.abort(part, key)
-            raise
+                await self._keep_warm_copy(info, key, part, index, compressed, warm_errors)
         finally:
             self.warming -= part is not None
-        if cache is not None and part is not None:
-            if warm_errors:
-                self._warm_failed(info, key, part, warm_errors[0])
-                return index
-            if compressed and not cache.reserve(key, index.data_size, evict=False):
-                cache.abort(part, key)
-                return index
-            part.size = index.data_size
-            try:
-                await cache.commit(part)
-            except OSError as exc:  # fdatasync reports a full disk late on some filesystems
-                self._warm_failed(info, key, part, exc)
-                return index
-            self.warmed += 1
         return index
+
+    async def _keep_warm_copy(self, info: ShardInfo, key: str, part: PartFile,
+                              index: ShardIndex, compressed: bool,
+                              warm_errors: list[OSError]) -> None:
+        assert self.cache is not None
+        if warm_errors:
+            self._warm_failed(info, key, part, warm_errors[0])
+            return
+        if compressed and not self.cache.reserve(key, index.data_size, evict=False):
+            self.cache.abort(part, key)
+            return
+        part.size = index.data_size
+        try:
+            await self.cache.commit(part)
+        except OSError as exc:  # fdatasync reports a full disk late on some filesystems
+            self._warm_failed(info, key, part, exc)
+            return
+        self.warmed += 1
 
     def _warm_failed(self, info: ShardInfo, key: str, part: PartFile | None,
                      exc: OSError) -> None:
