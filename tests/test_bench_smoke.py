@@ -165,6 +165,25 @@ def test_bench_resume_scenario(tmp_path: Path) -> None:
         _leave_nothing_behind(tmp_path)
 
 
+def test_page_cost_writes_new_pages_then_the_same_and_leaves_no_file(tmp_path: Path):
+    """bench/pagecost.py: both passes timed over the pages asked for, its file gone after,
+    and `bench node`'s table says what memory cost at both ends of the run."""
+    from bench.node import render
+    from bench.pagecost import page_cost
+
+    cost = page_cost(tmp_path, mb=8)
+    assert cost["mb"] == 8 and list(tmp_path.iterdir()) == []
+    for key in ("new_us_per_page", "again_us_per_page", "new_gb_per_cpu_s",
+                "again_gb_per_cpu_s"):
+        assert cost[key] > 0, cost
+    # 2,048 pages a pass: µs per page and GB/s describe the same CPU time.
+    assert abs(cost["new_us_per_page"] * cost["new_gb_per_cpu_s"] - 4.096) < 0.2, cost
+    record = {"dataset": {"files": 1, "shards": 1, "bytes": 1}, "params": {"workers": 1},
+              "phases": [], "page_cost": {"start": cost, "end": cost}}
+    text = render(record, "python -m bench node")
+    assert f"{cost['new_us_per_page']} µs a page" in text
+
+
 def test_node_tables_of_other_worker_counts_are_kept(tmp_path: Path):
     """`bench node --docs` replaces the table of its own --workers and keeps the others."""
     from bench.node import MARK_BEGIN, MARK_END, write_docs
