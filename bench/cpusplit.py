@@ -55,6 +55,7 @@ from bench.node import (
     read_all,
     replace_section,
 )
+from bench.pagecost import note_page_cost, page_cost_lines
 from bench.procs import CLK_TCK
 
 MARK_BEGIN = "<!-- cpusplit: begin -->"
@@ -516,6 +517,8 @@ def run(args: argparse.Namespace) -> dict:
                              "bytes": sum(os.path.getsize(p) for p in shard_paths)}
         mnt = work / "mnt"
         mnt.mkdir()
+        drop_caches()  # this sitting's price of a new page, beside the passes that pay it
+        note_page_cost(record, "start", work)
         # Variants in turns within each round: side by side under the same load.
         for round_ in range(args.rounds):
             for workers in args.workers:
@@ -527,6 +530,8 @@ def run(args: argparse.Namespace) -> dict:
                             rec["round"] = round_
                             record["passes"].append(rec)
                             _print(rec)
+        drop_caches()
+        note_page_cost(record, "end", work)
     finally:
         if nginx is not None:
             nginx.stop()
@@ -578,6 +583,7 @@ def render(record: dict, command: str) -> str:
               "arrived (no READ reaches the mount); opened first: read through FUSE READs "
               "while their shard was still coming. The mix changes the CPU per file from "
               "pass to pass."]
+    lines += page_cost_lines(record)
     perfs = [r for r in record["passes"] if "perf" in r]
     if perfs:
         lines += ["", "Where the samples were (`--profile perf`, % of the pass's samples of "

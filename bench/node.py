@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.pagecost import describe, page_cost
+from bench.pagecost import note_page_cost, page_cost_lines
 from bench.procs import CLK_TCK, unmount
 
 SHARDFS = [sys.executable, "-m", "shardfs"]
@@ -238,8 +238,7 @@ def run(args: argparse.Namespace) -> dict:
 
         # This sitting's price of a new page, beside the passes that pay it (bench/pagecost.py).
         drop_caches()
-        record["page_cost"] = {"start": page_cost(work)}
-        print(f"  page cost at the start: {describe(record['page_cost']['start'])}", flush=True)
+        note_page_cost(record, "start", work)
         for procs in args.readers:
             seed = procs
             read_all(src, names, procs, seed)  # warm the page cache
@@ -286,8 +285,7 @@ def run(args: argparse.Namespace) -> dict:
                 mount.close()
             shutil.rmtree(cache, ignore_errors=True)
         drop_caches()
-        record["page_cost"]["end"] = page_cost(work)
-        print(f"  page cost at the end: {describe(record['page_cost']['end'])}", flush=True)
+        note_page_cost(record, "end", work)
     finally:
         if nginx is not None:
             nginx.stop()
@@ -418,14 +416,7 @@ def render(record: dict, command: str) -> str:
             f"{r['cpu_warm']} / {r['cpu_dropped']} / {r['cpu_cold']} / "
             f"{r['cpu_in_place'] if r['cpu_in_place'] is not None else '–'} / "
             f"{r['cpu_http'] if r['cpu_http'] is not None else '–'} |")
-    cost = record.get("page_cost")
-    if cost and "end" in cost:
-        lines += ["", f"This sitting's price of memory (bench/pagecost.py, after `drop_caches`): "
-                  f"at the start {describe(cost['start'])}; at the end "
-                  f"{describe(cost['end'])}. Copied passes copy each byte into new pages twice "
-                  "(the cache file's, the mount's), in place and dropped once: compare µs "
-                  "per file between runs only "
-                  "where these agree."]
+    lines += page_cost_lines(record)
     meta = record.get("meta")
     if meta:
         e, s = meta["ext4"], meta["shardfs"]

@@ -57,3 +57,22 @@ def describe(cost: dict) -> str:
     return (f"new page-cache pages {cost['new_gb_per_cpu_s']} GB per CPU s "
             f"({cost['new_us_per_page']} µs a page), the same pages again "
             f"{cost['again_gb_per_cpu_s']} GB/s")
+
+
+def note_page_cost(record: dict, when: str, where: Path) -> None:
+    """Price a new page now (the caller dropped the page cache just before) into
+    record["page_cost"][when], and print it."""
+    cost = page_cost(where)
+    record.setdefault("page_cost", {})[when] = cost
+    print(f"  page cost at the {when}: {describe(cost)}", flush=True)
+
+
+def page_cost_lines(record: dict) -> list[str]:
+    """The rendered table's note on what memory cost at the run's start and end."""
+    cost = record.get("page_cost")
+    if not cost or "start" not in cost or "end" not in cost:
+        return []
+    return ["", "This sitting's price of memory (bench/pagecost.py, after `drop_caches`): at "
+            f"the start {describe(cost['start'])}; at the end {describe(cost['end'])}. Copied "
+            "passes copy each byte into new pages twice (the cache file's, the mount's), in "
+            "place and dropped once: compare µs per file between runs only where these agree."]

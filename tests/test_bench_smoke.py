@@ -182,6 +182,12 @@ def test_page_cost_writes_new_pages_then_the_same_and_leaves_no_file(tmp_path: P
               "phases": [], "page_cost": {"start": cost, "end": cost}}
     text = render(record, "python -m bench node")
     assert f"{cost['new_us_per_page']} µs a page" in text
+    from bench.cpusplit import render as render_split
+    record = {"dataset": {"files": 1, "shards": 1, "bytes": 1}, "passes": [],
+              "page_cost": {"start": cost, "end": cost}}
+    assert text.count(f"{cost['new_us_per_page']} µs a page") == 2
+    assert render_split(record, "python -m bench cpusplit").count(
+        f"{cost['new_us_per_page']} µs a page") == 2
 
 
 def test_node_tables_of_other_worker_counts_are_kept(tmp_path: Path):
