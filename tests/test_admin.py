@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import itertools
 import json
 import os
@@ -218,6 +219,41 @@ def _stats_json(mnt: Path) -> dict:
     out = subprocess.run([*SHARDFS, "stats", str(mnt), "--json"], capture_output=True,
                          text=True, check=True, timeout=30).stdout
     return json.loads(out)
+
+
+def test_stats_of_a_mount_given_a_thousand_urls(tmp_path: Path, mounter: Mounter):
+    """A mount given each shard by its own URL: the stats xattr (at most 64 KiB) lists the
+    first sources and counts them all, so `shardfs stats` and `doctor` still work (once
+    E2BIG: the URLs alone were ~110 KB)."""
+    import tarfile
+
+    shard_dir = tmp_path / "a-shard-directory-with-a-long-name-as-datasets-have"
+    shard_dir.mkdir()
+    urls, sums = [], {}
+    for i in range(1200):
+        path = shard_dir / f"train-imagenet-1k-shuffled-{i:06d}.tar"
+        data = f"sample {i}\n".encode()
+        with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+            info = tarfile.TarInfo(f"s{i:06d}.txt")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        urls.append(f"file://{path}")
+        sums[f"s{i:06d}.txt"] = data
+    m = mounter.mount(urls, None, None, in_place=None)
+    stats = m.stats()
+    shown = stats["sources"]
+    assert stats["sources_total"] == len(urls) and stats["shards"] == len(urls)
+    assert 0 < len(shown) < len(urls) and shown == urls[: len(shown)], shown[:2]
+    assert len(json.dumps(shown)) <= 17 << 10
+    human = subprocess.run([*SHARDFS, "stats", str(m.mountpoint)], capture_output=True,
+                           text=True)
+    assert human.returncode == 0 and "1200 indexed" in human.stdout, human.stderr
+    doctor = subprocess.run([*SHARDFS, "doctor", str(m.mountpoint)], capture_output=True,
+                            text=True, timeout=300)
+    assert f"the mount has 1200 sources; checking the first {len(shown)}" in doctor.stdout, \
+        doctor.stdout + doctor.stderr
+    for name in ("s000000.txt", "s000777.txt", "s001199.txt"):
+        assert (m.mountpoint / name).read_bytes() == sums[name]
 
 
 def test_stats_command_during_reads(dataset: Dataset, nginx, mounter: Mounter):

@@ -100,6 +100,10 @@ def diagnose(args: argparse.Namespace, config: dict) -> list[Check]:
             specs = []
         else:
             specs = list(snapshot.get("sources", []))
+            total = snapshot.get("sources_total", len(specs))
+            if total > len(specs):  # the stats list the first ones (daemon/lifecycle.py)
+                checks.append(Check("sources", "note", f"the mount has {total} sources; "
+                                    f"checking the first {len(specs)}"))
     checks.append(check_dev_fuse())
     checks.append(check_fusermount(args.allow_other or bool(config.get("allow_other"))))
     checks.append(check_kernel())

@@ -64,6 +64,9 @@ log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal closed
 # Exit without unmounting, for a new daemon to take over (systemd's RestartKillSignal=).
 HANDOVER_SIGNAL = signal.SIGUSR1
+# The stats ride on an xattr, at most 64 KiB (XATTR_SIZE_MAX): a mount given thousands of
+# URLs lists its first sources up to this many bytes, and their count beside them.
+SOURCES_SHOWN_BYTES = 16 << 10
 STATUS_INTERVAL = 5.0  # seconds between STATUS= updates to systemd and metrics snapshots
 
 
@@ -157,6 +160,18 @@ class LinkRate:
             return None
         (t0, b0), (t1, b1) = self._samples[0], self._samples[-1]
         return (b1 - b0) / (t1 - t0) if t1 - t0 >= self.WINDOW_S else None
+
+
+def shown_sources(specs: list[str]) -> list[str]:
+    """The first of a mount's sources, up to SOURCES_SHOWN_BYTES (always the first one)."""
+    shown: list[str] = []
+    size = 0
+    for spec in specs:
+        size += len(spec.encode("utf-8", "surrogateescape")) + 4  # quotes, comma, space
+        if shown and size > SOURCES_SHOWN_BYTES:
+            break
+        shown.append(spec)
+    return shown
 
 
 def _cpu_of(pids: list[int]) -> float:
@@ -290,7 +305,8 @@ class Mounted:
             "takeover_ready": session.can_take_over,
             "connection_kept_by": session.keeper,
             "holder_pid": holder_pid() if session.keeper == "holder" else None,
-            "sources": [redact(spec) for spec in self.cfg.specs],  # no signed URL's token
+            "sources": shown_sources([redact(spec) for spec in self.cfg.specs]),  # no token
+            "sources_total": len(self.cfg.specs),
             "signed_until": self.signed_until(),  # Unix time: when reads would be refused
             "cache_dir": str(self.cfg.cache_dir),
             "control_socket": self.cfg.control_socket,
