@@ -212,16 +212,17 @@ class FastReadArrays(ctypes.Structure):
         ("fd_gen", ctypes.c_void_p), ("complete", ctypes.c_void_p),
         ("frontier", ctypes.c_void_p), ("bytes", ctypes.c_void_p), ("mode", ctypes.c_void_p),
         ("maps", ctypes.c_void_p), ("map_len", ctypes.c_void_p), ("shards", ctypes.c_uint64),
+        ("touched", ctypes.c_void_p), ("touched_len", ctypes.c_void_p),
     ]
 
 
 _ARRAY_TYPES = {"fds": "i", "fd_gen": "q", "complete": "I", "frontier": "I", "nbytes": "Q",
-                "mode": "B", "maps": "Q", "map_len": "Q"}
+                "mode": "B", "maps": "Q", "map_len": "Q", "touched": "I", "touched_len": "I"}
 
 
 def serve_reads(avail_address: int, gen_address: int, *, fds: array, fd_gen: array,
                 complete: array, frontier: array, nbytes: array, mode: array, maps: array,
-                map_len: array) -> bool:
+                map_len: array, touched: array, touched_len: array) -> bool:
     """Let the shim answer reads of cached shard bytes in this process (see
     shardfs/fuse/fastread.py, which owns the arrays; they must stay alive and unresized).
     Needs metadata in C. `avail_address`, `gen_address`: where the shared shard states'
@@ -229,15 +230,18 @@ def serve_reads(avail_address: int, gen_address: int, *, fds: array, fd_gen: arr
     if _lib is None or not metadata_in_c():
         return False
     given = {"fds": fds, "fd_gen": fd_gen, "complete": complete, "frontier": frontier,
-             "nbytes": nbytes, "mode": mode, "maps": maps, "map_len": map_len}
+             "nbytes": nbytes, "mode": mode, "maps": maps, "map_len": map_len,
+             "touched": touched, "touched_len": touched_len}
     if any(given[name].typecode != code for name, code in _ARRAY_TYPES.items()) \
-            or fds.itemsize != 4 or complete.itemsize != 4:
+            or fds.itemsize != 4 or complete.itemsize != 4 or len(touched) != len(fds) \
+            or len(touched_len) != 2:
         return False
     arrays = FastReadArrays(avail=avail_address, gen=gen_address, fds=_address(fds),
                             fd_gen=_address(fd_gen), complete=_address(complete),
                             frontier=_address(frontier), bytes=_address(nbytes),
                             mode=_address(mode), maps=_address(maps),
-                            map_len=_address(map_len), shards=len(fds))
+                            map_len=_address(map_len), shards=len(fds),
+                            touched=_address(touched), touched_len=_address(touched_len))
     return _lib.shardfs_shim_serve_reads(ctypes.byref(arrays), ctypes.sizeof(arrays)) == 0
 
 
