@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import os
 import random
-import resource
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -30,6 +29,7 @@ from pathlib import Path
 import httpcore
 import trio
 
+from bench.procs import own_cpu_s
 from bench.server import PortCap
 from shardfs.devtools.nginx import Nginx, self_signed_certificate
 from shardfs.sources.base import ShardInfo, SourceSettings
@@ -67,11 +67,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "path shardfs does not have; docs/benchmarks-notes.md)")
 
 
-def _cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
 async def _receive(client: str, receive: int, url: str, size: int,
                    streams: int) -> tuple[float, float, float]:
     # chunk_size above any receive: the stream yields what httpcore received, unsplit.
@@ -93,11 +88,11 @@ async def _receive(client: str, receive: int, url: str, size: int,
 
 async def _timed(task: Callable[[], Awaitable[None]], copies: int) -> tuple[float, float]:
     """Run `copies` of `task` at once: (CPU seconds of the process, wall seconds)."""
-    cpu0, t0 = _cpu_s(), time.perf_counter()
+    cpu0, t0 = own_cpu_s(), time.perf_counter()
     async with trio.open_nursery() as nursery:
         for _ in range(copies):
             nursery.start_soon(task)
-    return _cpu_s() - cpu0, time.perf_counter() - t0
+    return own_cpu_s() - cpu0, time.perf_counter() - t0
 
 
 async def _gets(client: str, url: str, size: int, n: int, get: int,
@@ -179,12 +174,12 @@ def _receive_stdlib(port: int, path: str, size: int, streams: int,
             conn.close()
 
     threads = [threading.Thread(target=one) for _ in range(streams)]
-    cpu0, t0 = _cpu_s(), time.perf_counter()
+    cpu0, t0 = own_cpu_s(), time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    cpu1, t1 = _cpu_s(), time.perf_counter()
+    cpu1, t1 = own_cpu_s(), time.perf_counter()
     gb = size * streams / 1e9
     return (cpu1 - cpu0) / gb, gb / (t1 - t0)
 

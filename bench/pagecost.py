@@ -12,23 +12,19 @@ file can be read against what memory cost in each.
 from __future__ import annotations
 
 import os
-import resource
 import tempfile
 from pathlib import Path
+
+from bench.procs import own_cpu_s
 
 PIECE = 1 << 20
 
 
-def _cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
 def _write_pass(fd: int, piece: bytes, mb: int) -> float:
-    start = _cpu_s()
+    start = own_cpu_s()
     for i in range(mb):
         os.pwrite(fd, piece, i * PIECE)
-    return max(_cpu_s() - start, 1e-9)
+    return max(own_cpu_s() - start, 1e-9)
 
 
 def page_cost(where: Path, mb: int = 2048) -> dict:
@@ -36,7 +32,7 @@ def page_cost(where: Path, mb: int = 2048) -> dict:
     file under `where`, and for writing them again (pages that exist): the ratio of the two is
     what a new page adds. More than a pass allocates: on this project's VM the first few
     hundred MB after `drop_caches` are pages just freed and cost ~1 µs each, those past them
-    7-10 µs (docs/benchmarks-notes.md), and a copying pass over 506 MB takes ~1.5 GB."""
+    7-14 µs (docs/benchmarks-notes.md), and a copying pass over 506 MB takes ~1.5 GB."""
     piece = b"\x5a" * PIECE
     fd, name = tempfile.mkstemp(prefix="shardfs-pagecost-", dir=where)
     try:

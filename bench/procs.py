@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import signal
 import subprocess
 import time
@@ -12,6 +13,12 @@ from pathlib import Path
 from shardfs.devtools.pagecache import drop_pages
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """This process's CPU seconds so far, user + system (its threads included)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def is_mounted(path: Path | str) -> bool:

@@ -163,10 +163,12 @@ class LinkRate:
 
 
 def shown_sources(specs: list[str]) -> list[str]:
-    """The first of a mount's sources, up to SOURCES_SHOWN_BYTES (always the first one)."""
+    """The first of a mount's sources, redacted (no signed URL's token), up to
+    SOURCES_SHOWN_BYTES (always the first one); the rest are not looked at (the snapshot is
+    taken every second)."""
     shown: list[str] = []
     size = 0
-    for spec in specs:
+    for spec in map(redact, specs):
         size += len(spec.encode("utf-8", "surrogateescape")) + 4  # quotes, comma, space
         if shown and size > SOURCES_SHOWN_BYTES:
             break
@@ -305,7 +307,7 @@ class Mounted:
             "takeover_ready": session.can_take_over,
             "connection_kept_by": session.keeper,
             "holder_pid": holder_pid() if session.keeper == "holder" else None,
-            "sources": shown_sources([redact(spec) for spec in self.cfg.specs]),  # no token
+            "sources": shown_sources(self.cfg.specs),
             "sources_total": len(self.cfg.specs),
             "signed_until": self.signed_until(),  # Unix time: when reads would be refused
             "cache_dir": str(self.cfg.cache_dir),
