@@ -70,3 +70,61 @@ def test_a_stream_holds_its_share_of_the_window():
         for _ in range(10):
             ws.touch(shard)
     assert shards_in(ws) == [4]  # the last 100 reads: 90 in C, 10 here
+
+
+def last(reads: list[int], n: int) -> list[int]:
+    return reads[max(0, len(reads) - n):]
+
+
+class _ReadByRead:
+    """The working set as its docstring defines it, one read at a time: each stream's last
+    `limit` reads, the union of their shards; shares updated after a batch fills a period."""
+
+    def __init__(self, sizes: list[int], window: int) -> None:
+        self.sizes, self.window = sizes, window
+        self.streams: dict[object, dict] = {}
+        self.period = 0
+
+    def note(self, stream: object, shards: list[int]) -> None:
+        got = self.streams.setdefault(stream, {"recent": [], "limit": self.window,
+                                               "reads": 0, "share": -1.0})
+        for shard in shards:
+            got["recent"].append(shard)
+            got["reads"] += 1
+            self.period += 1
+        got["recent"] = last(got["recent"], got["limit"])
+        if self.period >= self.window:
+            total, self.period = self.period, 0
+            for name, s in list(self.streams.items()):
+                now = s["reads"] / total
+                s["share"] = now if s["share"] < 0 else 0.5 * (s["share"] + now)
+                s["reads"] = 0
+                s["limit"] = round(self.window * s["share"])
+                s["recent"] = last(s["recent"], s["limit"])
+                if s["limit"] == 0:
+                    del self.streams[name]
+
+    def shards(self) -> set[int]:
+        return {shard for s in self.streams.values() for shard in s["recent"]}
+
+
+def test_batches_as_runs_match_the_window_read_by_read():
+    """The window keeps runs of one shard's reads (a batch of C reads comes shard by shard);
+    what it holds must be what a window of single reads holds, after every batch: runs cut
+    by a trim, runs continued by the next batch, streams that come and go."""
+    rng = random.Random(7)
+    sizes = [100 + 7 * s for s in range(SHARDS)]
+    for window in (1, 5, 32, 140):
+        ws, model = WorkingSet(sizes, window), _ReadByRead(sizes, window)
+        for _ in range(400):
+            stream = rng.choice(("here", "c", ("worker", 1), ("worker", 2)))
+            if stream == "here":
+                batch = [rng.randrange(SHARDS)]
+            else:
+                batch = []
+                for _ in range(rng.randrange(0, 6)):
+                    batch += [rng.randrange(SHARDS)] * rng.randrange(1, 3 * window)
+            ws.note(stream, batch)
+            model.note(stream, batch)
+            assert set(shards_in(ws)) == model.shards()
+            assert ws.nbytes == sum(sizes[s] for s in model.shards())

@@ -25,6 +25,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import groupby
 
 import trio
 
@@ -323,11 +324,14 @@ class Reader:
         stats.cache_hits += cache_hits
         stats.frontier_hits += frontier_hits
         self.working_set.note(stream, shards)
+        # Once per run of one shard's reads (a batch comes shard by shard): touching a shard
+        # again right after itself changes no order.
+        runs = [shard for shard, _ in groupby(shards)]
         keys = self.catalog.keys
-        for shard in shards:
+        for shard in runs:
             self.cache.touch(keys[shard])
         if self._ahead:
-            self._read_ahead(shards)
+            self._read_ahead(runs)
 
     def _dataset_fits(self) -> bool:
         return self.fetched_bytes <= self.cache.budget
