@@ -38,6 +38,7 @@ import select
 import ssl
 import time
 from collections.abc import AsyncIterator
+from contextvars import ContextVar
 
 import httpx
 import trio
@@ -55,6 +56,13 @@ from shardfs.util.fileio import pwrite_all
 
 HEAD_LIMIT = 64 << 10  # a response's status line and headers; more is a protocol error
 RECEIVE_BYTES = 1 << 20  # most bytes asked of one receive (a receive returns what arrived)
+# The most bytes a head's receive asks for in a task that set SPLICED_BODIES: a head is a
+# few hundred bytes, and what comes with it is body that then passes through Python (copied
+# twice, written by `pwrite`) instead of being spliced: up to 1 MiB a download otherwise.
+SPLICED_HEAD_RECEIVE = 4 << 10
+# Set (True) by a task whose GETs' bodies go into a file by `_Body.splice_into` (a
+# whole-shard download, download.py).
+SPLICED_BODIES: ContextVar[bool] = ContextVar("shardfs_spliced_bodies", default=False)
 # A plain connection's receives that find bytes waiting do not pass through the event loop
 # (Http11Pool.receive); one in this many bytes received lets the loop's other tasks run.
 CHECKPOINT_BYTES = 1 << 20
@@ -550,7 +558,8 @@ class Http11Pool:
                 raise httpx.RemoteProtocolError("response headers larger than 64 KiB")
             searched = len(buffer)
             try:
-                data = await self.receive(conn, RECEIVE_BYTES)
+                data = await self.receive(
+                    conn, SPLICED_HEAD_RECEIVE if SPLICED_BODIES.get() else RECEIVE_BYTES)
             except httpx.ReadError as e:
                 if buffer:
                     raise
