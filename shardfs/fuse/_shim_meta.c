@@ -696,12 +696,15 @@ static int readable_now(int fd)
  * kernel's page cache (FUSE_NOTIFY_STORE), in a thread that does not hold the GIL (ctypes
  * releases it around this call). The same steps as the Python loop it replaces, per file:
  * a file some process of the mount had a READ of already (marks, above) is not pushed; a
- * zero-length store asks whether the kernel has its inode (ENOENT: nobody looked it up or
- * listed it with attributes); a file with one is pushed at once; a file without one is
- * looked up by a stat through the mount, made by the lookup process (shardfs/fuse/lookupproc.py:
- * never by this process, which may be the one to answer it), then its bytes are read from the
- * cache file and stored, in pieces of at most PUSH_PIECE bytes. The lookups go in batches of
- * up to PUSH_BATCH paths: the process looks the next files up while this thread stores.
+ * file is stored at once where the kernel has its inode, and its store fails with ENOENT,
+ * storing nothing, where it has none (nobody looked it up or listed it with attributes;
+ * without marks a zero-length store asks first, as an inode then means a reader looked it
+ * up); a file without one is looked up by a stat through the mount, made by the lookup
+ * process (shardfs/fuse/lookupproc.py: never by this process, which may be the one to answer
+ * it), then stored. The bytes are read from the cache file PUSH_WINDOW at a time (the next
+ * files with them: one pread for ~10 files of ~24 KiB, not one each), a larger file in pieces
+ * of at most PUSH_PIECE bytes. The lookups go in batches of up to PUSH_BATCH paths: the
+ * process looks the next files up while this thread stores.
  * No Python object per file: in Python this loop held the GIL for ~6-8 us per file, beside
  * the loop thread that answers FUSE requests (bench cpusplit).
  */
@@ -713,6 +716,18 @@ static int readable_now(int fd)
 #define PUSH_PATHS (32u << 10)   /* a batch's paths, at most */
 
 #define PUSH_PIECE (4u << 20)
+#define PUSH_WINDOW (256u << 10)   /* read from the cache file at once, for the next files */
+
+/* push_file's answers besides 0 (stored) and -errno */
+enum { PUSH_SKIPPED = 1, PUSH_NO_INODE = 2 };
+
+/* The cache file's bytes [start, start + len) in buf, read for the files that follow;
+ * `end`: where the shard's last plain file ends (no read goes past it). */
+struct push_read {
+    char *buf;
+    size_t cap, len;
+    uint64_t start, end;
+};
 
 /* Mirrors pagepush.py's PushCounts (ctypes.Structure): keep both in step. */
 struct push_counts {
@@ -898,33 +913,63 @@ static int list_dir(int lookup, const uint32_t *parent, uint64_t d, const char *
     return r;
 }
 
-/* Store file i's `size` bytes from `fd` (its cache file), piece by piece through `buf`. 0 when
- * stored (counted), 1 when not (counted), or -errno that stops the push. */
-static int push_file(notify_store_fn store, int fd, uint64_t i, char **buf, size_t *cap,
+static int push_grow(struct push_read *rd, size_t want)
+{
+    if (want <= rd->cap)
+        return 0;
+    char *grown = realloc(rd->buf, want);
+    if (grown == NULL)
+        return -ENOMEM;
+    rd->buf = grown;
+    rd->cap = want;
+    return 0;
+}
+
+/* Store file i from `fd` (its cache file). 0 when stored (counted); PUSH_NO_INODE when its
+ * first store found no inode for it (nothing stored, nothing counted); PUSH_SKIPPED when
+ * not stored for another reason (counted); or -errno that stops the push. */
+static int push_file(notify_store_fn store, int fd, uint64_t i, struct push_read *rd,
                      struct push_counts *counts)
 {
     uint64_t size = meta.size[i], offset = meta.offset[i];
-    size_t want = size < PUSH_PIECE ? (size_t)size : PUSH_PIECE;
-    if (want > *cap) {
-        char *grown = realloc(*buf, want);
-        if (grown == NULL)
-            return -ENOMEM;
-        *buf = grown;
-        *cap = want;
-    }
     for (uint64_t at = 0; at < size;) {
-        size_t piece = size - at < PUSH_PIECE ? (size_t)(size - at) : PUSH_PIECE;
-        ssize_t got = pread(fd, *buf, piece, (off_t)(offset + at));
-        if (got != (ssize_t)piece)
-            return got < 0 ? -errno : -EIO;   /* a short read of a cached shard */
-        int r = push_store(store, i + 1, (off_t)at, *buf, piece);
+        const char *data;
+        size_t piece;
+        if (size <= PUSH_WINDOW) {   /* the whole file, from the window read for it */
+            if (offset < rd->start || offset + size > rd->start + rd->len) {
+                uint64_t want = rd->end - offset < PUSH_WINDOW ? rd->end - offset : PUSH_WINDOW;
+                int r = push_grow(rd, PUSH_WINDOW);
+                if (r != 0)
+                    return r;
+                ssize_t got = pread(fd, rd->buf, (size_t)want, (off_t)offset);
+                rd->start = offset;
+                rd->len = got < 0 ? 0 : (size_t)got;
+                if (got < (ssize_t)size)
+                    return got < 0 ? -errno : -EIO;   /* a short read of a cached shard */
+            }
+            data = rd->buf + (offset - rd->start);
+            piece = (size_t)size;
+        } else {   /* piece by piece: the window's bytes go */
+            piece = size - at < PUSH_PIECE ? (size_t)(size - at) : PUSH_PIECE;
+            int r = push_grow(rd, piece);
+            if (r != 0)
+                return r;
+            rd->len = 0;
+            ssize_t got = pread(fd, rd->buf, piece, (off_t)(offset + at));
+            if (got != (ssize_t)piece)
+                return got < 0 ? -errno : -EIO;   /* a short read of a cached shard */
+            data = rd->buf;
+        }
+        int r = push_store(store, i + 1, (off_t)at, data, piece);
         if (r == -ENOSYS) {
             counts->off = 1;
-            return 1;
+            return PUSH_SKIPPED;
         }
+        if (r == -ENOENT && at == 0)
+            return PUSH_NO_INODE;
         if (r == -ENOENT) {
             counts->unknown++;   /* its inode went away meanwhile */
-            return 1;
+            return PUSH_SKIPPED;
         }
         if (r != 0)
             return r;
@@ -952,10 +997,15 @@ int shardfs_shim_push(int fd, int lookup, const uint32_t *entries, uint64_t n,
     if (store == NULL)
         return -ENOSYS;
     char path[8192];
-    char *paths = malloc(PUSH_PATHS), *buf = NULL;
+    char *paths = malloc(PUSH_PATHS);
     if (paths == NULL)
         return -ENOMEM;
-    size_t cap = 0;
+    struct push_read rd = {NULL, 0, 0, 0, 0};
+    for (uint64_t k = 0; k < n; k++) {   /* where the shard's last file ends */
+        uint64_t i = entries[k];
+        if (meta.offset[i] + meta.size[i] > rd.end)
+            rd.end = meta.offset[i] + meta.size[i];
+    }
     int res = 0;
     uint64_t k = 0;
     while (k < n && res == 0 && !counts->off
@@ -971,12 +1021,24 @@ int shardfs_shim_push(int fd, int lookup, const uint32_t *entries, uint64_t n,
                 counts->opened++;
                 continue;
             }
-            int r = push_store(store, i + 1, 0, "", 0);
-            if (r == 0 && marks == NULL) {
-                counts->opened++;   /* without marks, an inode means a reader looked it up */
-                continue;
+            int r;
+            if (marks == NULL) {   /* asked first: an inode means a reader looked it up */
+                r = push_store(store, i + 1, 0, "", 0);
+                if (r == 0) {
+                    counts->opened++;
+                    continue;
+                }
+                if (r == -ENOSYS)
+                    counts->off = 1;
+                else if (r != -ENOENT)
+                    res = r;
+                if (r != -ENOENT)
+                    break;
+                r = PUSH_NO_INODE;
+            } else {
+                r = push_file(store, fd, i, &rd, counts);
             }
-            if (r == -ENOENT && dirs_asked != NULL && !dirs_asked[parent[i]]
+            if (r == PUSH_NO_INODE && dirs_asked != NULL && !dirs_asked[parent[i]]
                 && listings_give_inodes()) {
                 /* Its directory listed once, by the lookup process: one request per reply
                  * of ~300 entries gives their inodes, instead of a stat per file. */
@@ -986,24 +1048,16 @@ int shardfs_shim_push(int fd, int lookup, const uint32_t *entries, uint64_t n,
                     res = r;
                     break;
                 }
-                r = push_store(store, i + 1, 0, "", 0);
+                r = push_file(store, fd, i, &rd, counts);
             }
-            if (r == 0) {   /* listed (or looked up, not read yet): no lookup needed */
-                uint64_t before = counts->files;
-                r = push_file(store, fd, i, &buf, &cap, counts);
-                counts->listed += counts->files - before;
+            if (r != PUSH_NO_INODE) {   /* listed (or looked up, not read yet): no lookup */
+                counts->listed += r == 0;
                 if (r < 0)
                     res = r;
                 if (r < 0 || counts->off || __atomic_load_n(&counts->stop, __ATOMIC_RELAXED))
                     break;
                 continue;
             }
-            if (r == -ENOSYS)
-                counts->off = 1;
-            else if (r != -ENOENT)
-                res = r;
-            if (r != -ENOENT)
-                break;
             const char *where = push_path(parent, i, mountpoint, path, sizeof(path));
             size_t len = where == NULL ? 0 : strlen(where) + 1;
             if (where == NULL || len > PUSH_PATHS) {
@@ -1040,12 +1094,14 @@ int shardfs_shim_push(int fd, int lookup, const uint32_t *entries, uint64_t n,
                 continue;
             }
             counts->looked_up++;
-            r = push_file(store, fd, wanted[j], &buf, &cap, counts);
+            r = push_file(store, fd, wanted[j], &rd, counts);
+            if (r == PUSH_NO_INODE)
+                counts->unknown++;   /* its inode went away meanwhile */
             if (r < 0)
                 res = r;
         }
     }
-    free(buf);
+    free(rd.buf);
     free(paths);
     if (res != 0) {
         counts->errors++;

@@ -24,8 +24,9 @@ already (pushing those cost 5-12 % in `bench node` with 2 workers, where the rea
 with the fetches). A file is pushed into its kernel inode. While pushing, listings give
 every listed file one (READDIRPLUS entries with attributes; `shim.set_listing_inodes`,
 docs/tuning.md "Listings that give inodes"): a loader that lists its directories first
-(ImageFolder) costs no LOOKUP per file, the pusher's or its readers'. A zero-length
-`notify_store` asks whether the kernel has the inode (ENOENT: no). For a file without one,
+(ImageFolder) costs no LOOKUP per file, the pusher's or its readers'. Whether the kernel has
+the inode: the C loop's store of the file fails with ENOENT, storing nothing, where it has
+not; the Python loop asks first with a zero-length `notify_store`. For a file without one,
 where listings give inodes, its directory is listed by the lookup process, once (the inodes
 of all its files for one request per ~300 of them); where they do not, or the listing gave
 none (a directory listed before pushing began: the kernel's cached listing), the file is
