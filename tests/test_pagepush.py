@@ -202,6 +202,45 @@ def test_the_memory_rule_counts_a_cgroup_limit():
         group.rmdir()
 
 
+@pytest.mark.parametrize("loop", ["c", "python"])
+def test_files_of_every_size_are_pushed_whole(nginx, mounter: Mounter, tmp_path: Path,
+                                              loop: str, monkeypatch):
+    """The C loop reads the cache file 256 KiB at a time for the files that follow (many in
+    one read), a larger file piece by piece (4 MiB at most): files around both sizes, and
+    small ones between them, are pushed byte for byte, and read with no READ reaching the
+    daemon."""
+    if os.environ.get("SHARDFS_NO_SHIM"):
+        pytest.skip("pages are pushed only with the shim (no OPEN)")
+    if loop == "python":
+        monkeypatch.setenv("SHARDFS_PUSH_IN_PYTHON", "1")
+    sizes = [1, 700, 3000, (256 << 10) - 1, 256 << 10, (256 << 10) + 1, 5000,
+             (4 << 20) + 12345, 100, (9 << 20) + 1, 40_000, 512, 513]
+    files = {f"d/f{i:02d}.bin": os.urandom(size) for i, size in enumerate(sizes)}
+    (nginx.root / "mixed").mkdir()
+    with tarfile.open(nginx.root / "mixed" / "mixed-000000.tar", "w") as tar:
+        info = tarfile.TarInfo("d/first.txt")  # read first: starts the whole download
+        info.size = 6
+        tar.addfile(info, io.BytesIO(b"first\n"))
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    m = mounter.mount([f"{nginx.url}/mixed/mixed-000000.tar"], None, None, "--no-warm",
+                      "--push-pages", "auto")
+    assert (m.mountpoint / "d/first.txt").read_bytes() == b"first\n"
+    wait_for(lambda: m.stats()["pages_pushed"]["shards"] >= 1, "nothing pushed")
+    pushed = m.stats()["pages_pushed"]
+    assert pushed["files"] == len(files) and pushed["bytes"] == sum(sizes), pushed
+    assert pushed["unknown"] == pushed["errors"] == 0 and pushed["in_c"] == (loop == "c")
+    before = m.stats()["reader"]["reads"]
+    for name, data in files.items():
+        resident, pages = resident_pages(m.mountpoint / name)
+        assert (m.mountpoint / name).read_bytes() == data, name
+        if resident == pages:  # (a page the kernel reclaimed meanwhile is read again)
+            assert m.stats()["reader"]["reads"] == before, name
+        before = m.stats()["reader"]["reads"]
+
+
 def write_small_file_shards(where: Path, shards: int, per_shard: int) -> None:
     """Shards of many tiny files (`d<s>/f<i>.txt`): a push of one is thousands of lookups."""
     where.mkdir(parents=True)
