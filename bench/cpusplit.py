@@ -25,7 +25,9 @@ holding is small (the profiler's Python share of them says how small).
 splits each thread group's samples by where the CPU was: the Python interpreter, C
 extensions and libraries (hashing in libcrypto, libfuse and the shim, libc copies) and the
 kernel; plus the top symbols. Python 3.11 has no perf map, so Python code shows as the
-interpreter only; `--profile py-spy` says what the daemon's Python was doing (PHASES).
+interpreter only; `--profile py-spy` says what the daemon's Python was doing (PHASES);
+`--profile syscalls` counts the mount's system calls per file read (bench/syscalls.py: they
+do not swing with the VM's sitting as its CPU does).
 `--variant` runs every pass with other code or settings too, in turns (before and after a
 change in one run: the machine's load drifts between runs).
 """
@@ -57,6 +59,7 @@ from bench.node import (
 )
 from bench.pagecost import note_page_cost, page_cost_lines
 from bench.procs import CLK_TCK
+from bench.syscalls import SyscallCount, per_file
 
 MARK_BEGIN = "<!-- cpusplit: begin -->"
 MARK_END = "<!-- cpusplit: end -->"
@@ -415,7 +418,9 @@ def _cold_pass(sources: list[str], mnt: Path, cache: Path, names: list[str], arg
         roles = _roles(mount)
         pids = list(roles)
         drop_caches()
-        perf = spy = None
+        perf = spy = calls = None
+        if "syscalls" in args.profile:
+            calls = SyscallCount(pids, work / f"syscalls-{label}-{workers}.txt")
         if "perf" in args.profile:
             perf = Perf(pids, work / f"perf-{label}-{workers}.data", args.perf_freq)
         if "py-spy" in args.profile:
@@ -427,6 +432,9 @@ def _cold_pass(sources: list[str], mnt: Path, cache: Path, names: list[str], arg
         for profiler in (perf, spy):
             if profiler is not None:
                 profiler.stop()
+        if calls is not None:  # (the lookup process, started meanwhile, is not counted)
+            rec["syscalls"] = calls.stop()
+            rec["files_read"] = len(names)
         rec.update(source=label, workers=workers, readers=args.readers, variant=variant.name,
                    push_pages=push)
         with contextlib.suppress(OSError):
@@ -484,6 +492,8 @@ def _print(rec: dict) -> None:
     for group, kinds in sorted(rec.get("perf", {}).get("by_thread", {}).items()):
         print(f"    perf {group}: " + ", ".join(f"{k} {v}%" for k, v in
                                                 sorted(kinds.items(), key=lambda kv: -kv[1])))
+    if "syscalls" in rec:
+        print(f"    system calls per file: {per_file(rec['syscalls'], rec['files_read'])}")
     for group, spy in rec.get("pyspy", {}).items():
         print(f"    py-spy daemon {group} ({spy['samples']} busy samples, "
               f"{spy.get('idle_samples', 0)} waiting): "
@@ -595,6 +605,12 @@ def render(record: dict, command: str) -> str:
                                          sorted(kinds.items(), key=lambda kv: -kv[1])
                                          if v >= 0.5)
                 for group, kinds in sorted(rec["perf"]["by_thread"].items())))
+    counted = [r for r in record["passes"] if "syscalls" in r]
+    if counted:
+        lines += ["", "System calls of the mount's processes per file read (`--profile "
+                  "syscalls`, perf's counts of `syscalls:sys_enter_*`), the most made:", ""]
+        lines += [f"- {rec['variant']}, {rec['source']}, workers={rec['workers']}: "
+                  f"{per_file(rec['syscalls'], rec['files_read'])}" for rec in counted]
     spies = [r for r in record["passes"] if "pyspy" in r]
     if spies:
         lines += ["", "What the daemon's Python was doing (`--profile py-spy`, % of the "
@@ -625,8 +641,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--push-pages", default="auto",
                    help="shardfs --push-pages: auto and/or off, comma-separated (in turns)")
     p.add_argument("--profile", default="none",
-                   help="none, or perf and/or py-spy (comma-separated): also sample the mount's "
-                        "processes with perf (Debian linux-perf), the daemon with py-spy")
+                   help="none, or perf, py-spy and/or syscalls (comma-separated): also "
+                        "sample the mount's processes with perf (Debian linux-perf), the "
+                        "daemon with py-spy, or count the mount's system calls (perf stat)")
     p.add_argument("--perf-freq", type=int, default=499, help="perf samples per second")
     p.add_argument("--spy-rate", type=int, default=250, help="py-spy samples per second")
     p.add_argument("--keep-profiles", default=None,
@@ -674,11 +691,13 @@ def cpusplit_command(args: argparse.Namespace, argv: list[str]) -> int:
         print("bench cpusplit: run as root (drop_caches, mounts)", file=sys.stderr)
         return 2
     args.profile = [p.strip() for p in str(args.profile).split(",") if p.strip() != "none"]
-    for tool, where in (("perf", "apt-get install linux-perf"), ("py-spy", "pip install py-spy")):
-        if tool in args.profile and _tool(tool) is None:
-            print(f"bench cpusplit: --profile {tool} needs {tool} ({where})", file=sys.stderr)
+    for kind, tool, where in (("perf", "perf", "apt-get install linux-perf"),
+                              ("syscalls", "perf", "apt-get install linux-perf"),
+                              ("py-spy", "py-spy", "pip install py-spy")):
+        if kind in args.profile and _tool(tool) is None:
+            print(f"bench cpusplit: --profile {kind} needs {tool} ({where})", file=sys.stderr)
             return 2
-    if set(args.profile) - {"perf", "py-spy"}:
+    if set(args.profile) - {"perf", "py-spy", "syscalls"}:
         print(f"bench cpusplit: unknown --profile {args.profile}", file=sys.stderr)
         return 2
     if args.workdir:

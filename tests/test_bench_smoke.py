@@ -8,6 +8,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -431,3 +432,57 @@ def test_cpusplit_renders_a_pass_whose_main_thread_got_no_clock_tick() -> None:
                     "passes": [pass_(None), pass_(52083)]}, "python -m bench cpusplit")
     rows = [line for line in table.splitlines() if line.startswith("| this")]
     assert rows[0].split(" | ")[10] == "–" and rows[1].split(" | ")[10] == "52,083", rows
+
+
+def test_syscall_counts_are_parsed_from_perf_stat() -> None:
+    """`bench cpusplit --profile syscalls` reads `perf stat -x ,`: counts by call, most
+    first, the calls not made and those perf could not count left out."""
+    from bench.syscalls import parse_perf_stat, per_file
+
+    text = ("# started on Wed Dec  2 09:28:12 2026\n\n"
+            "19973,,syscalls:sys_enter_writev,1234,100.00,,\n"
+            "0,,syscalls:sys_enter_open_tree,1234,100.00,,\n"
+            "<not counted>,,syscalls:sys_enter_kexec_load,0,100.00,,\n"
+            "1878,,syscalls:sys_enter_pread64,1234,100.00,,\n"
+            "4051,,syscalls:sys_enter_futex,1234,100.00,,\n")
+    counts = parse_perf_stat(text)
+    assert list(counts.items()) == [("writev", 19973), ("futex", 4051), ("pread64", 1878)]
+    assert per_file(counts, 20000, top=2) == "writev 1.00, futex 0.20 (all 1.30)"
+    assert per_file({}, 20000) == "–"
+
+
+_CALLER = """
+import os, sys
+print("ready", flush=True)
+sys.stdin.readline()
+for _ in range(500):
+    os.getppid()
+print("done", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_syscalls_of_a_process_are_counted(tmp_path: Path) -> None:
+    """perf counts a process's system calls by name while it runs (root and linux-perf)."""
+    from bench.syscalls import SyscallCount
+
+    if os.geteuid() != 0 or shutil.which("perf") is None:
+        pytest.skip("needs root and perf (apt-get install linux-perf)")
+    if not any(Path(d, "events/syscalls").is_dir()
+               for d in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")):
+        pytest.skip("the kernel has no system call tracepoints (CONFIG_FTRACE_SYSCALLS)")
+    proc = subprocess.Popen([sys.executable, "-c", _CALLER], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        # (the two counted here: closing all ~360 counters takes perf ~13 s)
+        counting = SyscallCount([proc.pid], tmp_path / "calls.txt", ["getppid", "getpid"])
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == "done\n"
+        counts = counting.stop()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert 500 <= counts.get("getppid", 0) < 600, counts
+    assert not (tmp_path / "calls.txt").exists()
