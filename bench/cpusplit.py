@@ -40,7 +40,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import sysconfig
@@ -58,7 +57,7 @@ from bench.node import (
     replace_section,
 )
 from bench.pagecost import note_page_cost, page_cost_lines
-from bench.procs import CLK_TCK
+from bench.procs import CLK_TCK, interrupt
 from bench.syscalls import SyscallCount, per_file
 
 MARK_BEGIN = "<!-- cpusplit: begin -->"
@@ -185,12 +184,7 @@ class Profiler:
     path: Path
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        interrupt(self.proc)
 
 
 class Perf(Profiler):

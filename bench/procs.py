@@ -91,6 +91,17 @@ def stop_pid(pid: int, grace: float = 10.0) -> None:
             time.sleep(0.05)
 
 
+def interrupt(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """SIGINT a recording tool (perf, py-spy) so that it writes out, and wait for it; killed
+    if it has not ended within `timeout` s."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def cpu_seconds(pid: int | None) -> float | None:
     """utime + stime of a process (all its threads) from /proc/PID/stat."""
     if not pid:

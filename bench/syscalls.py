@@ -12,10 +12,11 @@ timed"). Counting is cheap (tracepoint counters, no samples); threads started du
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import time
 from pathlib import Path
+
+from bench.procs import interrupt
 
 EVENT_PREFIX = "syscalls:sys_enter_"
 
@@ -36,12 +37,7 @@ class SyscallCount:
 
     def stop(self) -> dict[str, int]:
         """The calls counted, by name, most first (empty if perf could not count)."""
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        interrupt(self.proc)
         try:
             text = self.path.read_text()
         except OSError:
