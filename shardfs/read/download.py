@@ -34,7 +34,6 @@ from shardfs.read.fetch import NEVER, Fetch, Get
 from shardfs.read.memberreads import MemberReads
 from shardfs.read.states import ShardStates
 from shardfs.sources import ShardChanged, SourceError, Sources, Written
-from shardfs.sources.h1 import SPLICED_BODIES
 from shardfs.sources.window import SMALL_WINDOW
 from shardfs.util.checksum import Digest, KnownDigest, ShardCheck, crc32c_value, digest_of_file
 from shardfs.util.fileio import file_views, pwrite_all
@@ -87,12 +86,9 @@ class Downloads:
         small = (policy.cold_start_small_windows and self.cold_start.running()
                  and fetch.size >= policy.cold_start_min_shard)
         token = SMALL_WINDOW.set(small)
-        # Its GETs' bodies are spliced into the part file (h1.py): heads read alone.
-        spliced = SPLICED_BODIES.set(True)
         try:
             await self._download(fetch)
         finally:
-            SPLICED_BODIES.reset(spliced)
             SMALL_WINDOW.reset(token)
 
     async def _download(self, fetch: Fetch) -> None:

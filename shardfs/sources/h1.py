@@ -60,8 +60,8 @@ RECEIVE_BYTES = 1 << 20  # most bytes asked of one receive (a receive returns wh
 # few hundred bytes, and what comes with it is body that then passes through Python (copied
 # twice, written by `pwrite`) instead of being spliced: up to 1 MiB a download otherwise.
 SPLICED_HEAD_RECEIVE = 4 << 10
-# Set (True) by a task whose GETs' bodies go into a file by `_Body.splice_into` (a
-# whole-shard download, download.py).
+# Set (True) around the sending of a GET whose body will go into a file by
+# `_Body.splice_into` (HttpSource's `stream_into`: a whole-shard download).
 SPLICED_BODIES: ContextVar[bool] = ContextVar("shardfs_spliced_bodies", default=False)
 # A plain connection's receives that find bytes waiting do not pass through the event loop
 # (Http11Pool.receive); one in this many bytes received lets the loop's other tasks run.

@@ -34,7 +34,14 @@ from shardfs.sources.base import (
     check_span,
 )
 from shardfs.sources.budget import RequestBudget
-from shardfs.sources.h1 import Answer, Http11Pool, NotForUs, RequestHead, proxy_in_environment
+from shardfs.sources.h1 import (
+    SPLICED_BODIES,
+    Answer,
+    Http11Pool,
+    NotForUs,
+    RequestHead,
+    proxy_in_environment,
+)
 from shardfs.util.fileio import pwrite_all
 from shardfs.util.urls import earliest_signed_until, query_signed_until
 
@@ -336,7 +343,9 @@ class HttpSource:
             try:
                 headers = _whole_headers(shard) if shard.whole_only \
                     else _range_headers(shard, pos, end)
-                async with self._request(shard.url, headers) as resp:
+                # A body spliced into `into` (below): its head is read alone (h1.py)
+                spliced = into is not None and not shard.whole_only
+                async with self._request(shard.url, headers, spliced) as resp:
                     stop = await self._check_partial(resp, shard, pos, end)
                     # A body that ends at `stop` is read to its end, so that its connection
                     # is reused (leaving it early closes the connection); a longer one (a whole
@@ -456,8 +465,10 @@ class HttpSource:
             self.stats.budget_waits += 1
             self.stats.budget_wait_s += waited
 
-    def _request(self, url: str, headers: dict[str, str]) -> _Attempt:
-        return _Attempt(self, url, lambda: self._build_request(url, headers), headers)
+    def _request(self, url: str, headers: dict[str, str], spliced: bool = False) -> _Attempt:
+        """`spliced`: the answer's body will go into a file by `splice_into` (h1.py reads
+        its head alone then, SPLICED_BODIES)."""
+        return _Attempt(self, url, lambda: self._build_request(url, headers), headers, spliced)
 
     def _lean_requests(self) -> bool:
         """Whether GETs may go as h1.RequestHead bytes: where no subclass builds them its own
@@ -602,11 +613,12 @@ class _Attempt:
     A plain GET (`headers` given, see HttpSource._head) goes as bytes over h1 instead."""
 
     def __init__(self, source: HttpSource, url: str, build: Callable[[], httpx.Request],
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, spliced: bool = False) -> None:
         self._source = source
         self._url = url
         self._build = build
         self._headers = headers  # a plain GET's own (HttpSource._request): it may go lean
+        self._spliced = spliced  # its body will be spliced: h1 reads the head alone
         self._resp: Response | None = None
 
     async def __aenter__(self) -> Response:
@@ -615,6 +627,7 @@ class _Attempt:
         src.stats.requests += 1
         origin = None
         query = src._url_query  # what this request carries (see _renewed_query)
+        spliced = SPLICED_BODIES.set(self._spliced)
         try:
             head = None if self._headers is None else src._head(self._url)
             if head is not None:
@@ -636,6 +649,8 @@ class _Attempt:
             raise src._retry(_describe(e)) from e
         except httpx.TransportError as e:
             raise src._retry(_describe(e)) from e
+        finally:
+            SPLICED_BODIES.reset(spliced)
         src.answered.add(origin)
         status = self._resp.status_code
         src.stats.by_status[status] = src.stats.by_status.get(status, 0) + 1
