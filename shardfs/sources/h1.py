@@ -56,7 +56,7 @@ from shardfs.util.fileio import pwrite_all
 
 HEAD_LIMIT = 64 << 10  # a response's status line and headers; more is a protocol error
 RECEIVE_BYTES = 1 << 20  # most bytes asked of one receive (a receive returns what arrived)
-# The most bytes a head's receive asks for in a task that set SPLICED_BODIES: a head is a
+# The most bytes a head's receive asks for while SPLICED_BODIES is set: a head is a
 # few hundred bytes, and what comes with it is body that then passes through Python (copied
 # twice, written by `pwrite`) instead of being spliced: up to 1 MiB a download otherwise.
 SPLICED_HEAD_RECEIVE = 4 << 10
