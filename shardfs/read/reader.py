@@ -25,7 +25,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import groupby
 
 import trio
 
@@ -43,7 +42,7 @@ from shardfs.read.layout import ShardLayout
 from shardfs.read.lookahead import Lookahead
 from shardfs.read.memberreads import MemberReads
 from shardfs.read.states import ShardStates
-from shardfs.read.workingset import WorkingSet
+from shardfs.read.workingset import WorkingSet, runs_of
 from shardfs.sources import ShardChanged, SourceError, Sources
 from shardfs.util.checksum import VERIFY_MODES
 
@@ -323,15 +322,15 @@ class Reader:
         stats.bytes_served += nbytes
         stats.cache_hits += cache_hits
         stats.frontier_hits += frontier_hits
-        self.working_set.note(stream, shards)
-        # Once per run of one shard's reads (a batch comes shard by shard): touching a shard
-        # again right after itself changes no order.
-        runs = [shard for shard, _ in groupby(shards)]
+        runs = runs_of(shards)
+        self.working_set.note_runs(stream, runs)
+        # Once per run of one shard's reads: touching a shard again right after itself
+        # changes no order.
         keys = self.catalog.keys
-        for shard in runs:
+        for shard, _ in runs:
             self.cache.touch(keys[shard])
         if self._ahead:
-            self._read_ahead(runs)
+            self._read_ahead(shard for shard, _ in runs)
 
     def _dataset_fits(self) -> bool:
         return self.fetched_bytes <= self.cache.budget

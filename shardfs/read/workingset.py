@@ -25,6 +25,11 @@ from itertools import groupby
 HERE = "here"  # the stream of reads the reader answers itself
 
 
+def runs_of(shards: Iterable[int]) -> list[tuple[int, int]]:
+    """Reads as (shard, how many in a row): a batch of C reads comes shard by shard."""
+    return [(shard, len(list(run))) for shard, run in groupby(shards)]
+
+
 class _Stream:
     __slots__ = ("length", "limit", "reads", "recent", "share")
 
@@ -57,12 +62,16 @@ class WorkingSet:
 
     def note(self, stream: Hashable, shards: Iterable[int]) -> None:
         """Reads of `stream`, in the order they were served."""
+        self.note_runs(stream, runs_of(shards))
+
+    def note_runs(self, stream: Hashable, runs: Iterable[tuple[int, int]]) -> None:
+        """Reads of `stream` as (shard, reads in a row), in the order they were served."""
         got = self._streams.get(stream)
         if got is None:  # a whole window until its share is known (at most `window` reads)
             got = self._streams[stream] = _Stream(self.window)
         before = got.reads
-        for shard, run in groupby(shards):
-            self._add(got, shard, len(list(run)))
+        for shard, reads in runs:
+            self._add(got, shard, reads)
         self._trim(got)
         self._period_reads += got.reads - before
         if self._period_reads >= self.window:
