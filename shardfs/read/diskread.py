@@ -7,7 +7,8 @@ and only a read that would block goes to a worker thread, where many disk reads 
 flight at once.
 
 A read that misses the page cache also asks the kernel to read the READ_AROUND bytes around it
-(posix_fadvise WILLNEED, which only starts the I/O). A cache file is one shard, whose members a
+(posix_fadvise WILLNEED, given in the disk thread: it starts the I/O, but makes the window's
+new pages before it returns). A cache file is one shard, whose members a
 shuffled epoch reads in random order: once the page cache has lost the shard (memory
 pressure, drop_caches), one large sequential read brings back the neighbours of the missed
 member too, and their reads are answered inline instead of one random disk read each.
@@ -67,8 +68,16 @@ def read_if_cached(fd: int, size: int, offset: int) -> bytes | bytearray | None:
     return buf if n == size else None  # partly cached (or short): a thread reads it whole
 
 
-def _pread_and_close(fd: int, size: int, offset: int) -> bytes:
+def _read_around_and_close(fd: int, size: int, offset: int) -> bytes:
+    """In a disk thread: ask for the READ_AROUND window around `offset`, then read the
+    bytes (they are in it); closes `fd`. The advice is not given on the loop's thread:
+    WILLNEED allocates the window's page-cache pages (2,048 of them) before it returns, and
+    on this test VM that cost 3-20 ms of the loop's CPU each time (docs/benchmarks-notes.md,
+    "The read-around's pages made off the loop")."""
     try:
+        with contextlib.suppress(OSError):  # only advice
+            os.posix_fadvise(fd, offset - offset % READ_AROUND, READ_AROUND,
+                             os.POSIX_FADV_WILLNEED)
         return os.pread(fd, size, offset)
     finally:
         os.close(fd)
@@ -94,12 +103,9 @@ class DiskReads:
         if data is not None:
             self.inline += 1
             return data
-        window = offset - offset % READ_AROUND
-        with contextlib.suppress(OSError):  # only advice
-            os.posix_fadvise(fd, window, READ_AROUND, os.POSIX_FADV_WILLNEED)
         dup = os.dup(fd)
         self.threaded += 1
-        data = await trio.to_thread.run_sync(_pread_and_close, dup, size, offset,
+        data = await trio.to_thread.run_sync(_read_around_and_close, dup, size, offset,
                                              limiter=self._limiter, thread_name="shardfs disk")
         if len(data) < size:
             # Bytes a cache file holds never go, but a shard read in place (read/inplace.py)
