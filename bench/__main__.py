@@ -1,5 +1,6 @@
 """`python -m bench run [--quick] [...]`, `python -m bench node [...]`,
-`python -m bench httpcpu [...]`, `python -m bench cpusplit [...]`, `python -m bench s3 [...]` and
+`python -m bench httpcpu [...]`, `python -m bench bodycost [...]`,
+`python -m bench cpusplit [...]`, `python -m bench s3 [...]` and
 `python -m bench report RECORD.json --docs PAGE`."""
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ def main(argv: list[str] | None = None) -> int:
 
     httpcpu = sub.add_parser("httpcpu", help="CPU per GB received by the HTTP source")
     add_httpcpu_arguments(httpcpu)
+    from bench.bodycost import add_arguments as add_bodycost_arguments
+    from bench.bodycost import bodycost_command
+
+    bodycost = sub.add_parser("bodycost", help="CPU of a download's bytes: spliced into the "
+                              "page cache, or received into memory (and written O_DIRECT)")
+    add_bodycost_arguments(bodycost)
     from bench.cpusplit import add_arguments as add_cpusplit_arguments
     from bench.cpusplit import cpusplit_command
 
@@ -62,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         return node_command(args, argv[1:])
     if args.command == "httpcpu":
         return httpcpu_command(args)
+    if args.command == "bodycost":
+        return bodycost_command(args)
     if args.command == "run":
         if args.argv is None:
             args.argv = "python -m bench " + " ".join(argv)

@@ -253,6 +253,19 @@ def test_micro_benches_run_and_report() -> None:
         f"{gets}, httpx"], tls.stdout
 
 
+
+def test_bodycost_receives_every_byte_three_ways(tmp_path: Path) -> None:
+    """`bench bodycost` (docs/benchmarks-notes.md cites it) receives each shard whole three
+    ways and prints one line per way; it fails where a way received fewer bytes."""
+    run = subprocess.run([sys.executable, "-m", "bench", "bodycost", "--shards", "2", "--mb",
+                          "2", "--rounds", "1", "--workdir", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["splice", "recv", "recv+direct"], lines
+    assert all("us CPU per 25 KiB" in line for line in lines), lines
+    assert list(tmp_path.iterdir()) == []  # its shards, part files and nginx's state removed
+
 _BURNER = """
 import ctypes, sys, threading, time
 def burn():
