@@ -27,7 +27,9 @@ extensions and libraries (hashing in libcrypto, libfuse and the shim, libc copie
 kernel; plus the top symbols. Python 3.11 has no perf map, so Python code shows as the
 interpreter only; `--profile py-spy` says what the daemon's Python was doing (PHASES);
 `--profile syscalls` counts the mount's system calls per file read (bench/syscalls.py: they
-do not swing with the VM's sitting as its CPU does).
+do not swing with the VM's sitting as its CPU does); `--profile kernel` samples with call graphs
+and splits each thread group's samples by what the kernel was doing for it: splicing into the
+cache file, FUSE replies and stores, file reads, TCP in softirq (bench/kernelsplit.py).
 `--variant` runs every pass with other code or settings too, in turns (before and after a
 change in one run: the machine's load drifts between runs).
 """
@@ -48,6 +50,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.kernelsplit import KernelPerf, describe, kernel_split
 from bench.node import (
     Mount,
     add_data_arguments,
@@ -412,18 +415,20 @@ def _cold_pass(sources: list[str], mnt: Path, cache: Path, names: list[str], arg
         roles = _roles(mount)
         pids = list(roles)
         drop_caches()
-        perf = spy = calls = None
+        perf = spy = calls = kernel = None
         if "syscalls" in args.profile:
             calls = SyscallCount(pids, work / f"syscalls-{label}-{workers}.txt")
         if "perf" in args.profile:
             perf = Perf(pids, work / f"perf-{label}-{workers}.data", args.perf_freq)
         if "py-spy" in args.profile:
             spy = PySpy(mount.pid, work / f"spy-{label}-{workers}.txt", args.spy_rate)
+        if "kernel" in args.profile:
+            kernel = KernelPerf(pids, work / f"kernel-{label}-{workers}.data", args.perf_freq)
         before = Snapshot.take(pids)
         rec = read_all(mnt, names, args.readers, seed=args.readers, list_first=args.list)
         roles = {**_roles(mount), **roles}  # and the push's lookup process, started meanwhile
         after = Snapshot.take(list(roles))
-        for profiler in (perf, spy):
+        for profiler in (perf, spy, kernel):
             if profiler is not None:
                 profiler.stop()
         if calls is not None:  # (the lookup process, started meanwhile, is not counted)
@@ -442,13 +447,14 @@ def _cold_pass(sources: list[str], mnt: Path, cache: Path, names: list[str], arg
         rec["daemon_process_us_per_file"] = round(daemon["user"] + daemon["system"], 1)
         rec["all_us_per_file"] = round(everything, 1)
         rec["bound_files_per_s"] = round(1e6 / serial) if serial > 0 else None
+        tid_group = {tid: f"{roles[pid]}: {_thread_group(pid, tid, t.name)}"
+                     for pid, threads in after.threads.items() for tid, t in threads.items()}
         if perf is not None:
-            tid_group = {}
-            for pid, threads in after.threads.items():
-                for tid, t in threads.items():
-                    tid_group[tid] = f"{roles[pid]}: {_thread_group(pid, tid, t.name)}"
             rec["perf"] = perf_split(perf.path, tid_group)
             _keep(perf.path, args.keep_profiles)
+        if kernel is not None:
+            rec["kernel"] = kernel_split(kernel.path, tid_group)
+            _keep(kernel.path, args.keep_profiles)
         if spy is not None:
             rec["pyspy"] = pyspy_split(spy.path, mount.pid)
             _keep(spy.path, args.keep_profiles)
@@ -488,6 +494,8 @@ def _print(rec: dict) -> None:
                                                 sorted(kinds.items(), key=lambda kv: -kv[1])))
     if "syscalls" in rec:
         print(f"    system calls per file: {per_file(rec['syscalls'], rec['files_read'])}")
+    if "kernel" in rec:
+        print(f"    kernel call graphs (% of the mount's samples): {describe(rec['kernel'])}")
     for group, spy in rec.get("pyspy", {}).items():
         print(f"    py-spy daemon {group} ({spy['samples']} busy samples, "
               f"{spy.get('idle_samples', 0)} waiting): "
@@ -605,6 +613,12 @@ def render(record: dict, command: str) -> str:
                   "syscalls`, perf's counts of `syscalls:sys_enter_*`), the most made:", ""]
         lines += [f"- {rec['variant']}, {rec['source']}, workers={rec['workers']}: "
                   f"{per_file(rec['syscalls'], rec['files_read'])}" for rec in counted]
+    graphed = [r for r in record["passes"] if "kernel" in r]
+    if graphed:
+        lines += ["", "What the mount's threads were doing (`--profile kernel`, perf's call "
+                  "graphs: % of the mount's samples; user = no kernel frame):", ""]
+        lines += [f"- {rec['variant']}, {rec['source']}, workers={rec['workers']}: "
+                  f"{describe(rec['kernel'])}" for rec in graphed]
     spies = [r for r in record["passes"] if "pyspy" in r]
     if spies:
         lines += ["", "What the daemon's Python was doing (`--profile py-spy`, % of the "
@@ -635,9 +649,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--push-pages", default="auto",
                    help="shardfs --push-pages: auto and/or off, comma-separated (in turns)")
     p.add_argument("--profile", default="none",
-                   help="none, or perf, py-spy and/or syscalls (comma-separated): also "
-                        "sample the mount's processes with perf (Debian linux-perf), the "
-                        "daemon with py-spy, or count the mount's system calls (perf stat)")
+                   help="none, or perf, py-spy, syscalls and/or kernel (comma-separated): "
+                        "also sample the mount's processes with perf (Debian linux-perf), the "
+                        "daemon with py-spy, count the mount's system calls (perf stat), or "
+                        "sample with call graphs and split by what the kernel was doing")
     p.add_argument("--perf-freq", type=int, default=499, help="perf samples per second")
     p.add_argument("--spy-rate", type=int, default=250, help="py-spy samples per second")
     p.add_argument("--keep-profiles", default=None,
@@ -687,11 +702,12 @@ def cpusplit_command(args: argparse.Namespace, argv: list[str]) -> int:
     args.profile = [p.strip() for p in str(args.profile).split(",") if p.strip() != "none"]
     for kind, tool, where in (("perf", "perf", "apt-get install linux-perf"),
                               ("syscalls", "perf", "apt-get install linux-perf"),
+                              ("kernel", "perf", "apt-get install linux-perf"),
                               ("py-spy", "py-spy", "pip install py-spy")):
         if kind in args.profile and _tool(tool) is None:
             print(f"bench cpusplit: --profile {kind} needs {tool} ({where})", file=sys.stderr)
             return 2
-    if set(args.profile) - {"perf", "py-spy", "syscalls"}:
+    if set(args.profile) - {"perf", "py-spy", "syscalls", "kernel"}:
         print(f"bench cpusplit: unknown --profile {args.profile}", file=sys.stderr)
         return 2
     if args.workdir:

@@ -499,3 +499,76 @@ def test_syscalls_of_a_process_are_counted(tmp_path: Path) -> None:
         proc.wait()
     assert 500 <= counts.get("getppid", 0) < 600, counts
     assert not (tmp_path / "calls.txt").exists()
+
+
+def test_kernel_samples_are_told_apart_by_their_stacks() -> None:
+    """`bench cpusplit --profile kernel` reads `perf script -F tid,ip,sym`: each sample by
+    the first kind its stack shows (softirq before the system call it interrupted), other
+    system calls by name, no kernel frame as user."""
+    from bench.kernelsplit import kind_of, parse_script
+
+    text = ("   101 \n"
+            "\tffffffff8185d369 fuse_copy_folio\n"
+            "\tffffffff8185ffcc fuse_dev_do_write\n"
+            "\tffffffff8186134b fuse_dev_write\n"
+            "\tffffffff816d7893 do_writev\n"
+            "\t           fde9d __GI___writev\n"
+            "\n"
+            "   102 \n"
+            "\tffffffff81ab0000 tcp_v4_rcv\n"
+            "\tffffffff81aa0000 net_rx_action\n"
+            "\tffffffff81a90000 handle_softirqs\n"
+            "\tffffffff816f0000 iter_file_splice_write\n"
+            "\tffffffff8100c000 __x64_sys_splice\n"
+            "\n"
+            "   102 \n"
+            "\tffffffff8144b0ed __x64_sys_futex\n"
+            "\n"
+            "   101 \n"
+            "\t          1b6621 PySet_New\n"
+            "\t    564de5fff510 [unknown]\n")
+    samples = parse_script(text)
+    assert [tid for tid, _ in samples] == [101, 102, 102, 101]
+    assert [kind_of(stack) for _, stack in samples] == [
+        "FUSE reply or store", "TCP in softirq", "other system call: futex", "user"]
+
+
+_SPLICER = """
+import os, sys, time
+print("ready", flush=True)
+sys.stdin.readline()
+out = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+r, w = os.pipe()
+block = b"x" * 65536
+end = time.monotonic() + 1.0
+while time.monotonic() < end:
+    os.write(w, block)
+    os.splice(r, out, len(block), offset_dst=0)
+print("done", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_kernel_call_graphs_of_a_process_name_what_it_did(tmp_path: Path) -> None:
+    """perf's call graphs of a process that splices a pipe into a file for a second: most of
+    its kernel samples are "splice into a file" (root and linux-perf)."""
+    from bench.kernelsplit import KernelPerf, kernel_split
+
+    if os.geteuid() != 0 or shutil.which("perf") is None:
+        pytest.skip("needs root and perf (apt-get install linux-perf)")
+    proc = subprocess.Popen([sys.executable, "-c", _SPLICER, str(tmp_path / "out")],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        sampling = KernelPerf([proc.pid], tmp_path / "kernel.data", 999)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == "done\n"
+        sampling.stop()
+    finally:
+        proc.kill()
+        proc.wait()
+    split = kernel_split(tmp_path / "kernel.data", {proc.pid: "splicer"})
+    kinds = split.get("splicer", {})
+    assert kinds, split
+    assert max(kinds, key=lambda k: kinds[k]) == "splice into a file", kinds
