@@ -375,8 +375,9 @@ class Mounted:
             await self.workers.flush()  # count the reads workers served until now
         return json.dumps(self.snapshot()).encode()
 
-    def status_line(self) -> str:
-        s = self.snapshot()
+    @staticmethod
+    def status_line(s: dict[str, Any]) -> str:
+        """systemd's STATUS= line from a snapshot (`snapshot()`)."""
         hit = "-" if s["hit_ratio"] is None else f"{100 * s['hit_ratio']:.0f}%"
         return (f"{s['shards_cached']}/{s['shards']} shards cached, "
                 f"{s['bytes_fetched'] / 1e9:.2f} GB fetched, {s['bytes_served'] / 1e9:.2f} GB "
@@ -686,7 +687,7 @@ async def _report_status(mounted: Mounted) -> None:
         mounted.throughput.sample(mounted.reader.stats.bytes_served)
         mounted.link.sample(mounted.bytes_fetched())
         mounted.latest = mounted.snapshot()
-        sd_notify(f"STATUS={mounted.status_line()}")
+        sd_notify(f"STATUS={mounted.status_line(mounted.latest)}")
         await trio.sleep(STATUS_INTERVAL if os.environ.get("NOTIFY_SOCKET") else 1.0)
 
 
