@@ -272,13 +272,16 @@ PHASES = [
 class PySpy(Profiler):
     """`py-spy record` of one process for the length of a pass (no pauses: --nonblocking)."""
 
-    def __init__(self, pid: int, path: Path, rate: int) -> None:
+    def __init__(self, pid: int, path: Path, rate: int, gil: bool = False) -> None:
         self.path = path
         # Not --native: it pauses the process at each sample, and paused while readers wait
-        # on it, a FUSE daemon hung py-spy and the readers for good (seen here).
+        # on it, a FUSE daemon hung py-spy and the readers for good (seen here). --gil: only
+        # samples of a thread holding the GIL (running Python, or C called without letting
+        # go of it), not a thread waiting in a system call or preempted.
         self.proc = subprocess.Popen(
             [_tool("py-spy") or "py-spy", "record", "-p", str(pid), "--rate", str(rate),
-             "--nonblocking", "--threads", "--format", "raw", "-o", str(path)],
+             "--nonblocking", "--threads", *(["--gil"] if gil else []), "--format", "raw",
+             "-o", str(path)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(0.5)
 
@@ -421,7 +424,8 @@ def _cold_pass(sources: list[str], mnt: Path, cache: Path, names: list[str], arg
         if "perf" in args.profile:
             perf = Perf(pids, work / f"perf-{label}-{workers}.data", args.perf_freq)
         if "py-spy" in args.profile:
-            spy = PySpy(mount.pid, work / f"spy-{label}-{workers}.txt", args.spy_rate)
+            spy = PySpy(mount.pid, work / f"spy-{label}-{workers}.txt", args.spy_rate,
+                        args.spy_gil)
         if "kernel" in args.profile:
             kernel = KernelPerf(pids, work / f"kernel-{label}-{workers}.data", args.perf_freq)
         before = Snapshot.take(pids)
@@ -655,6 +659,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "sample with call graphs and split by what the kernel was doing")
     p.add_argument("--perf-freq", type=int, default=499, help="perf samples per second")
     p.add_argument("--spy-rate", type=int, default=250, help="py-spy samples per second")
+    p.add_argument("--spy-gil", action="store_true",
+                   help="py-spy samples only threads holding the GIL (py-spy --gil): Python's "
+                        "CPU, not its waits")
     p.add_argument("--keep-profiles", default=None,
                    help="keep perf.data and py-spy's raw stacks in this folder")
     p.add_argument("--variant", action="append", default=[],
