@@ -47,6 +47,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -506,6 +507,15 @@ def _print(rec: dict) -> None:
               + ", ".join(f"{k} {v}%" for k, v in spy["phases"].items()))
 
 
+def _per_pass(record: dict, key: str, heading: str, line: Callable[[dict], str]) -> list[str]:
+    """A heading and one line per pass that has `key` (a profile's result), or nothing."""
+    passes = [r for r in record["passes"] if key in r]
+    if not passes:
+        return []
+    return ["", heading, "", *(f"- {rec['variant']}, {rec['source']}, "
+                               f"workers={rec['workers']}: {line(rec)}" for rec in passes)]
+
+
 def run(args: argparse.Namespace) -> dict:
     work = Path(tempfile.mkdtemp(prefix="shardfs-cpusplit-", dir=args.workdir))
     params = {k: v for k, v in vars(args).items() if k != "variant"}
@@ -611,18 +621,12 @@ def render(record: dict, command: str) -> str:
                                          sorted(kinds.items(), key=lambda kv: -kv[1])
                                          if v >= 0.5)
                 for group, kinds in sorted(rec["perf"]["by_thread"].items())))
-    counted = [r for r in record["passes"] if "syscalls" in r]
-    if counted:
-        lines += ["", "System calls of the mount's processes per file read (`--profile "
-                  "syscalls`, perf's counts of `syscalls:sys_enter_*`), the most made:", ""]
-        lines += [f"- {rec['variant']}, {rec['source']}, workers={rec['workers']}: "
-                  f"{per_file(rec['syscalls'], rec['files_read'])}" for rec in counted]
-    graphed = [r for r in record["passes"] if "kernel" in r]
-    if graphed:
-        lines += ["", "What the mount's threads were doing (`--profile kernel`, perf's call "
-                  "graphs: % of the mount's samples; user = no kernel frame):", ""]
-        lines += [f"- {rec['variant']}, {rec['source']}, workers={rec['workers']}: "
-                  f"{describe(rec['kernel'])}" for rec in graphed]
+    lines += _per_pass(record, "syscalls", "System calls of the mount's processes per file "
+                       "read (`--profile syscalls`, perf's counts of `syscalls:sys_enter_*`), "
+                       "the most made:", lambda rec: per_file(rec["syscalls"], rec["files_read"]))
+    lines += _per_pass(record, "kernel", "What the mount's threads were doing (`--profile "
+                       "kernel`, perf's call graphs: % of the mount's samples; user = no "
+                       "kernel frame):", lambda rec: describe(rec["kernel"]))
     spies = [r for r in record["passes"] if "pyspy" in r]
     if spies:
         lines += ["", "What the daemon's Python was doing (`--profile py-spy`, % of the "
