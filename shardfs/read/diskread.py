@@ -72,7 +72,7 @@ def _read_around_and_close(fd: int, size: int, offset: int) -> bytes:
     """In a disk thread: ask for the READ_AROUND window around `offset`, then read the
     bytes (they are in it); closes `fd`. The advice is not given on the loop's thread:
     WILLNEED allocates the window's page-cache pages (2,048 of them) before it returns, and
-    on this test VM that cost 3-20 ms of the loop's CPU each time (docs/benchmarks-notes.md,
+    on this test VM that cost 3-27 ms of the loop's CPU each time (docs/benchmarks-notes.md,
     "The read-around's pages made off the loop")."""
     try:
         with contextlib.suppress(OSError):  # only advice
