@@ -551,7 +551,7 @@ sys.stdin.readline()
 
 def test_kernel_call_graphs_of_a_process_name_what_it_did(tmp_path: Path) -> None:
     """perf's call graphs of a process that splices a pipe into a file for a second: most of
-    its kernel samples are "splice into a file" (root and linux-perf)."""
+    its samples with a kernel frame are "splice into a file" (root and linux-perf)."""
     from bench.kernelsplit import KernelPerf, kernel_split
 
     if os.geteuid() != 0 or shutil.which("perf") is None:
@@ -569,6 +569,7 @@ def test_kernel_call_graphs_of_a_process_name_what_it_did(tmp_path: Path) -> Non
         proc.kill()
         proc.wait()
     split = kernel_split(tmp_path / "kernel.data", {proc.pid: "splicer"})
-    kinds = split.get("splicer", {})
+    # (its Python loop is user time, as large as the splices or larger on a loaded machine)
+    kinds = {k: v for k, v in split.get("splicer", {}).items() if k != "user"}
     assert kinds, split
-    assert max(kinds, key=lambda k: kinds[k]) == "splice into a file", kinds
+    assert kinds.get("splice into a file", 0) > sum(kinds.values()) / 2, kinds
