@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.node import drop_caches
 from bench.procs import own_cpu_s
 from shardfs.devtools.nginx import Nginx
 
@@ -102,8 +103,7 @@ def _recv_direct(sock: socket.socket, part: Path, buffer: memoryview) -> int:
 
 
 def _drop_and_warm(files: list[Path]) -> None:
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    drop_caches()
     for path in files:  # nginx sends from memory: only the receiving side is measured
         with path.open("rb") as f:
             while f.read(1 << 24):

@@ -51,7 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.kernelsplit import KernelPerf, describe, kernel_split
+from bench.kernelsplit import describe, kernel_split
 from bench.node import (
     Mount,
     add_data_arguments,
@@ -192,13 +192,17 @@ class Profiler:
 
 
 class Perf(Profiler):
-    """`perf record` of some pids for the length of a pass (no call graphs: cheap)."""
+    """`perf record` of some pids (their threads, those started later included) for the
+    length of a pass: without call graphs (cheap, `--profile perf`), or with them
+    (`--profile kernel`, bench/kernelsplit.py)."""
 
-    def __init__(self, pids: list[int], path: Path, freq: int) -> None:
+    def __init__(self, pids: list[int], path: Path, freq: int,
+                 call_graphs: bool = False) -> None:
         self.path = path
         self.proc = subprocess.Popen(
-            ["perf", "record", "-F", str(freq), "-q", "-o", str(path), "-p",
-             ",".join(map(str, pids))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            ["perf", "record", *(["-g"] if call_graphs else []), "-F", str(freq), "-q",
+             "-o", str(path), "-p", ",".join(map(str, pids))],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(0.5)  # perf attaches
 
 
@@ -428,7 +432,8 @@ def _cold_pass(sources: list[str], mnt: Path, cache: Path, names: list[str], arg
             spy = PySpy(mount.pid, work / f"spy-{label}-{workers}.txt", args.spy_rate,
                         args.spy_gil)
         if "kernel" in args.profile:
-            kernel = KernelPerf(pids, work / f"kernel-{label}-{workers}.data", args.perf_freq)
+            kernel = Perf(pids, work / f"kernel-{label}-{workers}.data", args.perf_freq,
+                          call_graphs=True)
         before = Snapshot.take(pids)
         rec = read_all(mnt, names, args.readers, seed=args.readers, list_first=args.list)
         roles = {**_roles(mount), **roles}  # and the push's lookup process, started meanwhile

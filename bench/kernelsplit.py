@@ -19,7 +19,6 @@ with call graphs costs more than `--profile perf`; the pass's µs with it are no
 from __future__ import annotations
 
 import subprocess
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -40,23 +39,6 @@ KINDS: list[tuple[str, frozenset[str]]] = [
     ("socket receive", frozenset({"tcp_recvmsg", "tcp_recvmsg_locked"})),
 ]
 SYSCALL_PREFIX = "__x64_sys_"
-
-
-class KernelPerf:
-    """`perf record -g` of some pids (their threads, those started later included) until
-    `stop`."""
-
-    def __init__(self, pids: list[int], path: Path, freq: int) -> None:
-        self.path = path
-        self.proc = subprocess.Popen(
-            ["perf", "record", "-g", "-F", str(freq), "-q", "-o", str(path), "-p",
-             ",".join(map(str, pids))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(0.5)  # perf attaches
-
-    def stop(self) -> None:
-        from bench.procs import interrupt
-
-        interrupt(self.proc)
 
 
 def kind_of(stack: list[str]) -> str:

@@ -253,7 +253,6 @@ def test_micro_benches_run_and_report() -> None:
         f"{gets}, httpx"], tls.stdout
 
 
-
 def test_bodycost_receives_every_byte_three_ways(tmp_path: Path) -> None:
     """`bench bodycost` (docs/benchmarks-notes.md cites it) receives each shard whole three
     ways and prints one line per way; it fails where a way received fewer bytes."""
@@ -265,6 +264,7 @@ def test_bodycost_receives_every_byte_three_ways(tmp_path: Path) -> None:
     assert [line.split(":")[0] for line in lines] == ["splice", "recv", "recv+direct"], lines
     assert all("us CPU per 25 KiB" in line for line in lines), lines
     assert list(tmp_path.iterdir()) == []  # its shards, part files and nginx's state removed
+
 
 _BURNER = """
 import ctypes, sys, threading, time
@@ -552,7 +552,8 @@ sys.stdin.readline()
 def test_kernel_call_graphs_of_a_process_name_what_it_did(tmp_path: Path) -> None:
     """perf's call graphs of a process that splices a pipe into a file for a second: most of
     its samples with a kernel frame are "splice into a file" (root and linux-perf)."""
-    from bench.kernelsplit import KernelPerf, kernel_split
+    from bench.cpusplit import Perf
+    from bench.kernelsplit import kernel_split
 
     if os.geteuid() != 0 or shutil.which("perf") is None:
         pytest.skip("needs root and perf (apt-get install linux-perf)")
@@ -560,7 +561,7 @@ def test_kernel_call_graphs_of_a_process_name_what_it_did(tmp_path: Path) -> Non
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline() == "ready\n"
-        sampling = KernelPerf([proc.pid], tmp_path / "kernel.data", 999)
+        sampling = Perf([proc.pid], tmp_path / "kernel.data", 999, call_graphs=True)
         proc.stdin.write("go\n")
         proc.stdin.flush()
         assert proc.stdout.readline() == "done\n"
