@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from shardfs.read.diskread import DiskReads
+from shardfs.read.diskread import DiskReads, read_if_cached
 from shardfs.read.errors import ReadError
 
 
@@ -43,10 +43,7 @@ def test_a_file_cut_short_after_it_was_opened_fails_the_read(tmp_path: Path,
 
 def _cached(fd: int, offset: int) -> bool:
     """Whether the page at `offset` is in the page cache (a read that would not wait)."""
-    try:
-        return os.preadv(fd, [bytearray(4096)], offset, os.RWF_NOWAIT) == 4096
-    except BlockingIOError:
-        return False
+    return read_if_cached(fd, 4096, offset) is not None
 
 
 def test_a_read_from_the_disk_brings_its_window_in_and_the_loop_gives_no_advice(

@@ -339,13 +339,14 @@ class HttpSource:
         # connection before sending anything must still run into the deadline.
         patience = _Patience(shard.url, self.settings, self.stats, self._down)
         chunk = self.settings.chunk_size
+        # The body goes into `into` by splice where the answer allows (below); its head is
+        # then read alone (h1.py).
+        splice = into is not None and not shard.whole_only
         while pos < end:
             try:
                 headers = _whole_headers(shard) if shard.whole_only \
                     else _range_headers(shard, pos, end)
-                # A body spliced into `into` (below): its head is read alone (h1.py)
-                spliced = into is not None and not shard.whole_only
-                async with self._request(shard.url, headers, spliced) as resp:
+                async with self._request(shard.url, headers, splice) as resp:
                     stop = await self._check_partial(resp, shard, pos, end)
                     # A body that ends at `stop` is read to its end, so that its connection
                     # is reused (leaving it early closes the connection); a longer one (a whole
@@ -353,7 +354,8 @@ class HttpSource:
                     cut = resp.status_code != 206 or \
                         _parse_content_range(resp, shard.url)[1] + 1 > stop
                     spliced = None
-                    if into is not None and not shard.whole_only and isinstance(resp, Answer):
+                    if splice and isinstance(resp, Answer):
+                        assert into is not None
                         spliced = resp.splice_into(into, pos, stop - pos)
                     if spliced is not None:
                         async with aclosing(spliced) as written:
