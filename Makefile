@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 
 # The venv is rebuilt from these: a change to any of them reinstalls the project.
 INSTALL_INPUTS := pyproject.toml setup.py shardfs/fuse/_shim.c shardfs/fuse/_shim_meta.c \
-	shardfs/fuse/_shim_arena.c shardfs/fuse/_shim_reader.c Makefile
+	shardfs/fuse/_shim_arena.c shardfs/fuse/_shim_reader.c shardfs/sources/_bodysplice.c Makefile
 STAMP := $(VENV)/.shardfs-installed
 
 SHELL := /bin/bash

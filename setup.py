@@ -1,4 +1,5 @@
-"""Build step for the one C file of shardfs: the pyfuse3/libfuse3 shim (docs/pyfuse3.md).
+"""Build step for shardfs's C: the pyfuse3/libfuse3 shim (docs/pyfuse3.md) and the thread that
+splices HTTP bodies into files (shardfs/sources/_bodysplice.c).
 
 Everything else is in pyproject.toml. The shim is optional: if it cannot be built, shardfs
 still works, answering OPEN as before (the slower open-based read path).
@@ -25,4 +26,8 @@ setup(ext_modules=[
                        "shardfs/fuse/_shim_arena.c",  # #included by _shim_meta.c
                        "shardfs/fuse/_shim_reader.c"],  # #included by _shim.c
               extra_compile_args=fuse3_cflags(), libraries=["dl", "pthread"], optional=True),
+    # HTTP bodies spliced into files by a thread of C (docs/sources.md); optional too: without
+    # it the daemon's loop does the splices.
+    Extension("shardfs.sources._bodysplice", ["shardfs/sources/_bodysplice.c"],
+              libraries=["pthread"], optional=True),
 ])

@@ -55,8 +55,8 @@ def test_healthy_sources_and_a_small_cache(dataset: Dataset, nginx, tmp_path: Pa
     report = json.loads(healthy.stdout)
     assert healthy.returncode == 0 and report["ok"], healthy.stdout + healthy.stderr
     verdicts = {c["name"]: c["verdict"] for c in report["checks"]}
-    for name in ("/dev/fuse", "fusermount3", "pyfuse3 shim", "download check", "cache space",
-                 "sources", "store speed", "cache size"):
+    for name in ("/dev/fuse", "fusermount3", "pyfuse3 shim", "download check",
+                 "download thread", "cache space", "sources", "store speed", "cache size"):
         assert verdicts[name] == "ok", report["checks"]
     assert verdicts["index files"] == "note"  # only the shards were published
     assert "OK" in report["summary"]
@@ -88,6 +88,16 @@ def test_a_python_without_the_crc32c_instructions(tmp_path: Path):
     assert result.returncode == 1
     text = doctor("--cache-dir", str(tmp_path / "cache"), env=env)
     assert "download check" in last_line(text), text.stdout
+
+
+def test_downloads_kept_on_the_loop_are_a_note(tmp_path: Path):
+    """SHARDFS_BODIES_BY_THREAD=0 (downloads spliced by the loop's thread): `doctor` notes
+    it and how to undo it; nothing is blocked."""
+    env = {**os.environ, "SHARDFS_BODIES_BY_THREAD": "0"}
+    report = json.loads(doctor("--cache-dir", str(tmp_path / "cache"), "--json",
+                               env=env).stdout)
+    check = next(c for c in report["checks"] if c["name"] == "download thread")
+    assert check["verdict"] == "note" and "SHARDFS_BODIES_BY_THREAD" in check["fix"], check
 
 
 def test_unreachable_source(tmp_path: Path):

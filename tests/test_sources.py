@@ -14,7 +14,7 @@ import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import aclosing
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpcore
 import pytest
@@ -33,6 +33,7 @@ from shardfs.sources import (
     SourceSettings,
     Unreachable,
     Written,
+    h1,
     to_url,
 )
 from shardfs.sources.http import HTTP_RECEIVE_BYTES
@@ -320,9 +321,20 @@ async def read_into(source: HttpSource, shard: ShardInfo, fd: int, start: int, e
     return pieces
 
 
+@pytest.fixture(params=["thread", "loop"])
+def body_receiver(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Spliced bodies received by a thread of C (`_bodysplice`, the default where it is
+    built) or by the loop's thread (h1.BODIES_BY_THREAD off): the tests below hold for both."""
+    if request.param == "thread":
+        assert h1._bodysplice is not None, "shardfs/sources/_bodysplice.c is not built"
+    monkeypatch.setattr(h1, "BODIES_BY_THREAD", request.param == "thread")
+    return str(request.param)
+
+
 @pytest.mark.parametrize("fault", ["none", "resets", "truncated", "stall"])
 def test_http_stream_into_splices_plain_bodies_into_the_file(nginx: Nginx, tmp_path: Path,
-                                                              fault: str) -> None:
+                                                              fault: str,
+                                                              body_receiver: str) -> None:
     """A plain http:// body goes from the socket into the file (splice): the pieces are
     `Written` (no bytes in Python), each in the file at its offset when yielded, the file
     byte-exact; a connection reset, a body cut short or a stall mid-body resumes from the
@@ -359,8 +371,8 @@ def test_http_stream_into_splices_plain_bodies_into_the_file(nginx: Nginx, tmp_p
     assert target.read_bytes() == bytes(start) + data[start:]
 
 
-def test_http_stream_into_writes_bytes_where_the_file_takes_no_splice(nginx: Nginx,
-                                                                      tmp_path: Path) -> None:
+def test_http_stream_into_writes_bytes_where_the_file_takes_no_splice(
+        nginx: Nginx, tmp_path: Path, body_receiver: str) -> None:
     """A file that refuses splice writes (EINVAL: a file system without them; here a file
     opened for appending, which splice refuses and pwrite appends to, in order from 0) gets
     the bytes by pwrite, the download right; the source splices no more bodies."""
@@ -384,8 +396,8 @@ def test_http_stream_into_writes_bytes_where_the_file_takes_no_splice(nginx: Ngi
     with_http(check)
 
 
-def test_http_stream_into_raises_a_failed_write_as_oserror(nginx: Nginx,
-                                                           tmp_path: Path) -> None:
+def test_http_stream_into_raises_a_failed_write_as_oserror(nginx: Nginx, tmp_path: Path,
+                                                           body_receiver: str) -> None:
     """A write into the file that fails (a full disk; here a descriptor open only for
     reading) is raised as the OSError it is, not retried as the server's failure."""
     data = put(nginx.root, "a.tar")
@@ -403,6 +415,80 @@ def test_http_stream_into_raises_a_failed_write_as_oserror(nginx: Nginx,
             os.close(fd)
 
     with_http(check)
+
+
+def test_a_plain_body_is_spliced_by_a_thread_of_c_not_the_loop(
+        nginx: Nginx, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where `_bodysplice` is built, the loop's thread makes no splice of a download's
+    body (the thread of C does both: socket to pipe, pipe to file); the file is byte-exact
+    and the bytes counted as spliced."""
+    assert h1._bodysplice is not None, "shardfs/sources/_bodysplice.c is not built"
+    monkeypatch.setattr(h1, "BODIES_BY_THREAD", True)
+    data = put(nginx.root, "a.tar", 8 << 20)
+    target = tmp_path / "part"
+    target.write_bytes(bytes(len(data)))
+    splices: list[int] = []
+    real_splice = os.splice
+
+    def counted(*args: Any, **kwargs: Any) -> int:
+        splices.append(threading.get_ident())
+        return real_splice(*args, **kwargs)
+
+    monkeypatch.setattr(os, "splice", counted)
+
+    async def check(source: HttpSource) -> None:
+        shard = await source.stat(f"{nginx.url}/a.tar")
+        fd = os.open(target, os.O_RDWR)
+        try:
+            pieces = await read_into(source, shard, fd, 0, len(data), data)
+        finally:
+            os.close(fd)
+        assert all(isinstance(p, Written) for p in pieces)
+        assert source.stats.spliced_bytes >= len(data) - h1.SPLICED_HEAD_RECEIVE
+
+    with_http(check)
+    assert splices == []
+    assert target.read_bytes() == data
+
+
+def test_a_body_left_mid_way_stops_its_thread(nginx: Nginx, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A download cancelled while its body stalls (the thread of C waiting in poll) stops
+    at once: the thread (seen while the body came) is gone when the stream is closed,
+    nothing is written after, and the source reads on."""
+    assert h1._bodysplice is not None, "shardfs/sources/_bodysplice.c is not built"
+    monkeypatch.setattr(h1, "BODIES_BY_THREAD", True)
+    data = put(nginx.root, "a.tar")
+    target = zeroed_part(tmp_path)
+
+    def body_threads() -> int:
+        return sum(1 for comm in Path("/proc/self/task").glob("*/comm")
+                   if comm.read_text().strip() == h1._bodysplice.THREAD_NAME)
+
+    with proxy_for(nginx) as proxy:
+
+        async def check(source: HttpSource) -> None:
+            shard = await source.stat(f"{proxy.url}/a.tar")
+            proxy.stall(30.0, after_bytes=300_000, times=1)
+            fd = os.open(target, os.O_RDWR)
+            got, running = 0, 0
+            try:
+                with trio.move_on_after(0.6) as scope:
+                    async with aclosing(source.stream_into(shard, 0, SIZE, fd)) as pieces:
+                        async for piece in pieces:
+                            got += len(piece)
+                            running = max(running, body_threads())
+                assert scope.cancelled_caught and 0 < got < SIZE
+                assert running == 1 and body_threads() == 0
+                await trio.sleep(0.2)
+                on_disk = os.pread(fd, SIZE, 0)
+            finally:
+                os.close(fd)
+            assert on_disk[:got] == data[:got]
+            assert on_disk[310_000:] == bytes(SIZE - 310_000)  # nothing past the stall
+            assert await read(source, shard, 7, 99) == data[7:99]
+
+        with_http(check)  # FAST: a 1 s read timeout, past the cancel at 0.6 s
 
 
 def test_stream_receives_more_than_httpcore_default_at_a_time(

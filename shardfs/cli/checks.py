@@ -130,6 +130,26 @@ def check_shim() -> Check:
     return Check("pyfuse3 shim", "ok", "built and loaded")
 
 
+def check_body_splice() -> Check:
+    """Plain-HTTP downloads spliced into the cache by a thread of C (`_bodysplice`), off the
+    daemon's loop thread, its serial part (docs/sources.md, "Bodies spliced by a thread of
+    C")."""
+    from shardfs.sources import h1
+
+    if h1._bodysplice is None:
+        return Check("download thread", "slow", "shardfs/sources/_bodysplice.c is not built: "
+                     "the daemon's loop thread splices every http:// download itself "
+                     "(~10-15 us more of its CPU per cold ~24 KiB file)",
+                     "rebuild shardfs (pip install --force-reinstall shardfs, needs a C "
+                     "compiler)")
+    if not h1.BODIES_BY_THREAD:
+        return Check("download thread", "note", "SHARDFS_BODIES_BY_THREAD=0: the daemon's "
+                     "loop thread splices every http:// download itself",
+                     "unset SHARDFS_BODIES_BY_THREAD")
+    return Check("download thread", "ok", "http:// downloads are spliced into the cache by "
+                 "a thread of C")
+
+
 def check_crc32c() -> Check:
     """CRC-32C with the CPU's instructions: it checks each complete download at a tenth of
     sha256's CPU (docs/design.md, "What a download is checked against")."""

@@ -1,9 +1,10 @@
 """`shardfs doctor [MOUNTPOINT | SOURCE...]`: what blocks mounting, or makes reads slow.
 
-Without arguments: this machine (FUSE, our shim, the default cache dir, memory). With a
-running mount: that, plus the mount's own state and its sources as it sees them (endpoints
-from its stats). With SOURCEs: that, plus the store (reachable, which credentials answered,
-time to first byte and throughput, shard sizes against the cache size, published indexes).
+Without arguments: this machine (FUSE, our shim and download thread, the default cache dir,
+memory). With a running mount: that, plus the mount's own state and its sources as it sees
+them (endpoints from its stats). With SOURCEs: that, plus the store (reachable, which
+credentials answered, time to first byte and throughput, shard sizes against the cache size,
+published indexes).
 Every check prints a verdict and, when something is wrong, a fix; the exit status is 1 when
 something blocks mounting or makes it slow, and the last line names it.
 """
@@ -20,6 +21,7 @@ import trio
 
 from shardfs.cli.checks import (
     Check,
+    check_body_splice,
     check_cache_dir,
     check_crc32c,
     check_dev_fuse,
@@ -109,6 +111,7 @@ def diagnose(args: argparse.Namespace, config: dict) -> list[Check]:
     checks.append(check_kernel())
     checks.append(check_shim())
     checks.append(check_crc32c())
+    checks.append(check_body_splice())
     if snapshot:
         checks.append(check_mount_shim(snapshot))
     cache_dir = Path(args.cache_dir or snapshot.get("cache_dir") or config.get("cache_dir")

@@ -54,6 +54,11 @@ from shardfs.sources.window import (
 )
 from shardfs.util.fileio import pwrite_all
 
+try:  # optional (setup.py): without it the loop's thread splices bodies itself
+    from shardfs.sources import _bodysplice
+except ImportError:
+    _bodysplice = None
+
 HEAD_LIMIT = 64 << 10  # a response's status line and headers; more is a protocol error
 RECEIVE_BYTES = 1 << 20  # most bytes asked of one receive (a receive returns what arrived)
 # The most bytes a head's receive asks for while SPLICED_BODIES is set: a head is a
@@ -68,6 +73,9 @@ SPLICED_BODIES: ContextVar[bool] = ContextVar("shardfs_spliced_bodies", default=
 CHECKPOINT_BYTES = 1 << 20
 CONNECT_TRY_S = 0.5  # an address that has not answered in this long: the next one is tried
 SPLICE_PIPE_BYTES = 1 << 20  # the pipe a body is spliced through (the most one step moves)
+# Spliced bodies are received by a thread of C where _bodysplice is built: the splices off the
+# loop's thread (docs/sources.md). SHARDFS_BODIES_BY_THREAD=0 keeps them on it, to measure.
+BODIES_BY_THREAD = os.environ.get("SHARDFS_BODIES_BY_THREAD", "1") != "0"
 PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY",
                    "ALL_PROXY")
 
@@ -230,6 +238,28 @@ def _splice_out(pool: Http11Pool, pipe: int, into: int, count: int, at: int) -> 
     return total - unspliced
 
 
+def _ended_early(left: int) -> httpx.RemoteProtocolError:
+    return httpx.RemoteProtocolError(
+        f"server closed the connection with {left} bytes of the body still to come")
+
+
+def _raise_for(state: int, err: int, left: int, timeout: float) -> None:
+    """The exception `_Body.splice_into`'s loop would have raised for how a thread of C
+    ended (`_bodysplice`'s states); nothing for a body received to its end."""
+    assert _bodysplice is not None
+    if state == _bodysplice.DONE:
+        return
+    if state == _bodysplice.EOF:
+        raise _ended_early(left)
+    if state == _bodysplice.TIMEOUT:
+        raise httpx.ReadTimeout(f"no bytes for {timeout:g} s")
+    if state == _bodysplice.SOCKET_ERROR:
+        raise httpx.ReadError(os.strerror(err))
+    if state == _bodysplice.FILE_ERROR:
+        raise OSError(err, os.strerror(err))
+    raise AssertionError(f"a body's thread ended in state {state}")  # STOPPED: only by us
+
+
 class _Body(httpx.AsyncByteStream):
     """A response's body: `length` bytes from the connection; the connection goes back to
     the pool when the body was read to its end, and is closed otherwise."""
@@ -261,9 +291,7 @@ class _Body(httpx.AsyncByteStream):
         while self._left:
             data = await self._pool.receive(conn, min(self._left, RECEIVE_BYTES))
             if not data:
-                raise httpx.RemoteProtocolError(
-                    f"server closed the connection with {self._left} bytes of the body "
-                    "still to come")
+                raise _ended_early(self._left)
             # Never more than asked: bytes a server writes past its Content-Length stay in
             # the socket, which makes the connection stale (not reused).
             self._left -= len(data)
@@ -278,24 +306,74 @@ class _Body(httpx.AsyncByteStream):
         return (self._pool.splice_writes and conn is not None
                 and isinstance(conn.stream, trio.SocketStream))
 
-    async def splice_into(self, into: int, at: int,
-                          count: int) -> AsyncIterator[tuple[int, int]]:
+    def splice_into(self, into: int, at: int,
+                    count: int) -> AsyncIterator[tuple[int, int]]:
         """Write the body's next `count` bytes (at most what is left of it) into the file
         `into` from offset `at`, yielding each piece's length once it is written, and how
         many of its bytes were spliced: from the socket through a pipe into the file's page
         cache (splice(2)), never copied into Python, which halves what the loop's thread
-        copies per byte of a download (docs/sources.md). A write that fails raises its OSError;
+        copies per byte of a download (docs/sources.md). Where the C module is built, a
+        thread of its own does the splices and the loop only hears of the pieces
+        (`_bodysplice.c`); else the loop splices. A write that fails raises its OSError;
         the connection's failures raise as `receive`'s do. Plain TCP only (can_splice)."""
+        if _bodysplice is not None and BODIES_BY_THREAD and self._watch is None:
+            return self._splice_by_thread(into, at, count)
+        return self._splice_in_loop(into, at, count)
+
+    def _head_bytes_into(self, conn: _Connection, into: int, at: int, count: int) -> int:
+        """The bytes that came with the headers (at most `count`) written into `into` at
+        `at`; how many."""
+        if not conn.buffer or not count:
+            return 0
+        piece = conn.take(count)
+        pwrite_all(into, piece, at)
+        self._left -= len(piece)
+        return len(piece)
+
+    async def _splice_by_thread(self, into: int, at: int,
+                                count: int) -> AsyncIterator[tuple[int, int]]:
+        conn = self._conn
+        assert conn is not None and self.can_splice() and _bodysplice is not None
+        count = min(count, self._left)
+        head = self._head_bytes_into(conn, into, at, count)
+        if head:
+            yield head, 0
+        count -= head
+        if not count:
+            return
+        timeout_ms = int(min(self._pool.timeout, 86400.0) * 1000)
+        receiver = _bodysplice.start(conn.socket.fileno(), into, at + head, count,
+                                     timeout_ms, SPLICE_PIPE_BYTES)
+        told = told_spliced = 0
+        try:
+            while True:
+                await trio.lowlevel.wait_readable(receiver.fileno())
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(receiver.fileno())
+                written, spliced, state, err = receiver.progress()
+                if written > told:
+                    n, spliced_n = written - told, spliced - told_spliced
+                    told, told_spliced = written, spliced
+                    self._left -= n
+                    if spliced_n < n:  # the file took no splice write: bodies come as bytes
+                        self._pool.splice_writes = False
+                    yield n, spliced_n
+                if state != _bodysplice.RUNNING:
+                    break
+            _raise_for(state, err, self._left, self._pool.timeout)
+        finally:
+            receiver.stop()
+
+    async def _splice_in_loop(self, into: int, at: int,
+                              count: int) -> AsyncIterator[tuple[int, int]]:
         conn = self._conn
         assert conn is not None and self.can_splice()
         count = min(count, self._left)
-        if conn.buffer and count:  # bytes that came with the headers
-            piece = conn.take(count)
-            pwrite_all(into, piece, at)
-            self._left -= len(piece)
-            count -= len(piece)
-            at += len(piece)
-            yield len(piece), 0
+        head = self._head_bytes_into(conn, into, at, count)
+        if head:
+            yield head, 0
+        count -= head
+        at += head
         if not count:
             return
         pipe_out, pipe_in = os.pipe2(os.O_CLOEXEC)
@@ -313,9 +391,7 @@ class _Body(httpx.AsyncByteStream):
                 except OSError as e:
                     raise httpx.ReadError(os.strerror(e.errno or 0)) from e
                 if n == 0:
-                    raise httpx.RemoteProtocolError(
-                        f"server closed the connection with {self._left} bytes of the body "
-                        "still to come")
+                    raise _ended_early(self._left)
                 self._left -= n
                 count -= n
                 if self._watch is not None:
