@@ -587,6 +587,44 @@ def test_a_small_window_get_is_capped_where_a_queue_stands(nginx: Nginx) -> None
         with_http(check)
 
 
+@pytest.mark.parametrize("receiver", ["thread", "loop"])
+def test_a_small_window_download_spliced_into_a_file_is_capped_too(
+        nginx: Nginx, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, receiver: str) -> None:
+    """A download's body spliced into its file (stream_into) by the thread of C, or by the
+    loop: where it asks for small windows and a queue stands, its connection is capped as
+    the body arrives (the loop looks at each of the thread's reports), the file exact."""
+    from shardfs.sources import h1 as h1_module
+    from shardfs.sources.window import MIN_WINDOW, SMALL_WINDOW
+
+    if receiver == "thread":
+        assert h1_module._bodysplice is not None, "shardfs/sources/_bodysplice.c is not built"
+    monkeypatch.setattr(h1_module, "BODIES_BY_THREAD", receiver == "thread")
+    data = put(nginx.root, "big.tar", BIG_BODY)
+    target = tmp_path / "part"
+    target.write_bytes(bytes(BIG_BODY))
+
+    async def check(source: HttpSource) -> None:
+        shard = await source.stat(f"http://127.0.0.1:{nginx.port}/big.tar")
+        h1 = pool(source)
+        (origin,) = h1.rtt
+        token = SMALL_WINDOW.set(True)
+        fd = os.open(target, os.O_RDWR)
+        try:
+            await read_into(source, shard, fd, 0, BIG_BODY, data)
+        finally:
+            os.close(fd)
+            SMALL_WINDOW.reset(token)
+        assert source.stats.spliced_bytes > BIG_BODY // 2
+        assert source.stats.small_window_connections == 1, h1.windows
+        assert MIN_WINDOW <= h1.windows[origin] < 1 << 20, h1.windows
+
+    with _capped_nginx_port(nginx, "200mbit") as cap:
+        if not cap.active:
+            pytest.skip(f"no cap on lo here: {cap.error}")
+        with_http(check)
+    assert target.read_bytes() == data
+
+
 def test_a_small_window_get_without_a_queue_keeps_its_window(nginx: Nginx) -> None:
     """Over plain loopback (no queue on the way: the link faster than the reader), a GET
     that asks for small windows is not capped: a window there would only slow it."""

@@ -316,7 +316,7 @@ class _Body(httpx.AsyncByteStream):
         thread of its own does the splices and the loop only hears of the pieces
         (`_bodysplice.c`); else the loop splices. A write that fails raises its OSError;
         the connection's failures raise as `receive`'s do. Plain TCP only (can_splice)."""
-        if _bodysplice is not None and BODIES_BY_THREAD and self._watch is None:
+        if _bodysplice is not None and BODIES_BY_THREAD:
             return self._splice_by_thread(into, at, count)
         return self._splice_in_loop(into, at, count)
 
@@ -357,6 +357,8 @@ class _Body(httpx.AsyncByteStream):
                     self._left -= n
                     if spliced_n < n:  # the file took no splice write: bodies come as bytes
                         self._pool.splice_writes = False
+                    if self._watch is not None:  # the connection's queue, as the loop's
+                        self._look(conn, n)  # splices look at it (a cap applies at once)
                     yield n, spliced_n
                 if state != _bodysplice.RUNNING:
                     break
