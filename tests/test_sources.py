@@ -8,6 +8,9 @@ import functools
 import http.server
 import os
 import random
+import select
+import signal
+import socket
 import threading
 import time
 import urllib.request
@@ -451,19 +454,19 @@ def test_a_plain_body_is_spliced_by_a_thread_of_c_not_the_loop(
     assert target.read_bytes() == data
 
 
-def test_a_body_left_mid_way_stops_its_thread(nginx: Nginx, tmp_path: Path,
+def test_a_body_left_mid_way_frees_its_thread(nginx: Nginx, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """A download cancelled while its body stalls (the thread of C waiting in poll) stops
-    at once: the thread (seen while the body came) is gone when the stream is closed,
-    nothing is written after, and the source reads on."""
+    """A download cancelled while its body stalls (its thread of C waiting in poll) is left
+    at once: nothing is written after, and the same kept thread (seen while the body came)
+    takes the next body, which it could not while still waiting on the stalled one."""
     assert h1._bodysplice is not None, "shardfs/sources/_bodysplice.c is not built"
     monkeypatch.setattr(h1, "BODIES_BY_THREAD", True)
     data = put(nginx.root, "a.tar")
     target = zeroed_part(tmp_path)
 
-    def body_threads() -> int:
-        return sum(1 for comm in Path("/proc/self/task").glob("*/comm")
-                   if comm.read_text().strip() == h1._bodysplice.THREAD_NAME)
+    def body_threads() -> set[str]:
+        return {comm.parent.name for comm in Path("/proc/self/task").glob("*/comm")
+                if comm.read_text().strip() == h1._bodysplice.THREAD_NAME}
 
     with proxy_for(nginx) as proxy:
 
@@ -471,24 +474,72 @@ def test_a_body_left_mid_way_stops_its_thread(nginx: Nginx, tmp_path: Path,
             shard = await source.stat(f"{proxy.url}/a.tar")
             proxy.stall(30.0, after_bytes=300_000, times=1)
             fd = os.open(target, os.O_RDWR)
-            got, running = 0, 0
+            got, seen = 0, set()
             try:
+                began = time.monotonic()
                 with trio.move_on_after(0.6) as scope:
                     async with aclosing(source.stream_into(shard, 0, SIZE, fd)) as pieces:
                         async for piece in pieces:
                             got += len(piece)
-                            running = max(running, body_threads())
+                            seen |= body_threads()
+                # Left when cancelled, not when the stall (30 s) or the timeout (60 s) ends.
+                assert time.monotonic() - began < 15
                 assert scope.cancelled_caught and 0 < got < SIZE
-                assert running == 1 and body_threads() == 0
                 await trio.sleep(0.2)
                 on_disk = os.pread(fd, SIZE, 0)
+                assert on_disk[:got] == data[:got]
+                assert on_disk[310_000:] == bytes(SIZE - 310_000)  # nothing past the stall
+                # The next body: the stalled one's thread takes it, no second thread.
+                await read_into(source, shard, fd, 0, SIZE, data)
+                assert len(seen) == 1 and body_threads() == seen, (seen, body_threads())
             finally:
                 os.close(fd)
-            assert on_disk[:got] == data[:got]
-            assert on_disk[310_000:] == bytes(SIZE - 310_000)  # nothing past the stall
             assert await read(source, shard, 7, 99) == data[7:99]
 
-        with_http(check)  # FAST: a 1 s read timeout, past the cancel at 0.6 s
+        with_http(check, dataclasses.replace(FAST, timeout=60.0, deadline=120.0))
+
+
+def test_a_forked_child_receives_bodies_without_its_parents_kept_threads(
+        tmp_path: Path) -> None:
+    """The threads a process keeps for bodies are not in a child it forks (the daemon forks
+    its worker zygote): there a body gets a thread of its own, not a wait for one that is not
+    there. The module alone, over a socket pair."""
+    bodysplice = h1._bodysplice
+    assert bodysplice is not None, "shardfs/sources/_bodysplice.c is not built"
+
+    def receive(payload: bytes, path: Path) -> tuple[int, bytes]:
+        ours, theirs = socket.socketpair()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            ours.setblocking(False)
+            receiver = bodysplice.start(ours.fileno(), fd, 0, len(payload), 5000, 1 << 16)
+            theirs.sendall(payload)
+            state = bodysplice.RUNNING
+            while state == bodysplice.RUNNING:
+                select.select([receiver.fileno()], [], [], 10.0)[0] or pytest.fail("no word")
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(receiver.fileno())
+                state = receiver.progress()[2]
+            receiver.stop()
+            return state, os.pread(fd, len(payload) + 1, 0)
+        finally:
+            os.close(fd)
+            ours.close()
+            theirs.close()
+
+    payload = random.Random(4).randbytes(200_000)
+    assert receive(payload, tmp_path / "parent") == (bodysplice.DONE, payload)  # a kept thread
+    child = os.fork()
+    if child == 0:  # no pytest in here: the exit status says
+        status = 1
+        try:
+            signal.alarm(20)  # a child waiting for a thread that is not there ends here
+            status = 0 if receive(payload, tmp_path / "child") == (bodysplice.DONE,
+                                                                   payload) else 2
+        finally:
+            os._exit(status)
+    _, status = os.waitpid(child, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
 
 
 def test_stream_receives_more_than_httpcore_default_at_a_time(
