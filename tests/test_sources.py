@@ -499,6 +499,61 @@ def test_a_body_left_mid_way_frees_its_thread(nginx: Nginx, tmp_path: Path,
         with_http(check, dataclasses.replace(FAST, timeout=60.0, deadline=120.0))
 
 
+def settled(receiver: Any, within_s: float) -> int:
+    """How a `_bodysplice` receiver ended (its state), waited for at most `within_s`
+    (pytest.fail after that)."""
+    assert h1._bodysplice is not None
+    deadline = time.monotonic() + within_s
+    state = h1._bodysplice.RUNNING
+    while state == h1._bodysplice.RUNNING:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([receiver.fileno()], [], [], left)[0]:
+            pytest.fail(f"the body did not end within {within_s} s")
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(receiver.fileno())
+        state = receiver.progress()[2]
+    return state
+
+
+def test_bodies_started_at_once_each_get_a_thread(tmp_path: Path) -> None:
+    """More bodies started back to back than there are idle kept threads: none waits for a
+    thread another body took. Here all the kept threads and one more are held by bodies that
+    stall (no byte comes), and the body started last, whose bytes are all there, is received
+    while they still wait. The module alone, over socket pairs."""
+    bodysplice = h1._bodysplice
+    assert bodysplice is not None, "shardfs/sources/_bodysplice.c is not built"
+    fd = os.open(tmp_path / "part", os.O_RDWR | os.O_CREAT, 0o600)
+    pairs: list[tuple[socket.socket, socket.socket]] = []
+
+    def body(count: int, timeout_ms: int) -> tuple[Any, socket.socket]:
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        pairs.append((ours, theirs))
+        return bodysplice.start(ours.fileno(), fd, 0, count, timeout_ms, 1 << 16), theirs
+
+    try:
+        warm, theirs = body(10, 5000)  # at least one kept thread, idle once this ends
+        theirs.sendall(bytes(10))
+        assert settled(warm, 10.0) == bodysplice.DONE
+        warm.stop()
+        kept = sum(1 for comm in Path("/proc/self/task").glob("*/comm")
+                   if comm.read_text().strip() == bodysplice.THREAD_NAME)
+        stalled = [body(1000, 30_000)[0] for _ in range(kept + 1)]
+        last, theirs = body(100_000, 30_000)
+        theirs.sendall(random.Random(5).randbytes(100_000))
+        assert settled(last, 10.0) == bodysplice.DONE
+        last.stop()
+        assert [r.progress()[2] for r in stalled] == [bodysplice.RUNNING] * len(stalled)
+        for r in stalled:
+            r.stop()
+            assert r.progress()[2] == bodysplice.STOPPED
+    finally:
+        os.close(fd)
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()
+
+
 def test_a_forked_child_receives_bodies_without_its_parents_kept_threads(
         tmp_path: Path) -> None:
     """The threads a process keeps for bodies are not in a child it forks (the daemon forks
@@ -514,12 +569,7 @@ def test_a_forked_child_receives_bodies_without_its_parents_kept_threads(
             ours.setblocking(False)
             receiver = bodysplice.start(ours.fileno(), fd, 0, len(payload), 5000, 1 << 16)
             theirs.sendall(payload)
-            state = bodysplice.RUNNING
-            while state == bodysplice.RUNNING:
-                select.select([receiver.fileno()], [], [], 10.0)[0] or pytest.fail("no word")
-                with contextlib.suppress(BlockingIOError):
-                    os.eventfd_read(receiver.fileno())
-                state = receiver.progress()[2]
+            state = settled(receiver, 10.0)
             receiver.stop()
             return state, os.pread(fd, len(payload) + 1, 0)
         finally:

@@ -139,7 +139,7 @@ def check_body_splice() -> Check:
     if h1._bodysplice is None:
         return Check("download thread", "slow", "shardfs/sources/_bodysplice.c is not built: "
                      "the daemon's loop thread splices every http:// download itself "
-                     "(~10-15 us more of its CPU per cold ~24 KiB file)",
+                     "(~9 us more of its CPU per cold ~24 KiB file, docs/sources.md)",
                      "rebuild shardfs (pip install --force-reinstall shardfs, needs a C "
                      "compiler)")
     if not h1.BODIES_BY_THREAD:

@@ -59,18 +59,21 @@ typedef struct Receiver {
 } Receiver;
 
 typedef struct {
-    int out, in;  /* a thread's pipe (out: the read end), -1 until made */
+    int out, in;  /* a body's pipe (out: the read end) */
 } Pipe;
 
-/* The kept threads and the bodies waiting for one (a FIFO list). */
+/* The kept threads and the bodies waiting for one (a FIFO list). A body is started only
+ * where an idle thread is left for it: each waiting body counts against the idle threads
+ * until one takes it, so that two bodies started at once never wait for the same thread. */
 static struct {
     pthread_mutex_t lock;
     pthread_cond_t work;  /* an idle thread waits here for a body */
     pthread_cond_t left;  /* stop() waits here for its body's thread to leave it */
     Receiver *first, *last;
     int idle;  /* threads waiting for a body */
+    int waiting;  /* bodies in the list, not taken yet */
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
-          NULL, NULL, 0};
+          NULL, NULL, 0, 0};
 
 static void signal_fd(int fd)
 {
@@ -136,31 +139,9 @@ static void close_fd(int *fd)
     *fd = -1;
 }
 
-static int make_pipe(Pipe *pipe, size_t bytes)
-{
-    int fds[2];
-    if (pipe2(fds, O_CLOEXEC) < 0)
-        return errno;
-    pipe->out = fds[0];
-    pipe->in = fds[1];
-    (void)fcntl(pipe->in, F_SETPIPE_SZ, (int)bytes);  /* the default works, in more steps */
-    return 0;
-}
-
 /* Receives r's body through `pipe`, to its end or until it fails or is stopped. */
-static void receive(Receiver *r, Pipe *pipe)
+static void receive_through(Receiver *r, Pipe *pipe)
 {
-    if (atomic_load(&r->stopping)) {
-        finish(r, STOPPED, 0);
-        return;
-    }
-    if (pipe->out < 0) {
-        int err = make_pipe(pipe, r->pipe_bytes);
-        if (err) {
-            finish(r, FILE_ERROR, err);
-            return;
-        }
-    }
     int64_t left = r->count, at = r->at;
     int splice_writes = 1;
     while (left > 0) {
@@ -208,12 +189,31 @@ static void receive(Receiver *r, Pipe *pipe)
     finish(r, DONE, 0);
 }
 
+/* Receives r's body through a pipe of its own, made and closed here (off the loop): an idle
+ * thread holds no descriptors, and no bytes a failed body left in a pipe reach the next. */
+static void receive(Receiver *r)
+{
+    int fds[2];
+    if (atomic_load(&r->stopping)) {
+        finish(r, STOPPED, 0);
+        return;
+    }
+    if (pipe2(fds, O_CLOEXEC) < 0) {
+        finish(r, FILE_ERROR, errno);
+        return;
+    }
+    Pipe pipe = {fds[0], fds[1]};
+    (void)fcntl(pipe.in, F_SETPIPE_SZ, (int)r->pipe_bytes);  /* the default works, slower */
+    receive_through(r, &pipe);
+    close_fd(&pipe.out);
+    close_fd(&pipe.in);
+}
+
 /* A kept thread: takes the bodies waiting, one at a time; ends after IDLE_S without one. */
 static void *serve(void *unused)
 {
     (void)unused;
     pthread_setname_np(pthread_self(), THREAD_NAME);
-    Pipe pipe = {-1, -1};
     pthread_mutex_lock(&pool.lock);
     for (;;) {
         while (pool.first == NULL) {
@@ -232,12 +232,9 @@ static void *serve(void *unused)
         pool.first = r->next;
         if (pool.first == NULL)
             pool.last = NULL;
+        pool.waiting--;
         pthread_mutex_unlock(&pool.lock);
-        receive(r, &pipe);
-        /* Closed between bodies (made again by this thread, off the loop): an idle thread
-         * holds no descriptors, and no bytes a failed body left in it reach the next. */
-        close_fd(&pipe.out);
-        close_fd(&pipe.in);
+        receive(r);
         pthread_mutex_lock(&pool.lock);
         r->left_by_thread = 1;  /* from here on r may be freed */
         pthread_cond_broadcast(&pool.left);
@@ -252,7 +249,7 @@ static void forget_threads(void)
     pthread_cond_init(&pool.work, NULL);
     pthread_cond_init(&pool.left, NULL);
     pool.first = pool.last = NULL;
-    pool.idle = 0;
+    pool.idle = pool.waiting = 0;
 }
 
 static void stop_and_wait(Receiver *r)
@@ -303,7 +300,8 @@ static PyMethodDef Receiver_methods[] = {
     {"fileno", (PyCFunction)Receiver_fileno, METH_NOARGS, "The eventfd that tells of progress."},
     {"progress", (PyCFunction)Receiver_progress, METH_NOARGS,
      "(written, spliced, state, errno) as the thread last left them."},
-    {"stop", (PyCFunction)Receiver_stop, METH_NOARGS, "Stop the thread and wait for it."},
+    {"stop", (PyCFunction)Receiver_stop, METH_NOARGS,
+     "Stop the body and wait for its thread to leave it."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -353,7 +351,8 @@ static PyObject *start(PyObject *module, PyObject *args)
         Py_DECREF(r);
         return NULL;
     }
-    /* Handed to an idle thread, or to a new one (which then stays for later bodies). */
+    /* Handed to an idle thread no other waiting body counts on, or to a new one (which then
+     * stays for later bodies). */
     int err = 0;
     pthread_mutex_lock(&pool.lock);
     if (pool.last != NULL)
@@ -361,7 +360,8 @@ static PyObject *start(PyObject *module, PyObject *args)
     else
         pool.first = r;
     pool.last = r;
-    if (pool.idle > 0) {
+    pool.waiting++;
+    if (pool.idle >= pool.waiting) {
         pthread_cond_signal(&pool.work);
     } else {
         pthread_t thread;
@@ -378,6 +378,7 @@ static PyObject *start(PyObject *module, PyObject *args)
             pool.last = NULL;
             for (Receiver *q = pool.first; q != NULL; q = q->next)
                 pool.last = q;
+            pool.waiting--;
         }
     }
     pthread_mutex_unlock(&pool.lock);
