@@ -17,6 +17,13 @@ from pathlib import Path
 
 import pytest
 
+# The CSI tests' kubelet stand-in (tests/csi_node.py) runs gRPC in this process, which then
+# starts readers, servers and daemons by fork and exec. grpcio 1.81+ restarts its poller in
+# a forked child when fork support is on, and a child whose descriptors Popen closed before
+# exec dies there (SIGABRT, "epoll_wait error: Bad file descriptor": grpc/grpc#43055). The
+# tests fork no gRPC user, so fork support is turned off before gRPC is first imported.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 from shardfs.devtools.datagen import make_imagefolder
 from shardfs.pack import PackResult, pack
 from tests.nginx_fixture import nginx  # noqa: F401  (re-exported fixture)
